@@ -1,0 +1,161 @@
+"""The process mesh: tensor, pipeline, data, context and expert parallel groups.
+
+Ranks are laid out tp-fastest, as Megatron-LM does ("tp-cp-ep-dp-pp"): the dense mesh
+has dims (pp, dp, cp, tp); the expert mesh refactors the same ranks as
+(pp, edp, ep, etp) with etp = tp, so ep must divide dp * cp.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from rng_tracker.errors import ParallelConfigError, ParallelStateError
+
+__all__ = [
+    "ParallelState",
+    "destroy_model_parallel",
+    "get_parallel_state",
+    "get_parallel_state_or_none",
+    "init_model_parallel",
+]
+
+_DENSE_DIMS = ("pp", "dp", "cp", "tp")
+_EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelState:
+    """This rank's place in the mesh: ranks, sizes, groups and meshes per axis.
+
+    Axes: ``tp``, ``pp``, ``dp``, ``cp`` (dense mesh) and ``ep``, ``etp``, ``edp``
+    (expert mesh).
+    """
+
+    mesh: DeviceMesh
+    expert_mesh: DeviceMesh
+    sizes: dict[str, int] = field(hash=False)
+    ranks: dict[str, int] = field(hash=False)
+
+    def _mesh_of(self, axis: str) -> DeviceMesh:
+        if axis in _DENSE_DIMS:
+            return self.mesh
+        if axis in _EXPERT_DIMS:
+            return self.expert_mesh
+        raise ParallelStateError(
+            f"unknown parallel axis {axis!r}; use one of {_DENSE_DIMS + _EXPERT_DIMS[1:]}"
+        )
+
+    def rank(self, axis: str) -> int:
+        """This process's coordinate on ``axis``."""
+        self._mesh_of(axis)
+        return self.ranks[axis]
+
+    def size(self, axis: str) -> int:
+        """The number of ranks along ``axis``."""
+        self._mesh_of(axis)
+        return self.sizes[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of the ranks that differ from this one only on ``axis``."""
+        return self._mesh_of(axis).get_group(axis)
+
+    def mesh_for(self, axis: str) -> DeviceMesh:
+        """The one-dimensional sub-mesh along ``axis``."""
+        return self._mesh_of(axis)[axis]
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.mesh.size()
+
+    def __str__(self) -> str:
+        parts = " ".join(
+            f"{a}={self.ranks[a]}/{self.sizes[a]}" for a in ("tp", "cp", "dp", "pp", "ep", "etp")
+        )
+        return f"ParallelState({parts})"
+
+
+_STATE: ParallelState | None = None
+
+
+def _positive(name: str, value: object) -> int:
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}") from None
+    if isinstance(value, bool) or size < 1:
+        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}")
+    return size
+
+
+def init_model_parallel(
+    *,
+    tensor: int = 1,
+    pipeline: int = 1,
+    context: int = 1,
+    expert: int = 1,
+    device_type: str | None = None,
+) -> ParallelState:
+    """Build the mesh over the initialised default process group; data parallel is inferred."""
+    global _STATE
+    if not dist.is_initialized():
+        raise ParallelStateError(
+            "torch.distributed is not initialised; call torch.distributed.init_process_group "
+            "first (torchrun sets up the environment for it)"
+        )
+    if _STATE is not None:
+        raise ParallelStateError(
+            "model parallel is already initialised; call destroy_model_parallel() first"
+        )
+    tp, pp = _positive("tensor", tensor), _positive("pipeline", pipeline)
+    cp, ep = _positive("context", context), _positive("expert", expert)
+    world = dist.get_world_size()
+    if world % (tp * pp * cp):
+        raise ParallelConfigError(
+            f"world size {world} is not divisible by tensor * pipeline * context = {tp} * {pp} * {cp}; "
+            "choose sizes whose product divides the number of processes"
+        )
+    dp = world // (tp * pp * cp)
+    if (dp * cp) % ep:
+        raise ParallelConfigError(
+            f"expert={ep} must divide data * context = {dp} * {cp}: expert ranks are carved out "
+            "of the data- and context-parallel ranks"
+        )
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = torch.arange(world)
+    mesh = DeviceMesh(device_type, ranks.reshape(pp, dp, cp, tp), mesh_dim_names=_DENSE_DIMS)
+    edp = dp * cp // ep
+    expert_mesh = DeviceMesh(
+        device_type, ranks.reshape(pp, edp, ep, tp), mesh_dim_names=_EXPERT_DIMS
+    )
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": tp, "edp": edp}
+    coords = {dim: mesh.get_local_rank(dim) for dim in _DENSE_DIMS}
+    coords.update({dim: expert_mesh.get_local_rank(dim) for dim in _EXPERT_DIMS[1:]})
+    _STATE = ParallelState(mesh=mesh, expert_mesh=expert_mesh, sizes=sizes, ranks=coords)
+    return _STATE
+
+
+def get_parallel_state() -> ParallelState:
+    """The state built by :func:`init_model_parallel`."""
+    if _STATE is None:
+        raise ParallelStateError(
+            "model parallel is not initialised; call init_model_parallel() first"
+        )
+    return _STATE
+
+
+def get_parallel_state_or_none() -> ParallelState | None:
+    """The parallel state, or None before :func:`init_model_parallel`."""
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Forget the parallel state (the default process group stays)."""
+    global _STATE
+    _STATE = None

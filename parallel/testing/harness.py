@@ -1,0 +1,265 @@
+"""Run a function on N real torch.distributed ranks, each its own process.
+
+Ranks rendezvous through a FileStore in a private temp dir (no ports, so concurrent
+pytest-xdist workers never clash). Processes are forked from a forkserver that has
+torch imported already, so a rank starts in a fraction of a second. Every failure is
+reported with its rank: a raised exception with its traceback, a death by signal or
+``os._exit``, and a hang with the Python stack the rank was in.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from rng_tracker.errors import RNGTrackerError
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+# After one rank fails, the others usually block in a collective: wait this long for them.
+_GRACE_AFTER_FAILURE_S = 3.0
+_STACK_DUMP_WAIT_S = 1.0
+
+
+class DistributedTestError(RNGTrackerError, RuntimeError):
+    """One or more ranks failed; ``failures`` maps each failed rank to its report."""
+
+    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)
+
+
+_CONTEXT: multiprocessing.context.BaseContext | None = None
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        else:
+            ctx = multiprocessing.get_context("spawn")
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _default_backend(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    backend: str,
+    workdir: str,
+    environ: dict[str, str],
+    sys_path: list[str],
+    payload: bytes,
+    timeout: float,
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    sys.path[:] = sys_path
+    stack_file = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        fn, args, kwargs = pickle.loads(payload)
+        result = fn(*args, **kwargs)
+        data = pickle.dumps(result)
+    except BaseException:
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as out:
+            out.write(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    tmp = os.path.join(workdir, f"result-{rank}.tmp")
+    with open(tmp, "wb") as out:
+        out.write(data)
+    os.replace(tmp, os.path.join(workdir, f"result-{rank}.pkl"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: the process group needs no goodbye
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _stack_of(process: multiprocessing.process.BaseProcess, workdir: str, rank: int) -> str:
+    path = os.path.join(workdir, f"stack-{rank}.txt")
+    try:
+        os.kill(process.pid, signal.SIGUSR1)
+    except (ProcessLookupError, TypeError):
+        return "(no stack: the process is gone)"
+    deadline = time.monotonic() + _STACK_DUMP_WAIT_S
+    text = ""
+    while time.monotonic() < deadline:
+        text = _read(path)
+        if text.strip():
+            time.sleep(0.05)  # let the dump finish
+            return _read(path).strip()
+        time.sleep(0.02)
+    return "(no stack: the rank had not started running Python code of its own)"
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their results in rank order.
+
+    ``fn`` must be importable (a module-level function) and its arguments and results
+    picklable. Each rank has the default process group initialised (gloo on CPU, nccl
+    when there is a GPU per rank). Raises :class:`DistributedTestError` naming every
+    failed rank; no process outlives the call.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise TypeError(
+            f"{qualname} is not importable by the rank processes; define it at module level"
+        )
+    payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    backend = backend or _default_backend(world_size)
+    workdir = tempfile.mkdtemp(prefix="rng_tracker_dist_")
+    ctx = _context()
+    processes = [
+        ctx.Process(
+            target=_rank_main,
+            args=(
+                rank,
+                world_size,
+                backend,
+                workdir,
+                dict(os.environ),
+                list(sys.path),
+                payload,
+                timeout,
+            ),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    failures: dict[int, str] = {}
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        first_failure: float | None = None
+        running = dict(enumerate(processes))
+        while running:
+            now = time.monotonic()
+            limit = (
+                deadline
+                if first_failure is None
+                else min(deadline, first_failure + _GRACE_AFTER_FAILURE_S)
+            )
+            multiprocessing.connection.wait(
+                [p.sentinel for p in running.values()], timeout=max(0.0, limit - now)
+            )
+            for rank, process in list(running.items()):
+                if process.exitcode is None:
+                    continue
+                del running[rank]
+                process.join()
+                error = _read(os.path.join(workdir, f"error-{rank}.txt"))
+                if error:
+                    failures[rank] = f"rank {rank} raised:\n{error.rstrip()}"
+                elif process.exitcode < 0:
+                    failures[rank] = f"rank {rank} died: killed by {_signal_name(process.exitcode)}"
+                elif process.exitcode != 0 or not os.path.exists(
+                    os.path.join(workdir, f"result-{rank}.pkl")
+                ):
+                    failures[rank] = (
+                        f"rank {rank} died: exited with code {process.exitcode} without a result"
+                    )
+                if rank in failures and first_failure is None:
+                    first_failure = time.monotonic()
+            now = time.monotonic()
+            if running and (
+                now >= deadline
+                or (first_failure is not None and now >= first_failure + _GRACE_AFTER_FAILURE_S)
+            ):
+                if now >= deadline:
+                    why = f"hung: no result after {timeout:g} s"
+                else:
+                    first = min(failures)
+                    why = f"was stopped {_GRACE_AFTER_FAILURE_S:g} s after rank {first} failed"
+                for rank, process in running.items():
+                    failures[rank] = (
+                        f"rank {rank} {why}; it was at:\n{_stack_of(process, workdir, rank)}"
+                    )
+                    process.kill()
+                    process.join()
+                running.clear()
+        if failures:
+            report = "\n\n".join(failures[rank] for rank in sorted(failures))
+            raise DistributedTestError(
+                f"{len(failures)} of {world_size} ranks failed in {qualname}:\n\n{report}", failures
+            )
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, f"result-{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        for process in processes:
+            if process.pid is not None and process.exitcode is None:
+                process.kill()
+                process.join()
+        shutil.rmtree(workdir, ignore_errors=True)

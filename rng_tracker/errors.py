@@ -1,0 +1,116 @@
+"""Typed errors of rng_tracker.
+
+Every error subclasses :class:`RNGTrackerError` *and* the builtin that fits it, so
+callers can catch either the library's family or the ordinary Python category.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointConfigError",
+    "CheckpointRNGMismatchError",
+    "CheckpointUsageError",
+    "DuplicateStreamError",
+    "InvalidSeedError",
+    "InvalidSeedTypeError",
+    "KernelInputError",
+    "KernelInputTypeError",
+    "ParallelConfigError",
+    "ParallelStateError",
+    "RNGConsistencyError",
+    "RNGTrackerError",
+    "RankError",
+    "SeedReuseError",
+    "SeedSchemeError",
+    "StateDictError",
+    "StreamNameError",
+    "TrackerBusyError",
+    "TrackerDeviceError",
+    "UnknownStreamError",
+]
+
+
+class RNGTrackerError(Exception):
+    """Base class of every error raised by rng_tracker."""
+
+
+class DuplicateStreamError(RNGTrackerError, KeyError):
+    """A stream with that name is already registered."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownStreamError(RNGTrackerError, KeyError):
+    """No stream with that name is registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SeedReuseError(RNGTrackerError, ValueError):
+    """Two streams would start from the same seed, so they would draw identical values."""
+
+
+class InvalidSeedError(RNGTrackerError, ValueError):
+    """A seed outside [0, 2**64)."""
+
+
+class InvalidSeedTypeError(RNGTrackerError, TypeError):
+    """A seed that is not an int (bools and floats are refused)."""
+
+
+class StreamNameError(RNGTrackerError, TypeError):
+    """A stream name that is not a non-empty str."""
+
+
+class TrackerBusyError(RNGTrackerError, RuntimeError):
+    """An operation that needs no fork open was called inside a fork."""
+
+
+class SeedSchemeError(RNGTrackerError, ValueError):
+    """An unknown seed scheme name."""
+
+
+class RankError(RNGTrackerError, ValueError):
+    """A parallel rank that is negative, not an int, or too large for the seed scheme."""
+
+
+class StateDictError(RNGTrackerError, ValueError):
+    """A tracker state dict of an unknown version, another device type or a bad shape."""
+
+
+class TrackerDeviceError(RNGTrackerError, ValueError):
+    """A tracker or state used with a device it does not belong to."""
+
+
+class ParallelStateError(RNGTrackerError, RuntimeError):
+    """The process mesh is missing, already initialised, or does not fit the world."""
+
+
+class ParallelConfigError(RNGTrackerError, ValueError):
+    """Parallel sizes that are not positive ints or do not divide the world size."""
+
+
+class CheckpointConfigError(RNGTrackerError, ValueError):
+    """Checkpoint options that cannot work together or lack what they need."""
+
+
+class CheckpointUsageError(RNGTrackerError, RuntimeError):
+    """A checkpoint used in a way its mode cannot support (e.g. reentrant with autograd.grad)."""
+
+
+class CheckpointRNGMismatchError(RNGTrackerError, RuntimeError):
+    """The recompute drew different randomness than the first forward."""
+
+
+class KernelInputError(RNGTrackerError, ValueError):
+    """A dropout kernel argument with a bad value, shape, device or dtype."""
+
+
+class KernelInputTypeError(RNGTrackerError, TypeError):
+    """A dropout kernel argument of the wrong type."""
+
+
+class RNGConsistencyError(RNGTrackerError, RuntimeError):
+    """Ranks hold RNG states that break the declared equal/distinct policy."""

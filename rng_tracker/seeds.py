@@ -1,0 +1,237 @@
+"""Seeds of the default generators and the parallel RNG streams.
+
+A seed is a pure function of (base seed, stream, the coordinates of the parallel axes
+the stream varies over). Scheme ``"hashed"`` maps those values through a keyed 64-bit
+permutation (a 4-round Feistel network whose round function is BLAKE2b keyed by the base
+seed): distinct (stream, coordinates) can never share a seed, because the encoding is
+injective and a permutation keeps it so. Scheme ``"megatron"`` is Megatron-LM's
+arithmetic, kept bit for bit for migrating users; its collisions are reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from rng_tracker.errors import RankError, SeedReuseError, SeedSchemeError
+from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker, validate_seed
+
+__all__ = [
+    "AXES",
+    "DATA_PARALLEL_RNG",
+    "DEFAULT_STREAM",
+    "EXPERT_PARALLEL_RNG",
+    "MODEL_PARALLEL_RNG",
+    "SeedPlan",
+    "model_parallel_seed",
+    "plan_seeds",
+    "stream_axes",
+]
+
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+DEFAULT_STREAM = "default"  # the device's and the CPU's default generator
+
+AXES = ("tp", "pp", "dp", "cp", "ep", "etp")
+Scheme = Literal["hashed", "megatron"]
+
+# Hashed-scheme encoding: stream id in the top 4 bits, then the stream's axes packed in
+# fixed-width fields (widths bound the ranks the scheme accepts).
+_FIELD_BITS = {"tp": 12, "cp": 12, "pp": 12, "dp": 24, "ep": 16, "etp": 8}
+_STREAM_IDS = {
+    DEFAULT_STREAM: 0,
+    DATA_PARALLEL_RNG: 1,
+    MODEL_PARALLEL_RNG: 2,
+    EXPERT_PARALLEL_RNG: 3,
+}
+_STREAM_AXES = {
+    DEFAULT_STREAM: ("pp",),
+    DATA_PARALLEL_RNG: ("pp",),
+    MODEL_PARALLEL_RNG: ("tp", "cp", "pp"),
+    EXPERT_PARALLEL_RNG: ("ep", "etp", "pp"),
+}
+_MASK32 = 0xFFFFFFFF
+
+
+def stream_axes(stream: str, *, data_parallel_random_init: bool = False) -> tuple[str, ...]:
+    """The parallel axes whose coordinates ``stream``'s seed depends on."""
+    axes = _STREAM_AXES[stream]
+    return (*axes, "dp") if data_parallel_random_init else axes
+
+
+def _encode(stream: str, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
+    value = _STREAM_IDS[stream]
+    for axis in axes:
+        bits = _FIELD_BITS[axis]
+        rank = coords[axis]
+        if rank >= 1 << bits:
+            raise RankError(
+                f"{axis}_rank {rank} exceeds the hashed scheme's limit of {(1 << bits) - 1}"
+            )
+        value = (value << bits) | rank
+    return value
+
+
+def _feistel64(key: bytes, value: int) -> int:
+    left, right = value >> 32, value & _MASK32
+    for round_index in range(4):
+        digest = hashlib.blake2b(
+            bytes((round_index,)) + right.to_bytes(4, "little"), digest_size=4, key=key
+        ).digest()
+        left, right = right, left ^ int.from_bytes(digest, "little")
+    return (left << 32) | right
+
+
+def _hashed_seed(
+    base_seed: int, stream: str, coords: Mapping[str, int], axes: tuple[str, ...]
+) -> int:
+    key = hashlib.blake2b(
+        b"rng_tracker.seeds.v1" + base_seed.to_bytes(8, "little"), digest_size=32
+    ).digest()
+    return _feistel64(key, _encode(stream, coords, axes))
+
+
+def _megatron_seeds(base_seed: int, c: Mapping[str, int], dp_random_init: bool) -> dict[str, int]:
+    default = base_seed + 100 * c["pp"] + (10 * c["dp"] if dp_random_init else 0)
+    return {
+        DEFAULT_STREAM: default,
+        DATA_PARALLEL_RNG: default,
+        MODEL_PARALLEL_RNG: default + 2718 + c["tp"],
+        EXPERT_PARALLEL_RNG: default + 1024 + 100 * c["ep"] + c["etp"],
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPlan:
+    """Every seed one rank set: the default generators' and each tracker stream's."""
+
+    scheme: Scheme
+    base_seed: int
+    default_seed: int
+    stream_seeds: dict[str, int] = field(hash=False)
+    coordinates: dict[str, int] = field(hash=False)
+    data_parallel_random_init: bool = False
+
+    def __str__(self) -> str:
+        coords = " ".join(f"{axis}={rank}" for axis, rank in self.coordinates.items())
+        streams = ", ".join(f"{name}={seed}" for name, seed in self.stream_seeds.items())
+        return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
+
+
+def _check_rank(axis: str, rank: object) -> int:
+    if isinstance(rank, bool):
+        raise RankError(f"{axis}_rank must be an int, got {rank!r}")
+    try:
+        value = operator.index(rank)
+    except TypeError:
+        raise RankError(f"{axis}_rank must be an int, got {type(rank).__name__}") from None
+    if value < 0:
+        raise RankError(f"{axis}_rank must be >= 0, got {value}")
+    return value
+
+
+def plan_seeds(
+    seed: int,
+    *,
+    scheme: Scheme = "hashed",
+    coordinates: Mapping[str, int] | None = None,
+    data_parallel_random_init: bool = False,
+) -> SeedPlan:
+    """The seeds one rank would set, without touching any generator.
+
+    Raises :class:`SeedReuseError` when two tracker streams would share a seed (which
+    Megatron's arithmetic does, e.g. ep_rank 17 and tp_rank 6).
+    """
+    seed = validate_seed(seed)
+    coords = {axis: _check_rank(axis, (coordinates or {}).get(axis, 0)) for axis in AXES}
+    if scheme == "hashed":
+        seeds = {
+            stream: _hashed_seed(
+                seed,
+                stream,
+                coords,
+                stream_axes(stream, data_parallel_random_init=data_parallel_random_init),
+            )
+            for stream in _STREAM_IDS
+        }
+    elif scheme == "megatron":
+        seeds = _megatron_seeds(seed, coords, data_parallel_random_init)
+    else:
+        raise SeedSchemeError(f"unknown seed scheme {scheme!r}; use 'hashed' or 'megatron'")
+    for value in seeds.values():
+        validate_seed(value)
+    default = seeds.pop(DEFAULT_STREAM)
+    by_seed: dict[int, str] = {}
+    for stream, value in seeds.items():
+        if value in by_seed:
+            where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
+            raise SeedReuseError(
+                f"scheme {scheme!r} gives streams {by_seed[value]!r} and {stream!r} the same "
+                f"seed {value} at {where}: they would draw identical masks; use "
+                "scheme='hashed' (collision-free) or another base seed layout"
+            )
+        by_seed[value] = stream
+    return SeedPlan(
+        scheme=scheme,
+        base_seed=seed,
+        default_seed=default,
+        stream_seeds=seeds,
+        coordinates=coords,
+        data_parallel_random_init=data_parallel_random_init,
+    )
+
+
+def _ranks_from_parallel_state() -> dict[str, int]:
+    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+
+    state = get_parallel_state_or_none()
+    if state is None:
+        return {}
+    return {axis: state.rank(axis) for axis in AXES}
+
+
+def model_parallel_seed(
+    seed: int,
+    *,
+    scheme: Scheme = "hashed",
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    dp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    cp_rank: int | None = None,
+    data_parallel_random_init: bool = False,
+    tracker: RNGStatesTracker | None = None,
+) -> SeedPlan:
+    """Seed the CPU and device default generators and register the parallel streams.
+
+    Ranks not given come from the initialised parallel state, else 0. The tracker is
+    reset and gets ``data-parallel-rng``, ``model-parallel-rng`` and
+    ``expert-parallel-rng``. Nothing changes if the call raises.
+    """
+    tracker = tracker if tracker is not None else get_rng_tracker()
+    given = {
+        "tp": tp_rank,
+        "pp": pp_rank,
+        "dp": dp_rank,
+        "ep": ep_rank,
+        "etp": etp_rank,
+        "cp": cp_rank,
+    }
+    coords = _ranks_from_parallel_state() if any(r is None for r in given.values()) else {}
+    coords.update({axis: rank for axis, rank in given.items() if rank is not None})
+    plan = plan_seeds(
+        seed, scheme=scheme, coordinates=coords, data_parallel_random_init=data_parallel_random_init
+    )
+    tracker.reset()
+    torch.default_generator.manual_seed(plan.default_seed)
+    if tracker.device.type != "cpu":
+        tracker.generator.manual_seed(plan.default_seed)
+    for stream, stream_seed in plan.stream_seeds.items():
+        tracker.add(stream, stream_seed)
+    return plan

@@ -1,0 +1,329 @@
+"""The tracker of named RNG streams of one device.
+
+A stream is a saved state of the device's default generator. Forking a stream swaps
+its state into the generator for the body and saves the advanced state back, so every
+torch op (and every rng_tracker kernel) inside the body draws from that stream.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
+from rng_tracker.errors import (
+    DuplicateStreamError,
+    InvalidSeedError,
+    InvalidSeedTypeError,
+    SeedReuseError,
+    StateDictError,
+    StreamNameError,
+    TrackerBusyError,
+    TrackerDeviceError,
+    UnknownStreamError,
+)
+
+__all__ = [
+    "MODEL_PARALLEL_RNG",
+    "CPURNGChangedWarning",
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "validate_seed",
+]
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+STATE_DICT_VERSION = 1
+
+
+class CPURNGChangedWarning(UserWarning):
+    """The CPU generator advanced inside a fork of a device stream (it is not forked)."""
+
+
+def validate_seed(seed: Any) -> int:
+    """Return ``seed`` as an int in [0, 2**64), or raise a typed error."""
+    if isinstance(seed, bool):
+        raise InvalidSeedTypeError(f"seed must be an int, got the bool {seed!r}")
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise InvalidSeedTypeError(
+            f"seed must be an int, got {type(seed).__name__} {seed!r}; pass int(seed)"
+        ) from None
+    if not 0 <= value < 2**64:
+        raise InvalidSeedError(f"seed must be in [0, 2**64), got {value}")
+    return value
+
+
+class _Fork:
+    """Context manager of one fork; a class (not a generator) to keep enter/exit cheap."""
+
+    __slots__ = ("_cpu_before", "_name", "_tracker")
+
+    def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
+        self._tracker = tracker
+        self._name = name
+        self._cpu_before: torch.Tensor | None = None
+
+    def __enter__(self) -> None:
+        tracker = self._tracker
+        if tracker._rng.device.type != "cpu":
+            self._cpu_before = torch.default_generator.get_state()
+        tracker._enter(self._name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._tracker._exit(self._name)
+        if self._cpu_before is not None:
+            changed = not torch.equal(self._cpu_before, torch.default_generator.get_state())
+            self._cpu_before = None
+            if changed:
+                self._tracker._warn_cpu_changed(sys._getframe(1), self._name)
+
+
+class RNGStatesTracker:
+    """Named RNG streams of one device, forked in and out of its default generator.
+
+    Args:
+        device: the device whose default generator the streams drive; None means the
+            current accelerator device if one is available, else CPU.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        self._rng: DeviceRNG = device_rng(device)
+        self._states: dict[str, RNGState] = {}
+        self._seeds: dict[str, int] = {}
+        self._stack: list[str] = []
+        self._outer: RNGState | None = None  # the generator's own state while forks are open
+        self._warned_sites: set[tuple[str, int]] = set()
+
+    # -- inspection -----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device whose default generator this tracker forks."""
+        return self._rng.device
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The device's default generator, which forks swap stream states into."""
+        return self._rng.generator
+
+    def names(self) -> list[str]:
+        """Stream names in the order they were added."""
+        return list(self._states)
+
+    def seeds(self) -> dict[str, int]:
+        """The seed each stream was added with (streams set by ``set_states`` have none)."""
+        return dict(self._seeds)
+
+    def is_initialized(self) -> bool:
+        """Whether any stream is registered."""
+        return bool(self._states)
+
+    def active(self) -> tuple[str, ...]:
+        """The open forks, outermost first."""
+        return tuple(self._stack)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._states))
+
+    def __repr__(self) -> str:
+        return f"RNGStatesTracker(device={self.device}, streams={self.names()})"
+
+    # -- registration -----------------------------------------------------------------
+    def add(self, name: str, seed: int) -> None:
+        """Register stream ``name`` starting from ``seed``; the generator is untouched."""
+        if not isinstance(name, str) or not name:
+            raise StreamNameError(f"stream name must be a non-empty str, got {name!r}")
+        seed = validate_seed(seed)
+        if name in self._states:
+            raise DuplicateStreamError(
+                f"stream {name!r} already exists; call reset() first or pick another name"
+            )
+        for other, other_seed in self._seeds.items():
+            if other_seed == seed:
+                raise SeedReuseError(
+                    f"seed {seed} is already used by stream {other!r}: streams {other!r} and "
+                    f"{name!r} would draw identical values; give {name!r} another seed"
+                )
+        self._states[name] = self._rng.fresh(seed)
+        self._seeds[name] = seed
+
+    def reset(self) -> None:
+        """Forget every stream."""
+        self._require_idle("reset()")
+        self._states.clear()
+        self._seeds.clear()
+
+    # -- forking -----------------------------------------------------------------
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> _Fork:
+        """Context manager: the body draws from stream ``name``.
+
+        On exit the stream keeps its advanced state and the generator gets back the
+        state it had on entry (also when the body raises). Forks nest, and re-entering
+        the open stream continues it.
+        """
+        if name not in self._states:
+            raise self._unknown(name)
+        return _Fork(self, name)
+
+    def _enter(self, name: str) -> None:
+        if name not in self._states:
+            raise self._unknown(name)
+        rng = self._rng
+        live = rng.live()
+        if self._stack:
+            self._states[self._stack[-1]] = live
+        else:
+            self._outer = live
+        rng.install(self._states[name])
+        self._stack.append(name)
+
+    def _exit(self, name: str) -> None:
+        assert self._stack and self._stack[-1] == name, "forks must close in LIFO order"
+        rng = self._rng
+        self._states[name] = rng.live()
+        self._stack.pop()
+        if self._stack:
+            rng.install(self._states[self._stack[-1]])
+        else:
+            rng.install(self._outer)
+            self._outer = None
+
+    def _warn_cpu_changed(self, frame: Any, name: str) -> None:
+        site = (frame.f_code.co_filename, frame.f_lineno)
+        if site in self._warned_sites:
+            return
+        self._warned_sites.add(site)
+        warnings.warn_explicit(
+            f"the CPU generator advanced inside fork({name!r}) of {self.device}; the CPU "
+            "generator is not forked, so these CPU draws are not part of the stream",
+            CPURNGChangedWarning,
+            filename=site[0],
+            lineno=site[1],
+        )
+
+    # -- snapshots -----------------------------------------------------------------
+    def get_states(self) -> dict[str, RNGState]:
+        """Copies of every stream's current state; later draws never change them."""
+        rng = self._rng
+        top = self._stack[-1] if self._stack else None
+        return {
+            name: rng.snapshot() if name == top else rng.copy(state)
+            for name, state in self._states.items()
+        }
+
+    def set_states(self, states: Mapping[str, RNGState]) -> None:
+        """Replace every stream with copies of ``states`` (as returned by ``get_states``)."""
+        rng = self._rng
+        for name, state in states.items():
+            self._check_state(name, state)
+        missing = [name for name in self._stack if name not in states]
+        if missing:
+            raise TrackerBusyError(
+                f"set_states() would drop the open fork(s) {missing}; close them first"
+            )
+        self._states = {name: rng.copy(state) for name, state in states.items()}
+        self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
+        if self._stack:
+            rng.install(self._states[self._stack[-1]])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Versioned, device-independent state: streams as seeds and uint8 CPU tensors."""
+        states = self.get_states()
+        return {
+            "version": STATE_DICT_VERSION,
+            "device_type": self.device.type,
+            "streams": {
+                name: {"seed": self._seeds.get(name), "state": self._rng.to_bytes(state)}
+                for name, state in states.items()
+            },
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore streams saved by :meth:`state_dict`, on this or a restarted process."""
+        self._require_idle("load_state_dict()")
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(f"expected a mapping, got {type(state_dict).__name__}")
+        version = state_dict.get("version")
+        if version != STATE_DICT_VERSION:
+            raise StateDictError(
+                f"tracker state dict version {version!r} is not supported (expected "
+                f"{STATE_DICT_VERSION}); save it again with this rng_tracker"
+            )
+        if state_dict.get("device_type") != self.device.type:
+            raise StateDictError(
+                f"state dict holds {state_dict.get('device_type')!r} generator states but "
+                f"this tracker drives {self.device.type!r}; load it into a tracker of that "
+                "device type"
+            )
+        streams = state_dict.get("streams")
+        if not isinstance(streams, Mapping):
+            raise StateDictError("state dict has no 'streams' mapping")
+        states: dict[str, RNGState] = {}
+        seeds: dict[str, int] = {}
+        for name, entry in streams.items():
+            data = entry.get("state") if isinstance(entry, Mapping) else None
+            if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+                raise StateDictError(f"stream {name!r}: 'state' must be a uint8 tensor")
+            try:
+                states[name] = self._rng.from_bytes(data)
+            except RuntimeError as error:
+                raise StateDictError(f"stream {name!r}: state does not decode: {error}") from None
+            if entry.get("seed") is not None:
+                seeds[name] = validate_seed(entry["seed"])
+        self._states = states
+        self._seeds = seeds
+
+    # -- helpers -----------------------------------------------------------------
+    def _unknown(self, name: object) -> UnknownStreamError:
+        known = ", ".join(repr(n) for n in self._states) or "none"
+        return UnknownStreamError(
+            f"no RNG stream named {name!r} on {self.device} (known: {known}); add it with "
+            "add(name, seed) or model_parallel_seed(...)"
+        )
+
+    def _require_idle(self, what: str) -> None:
+        if self._stack:
+            raise TrackerBusyError(f"{what} inside open fork(s) {self._stack}; call it outside")
+
+    def _check_state(self, name: str, state: object) -> None:
+        if not isinstance(name, str) or not name:
+            raise StreamNameError(f"stream name must be a non-empty str, got {name!r}")
+        expected = torch.Generator if self._rng.graph_safe else torch.Tensor
+        if not isinstance(state, expected):
+            raise TrackerDeviceError(
+                f"state of stream {name!r} is a {type(state).__name__}, but the tracker of "
+                f"{self.device} holds {expected.__name__} states; pass states from "
+                "get_states() of a tracker of the same device"
+            )
+        if isinstance(state, torch.Tensor):
+            try:
+                self._rng.from_bytes(state)
+            except (RuntimeError, TypeError):
+                raise TrackerDeviceError(
+                    f"state of stream {name!r} is not a {self.device.type} generator state "
+                    f"(dtype {state.dtype}, {state.numel()} elements); pass a state from "
+                    "get_states() of a tracker of the same device type"
+                ) from None
+
+
+_TRACKERS: dict[torch.device, RNGStatesTracker] = {}
+
+
+def get_rng_tracker(device: torch.device | str | int | None = None) -> RNGStatesTracker:
+    """The process's tracker for ``device`` (one per device, created on first use)."""
+    rng = device_rng(device)
+    tracker = _TRACKERS.get(rng.device)
+    if tracker is None:
+        tracker = _TRACKERS[rng.device] = RNGStatesTracker(rng.device)
+    return tracker

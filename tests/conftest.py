@@ -1,0 +1,25 @@
+"""Shared fixtures: a private CPU tracker and a clean global generator per test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from rng_tracker import RNGStatesTracker
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.fixture
+def tracker() -> RNGStatesTracker:
+    """A tracker of the CPU that no other test shares."""
+    return RNGStatesTracker("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _restore_cpu_generator() -> Iterator[None]:
+    state = torch.get_rng_state()
+    yield
+    torch.set_rng_state(state)

@@ -1,0 +1,146 @@
+"""The distributed test harness: results, failures with tracebacks, hangs, deaths, cleanup."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rng_tracker.parallel.testing import DistributedTestError, run_distributed
+
+
+def _rank_and_sum(offset: int) -> tuple[int, int, float]:
+    value = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(value)
+    return dist.get_rank(), dist.get_world_size(), value.item()
+
+
+def _record_pid(pid_dir: str) -> None:
+    Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+
+
+def _fail_on_rank_1(pid_dir: str) -> None:
+    _record_pid(pid_dir)
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    dist.barrier()
+
+
+def _hang_on_rank_0(pid_dir: str) -> None:
+    _record_pid(pid_dir)
+    if dist.get_rank() == 0:
+        _sleep_forever()
+
+
+def _sleep_forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def _die_on_rank_1(pid_dir: str, how: str) -> None:
+    _record_pid(pid_dir)
+    if dist.get_rank() == 1:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    dist.barrier()
+
+
+def _assert_all_gone(pid_dir: Path) -> None:
+    pids = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+    assert pids, "the ranks never ran"
+    for pid in pids:
+        status = Path(f"/proc/{pid}/status")
+        alive = status.exists() and "zombie" not in status.read_text()
+        assert not alive, f"rank process {pid} outlived run_distributed"
+
+
+def test_results_come_back_in_rank_order():
+    """Each rank's return value, in rank order, after a real all_reduce."""
+    assert run_distributed(_rank_and_sum, world_size=3, args=(10,)) == [
+        (r, 3, 33.0) for r in range(3)
+    ]
+
+
+def test_a_failing_rank_reports_its_traceback(tmp_path):
+    """The raising rank's traceback is in the error; its peer, left in barrier, is reported too."""
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=60)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert "rank 1 raised" in message and "ValueError: rank one is unhappy" in message
+    assert "_fail_on_rank_1" in message
+    assert "barrier" in info.value.failures[0]  # gloo either errors out or the harness stops it
+    assert set(info.value.failures) == {0, 1}
+    _assert_all_gone(tmp_path)
+
+
+def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
+    """A rank that never returns is reported with the Python frame it was stuck in."""
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_hang_on_rank_0, world_size=2, args=(str(tmp_path),), timeout=6)
+    assert time.monotonic() - start < 6 + 8
+    message = str(info.value)
+    assert "rank 0 hung: no result after 6 s" in message and "_sleep_forever" in message
+    assert set(info.value.failures) == {0}
+    _assert_all_gone(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("how", "words"), [("signal", "killed by SIGKILL"), ("exit", "exited with code 3")]
+)
+def test_a_dying_rank_is_reported(tmp_path, how, words):
+    """A rank killed by a signal or by os._exit is named with how it died, well within the timeout."""
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_die_on_rank_1, world_size=2, args=(str(tmp_path), how), timeout=60)
+    assert time.monotonic() - start < 30
+    assert f"rank 1 died: {words}" in str(info.value)
+    _assert_all_gone(tmp_path)
+
+
+def test_a_local_function_is_refused():
+    def local() -> None:  # pragma: no cover - never runs
+        pass
+
+    with pytest.raises(TypeError, match="module level"):
+        run_distributed(local, world_size=1)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_the_marker_runs_the_body_on_every_rank(rank, world_size, tmp_path):
+    """The plugin runs this body on 2 ranks, with the rank fixtures set per rank."""
+    assert dist.is_initialized() and world_size == dist.get_world_size() == 2
+    assert rank == dist.get_rank()
+    (tmp_path / f"ran-{rank}").write_text("yes")
+    dist.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ran-0", "ran-1"]
+
+
+def test_the_plugin_reports_a_failing_rank_to_pytest(pytester):
+    """A distributed test failing on one rank fails in pytest with that rank's traceback."""
+    pytester.makepyfile(
+        test_failing=textwrap.dedent(
+            """
+            import pytest
+            import torch.distributed as dist
+
+            @pytest.mark.distributed(world_size=2, timeout=60)
+            def test_fails_on_rank_1(rank):
+                if rank == 1:
+                    raise AssertionError("only rank one says this")
+                dist.barrier()
+            """
+        )
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 raised*", "*AssertionError: only rank one says this*"])

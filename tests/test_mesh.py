@@ -1,0 +1,47 @@
+"""The process mesh over torch.distributed: ranks, sizes and groups per axis, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rng_tracker import ParallelConfigError, ParallelStateError, RNGTrackerError
+from rng_tracker.parallel import destroy_model_parallel, get_parallel_state, init_model_parallel
+
+
+def test_get_parallel_state_before_init_is_a_typed_error():
+    with pytest.raises(ParallelStateError, match="init_model_parallel"):
+        get_parallel_state()
+
+
+@pytest.mark.distributed(world_size=4, timeout=90)
+def test_mesh_layout_groups_and_errors(rank):
+    """tp is fastest-varying; each axis' group holds exactly the ranks differing on that axis."""
+    destroy_model_parallel()
+    with pytest.raises(ParallelConfigError, match="not divisible"):
+        init_model_parallel(tensor=3)
+    with pytest.raises(ParallelConfigError, match="positive int"):
+        init_model_parallel(tensor=0)
+    state = init_model_parallel(tensor=2, expert=2)
+    assert get_parallel_state() is state
+    assert (
+        state.size("tp"),
+        state.size("dp"),
+        state.size("pp"),
+        state.size("ep"),
+        state.size("etp"),
+    ) == (2, 2, 1, 2, 2)
+    assert (state.rank("tp"), state.rank("dp")) == (rank % 2, rank // 2)
+    assert state.rank("ep") == rank // 2 and state.rank("etp") == rank % 2
+    for axis, members in {
+        "tp": [rank - rank % 2, rank - rank % 2 + 1],
+        "dp": [rank % 2, rank % 2 + 2],
+    }.items():
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=state.group(axis))
+        assert value.item() == float(sum(members)), axis
+    with pytest.raises(ParallelStateError, match="already initialised") as info:
+        init_model_parallel(tensor=2)
+    assert isinstance(info.value, RNGTrackerError)
+    destroy_model_parallel()

@@ -1,0 +1,190 @@
+"""Seed derivation: Megatron's exact arithmetic, the collision-free hashed scheme, real ranks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rng_tracker import (
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+    RankError,
+    RNGStatesTracker,
+    SeedReuseError,
+    SeedSchemeError,
+    get_rng_tracker,
+    model_parallel_seed,
+    plan_seeds,
+)
+from rng_tracker import megatron as mg
+from rng_tracker import seeds as seeds_module
+from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.testing import run_distributed
+
+STREAMS = (DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG)
+LIMITS = {"tp": 64, "pp": 64, "ep": 256, "etp": 8, "dp": 1024}
+
+
+def test_megatron_scheme_reproduces_megatrons_numbers():
+    """default = s + 100 pp + 10 dp; mp = default + 2718 + tp; ep = default + 1024 + 100 ep + etp."""
+    coords = {"tp": 3, "pp": 2, "dp": 5, "ep": 4, "etp": 1}
+    plan = plan_seeds(1234, scheme="megatron", coordinates=coords, data_parallel_random_init=True)
+    assert plan.default_seed == 1234 + 200 + 50
+    assert plan.stream_seeds == {
+        DATA_PARALLEL_RNG: 1484,
+        MODEL_PARALLEL_RNG: 1484 + 2718 + 3,
+        EXPERT_PARALLEL_RNG: 1484 + 1024 + 400 + 1,
+    }
+    without = plan_seeds(1234, scheme="megatron", coordinates=coords)
+    assert without.default_seed == 1434
+
+
+def test_megatron_compat_seeding_draws_megatrons_streams():
+    """model_parallel_cuda_manual_seed seeds the streams exactly as Megatron would."""
+    tracker = mg.get_cuda_rng_tracker()
+    plan = mg.model_parallel_cuda_manual_seed(42, tp_rank=1, ep_rank=2, etp_rank=0)
+    assert plan.stream_seeds[MODEL_PARALLEL_RNG] == 42 + 2718 + 1
+    assert tracker is get_rng_tracker() and tracker.names() == list(STREAMS)
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(42)))
+    with tracker.fork(mg.get_expert_parallel_rng_tracker_name()):
+        drawn = torch.rand(4)
+    assert torch.equal(
+        drawn, torch.rand(4, generator=torch.Generator().manual_seed(42 + 1024 + 200))
+    )
+
+
+def test_megatron_collision_is_reported_and_changes_nothing():
+    """ep_rank 17, tp_rank 6: Megatron gives mp and ep streams one seed; we refuse it."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("keep", 1)
+    cpu_before = torch.get_rng_state()
+    with pytest.raises(SeedReuseError, match=r"model-parallel-rng.*expert-parallel-rng"):
+        model_parallel_seed(
+            7,
+            scheme="megatron",
+            tp_rank=6,
+            ep_rank=17,
+            etp_rank=0,
+            pp_rank=0,
+            dp_rank=0,
+            tracker=tracker,
+        )
+    assert tracker.names() == ["keep"] and torch.equal(torch.get_rng_state(), cpu_before)
+    with pytest.raises(SeedReuseError):
+        mg.model_parallel_cuda_manual_seed(7, tp_rank=6, ep_rank=17, etp_rank=0)
+
+
+def _inverse_feistel64(key: bytes, value: int) -> int:
+    import hashlib
+
+    left, right = value >> 32, value & 0xFFFFFFFF
+    for round_index in reversed(range(4)):
+        digest = hashlib.blake2b(
+            bytes((round_index,)) + left.to_bytes(4, "little"), digest_size=4, key=key
+        ).digest()
+        left, right = right ^ int.from_bytes(digest, "little"), left
+    return (left << 32) | right
+
+
+def test_hashed_scheme_is_injective_over_the_claimed_ranges():
+    """Distinct (stream, coordinates) never share a seed for tp<=64, pp<=64, ep<=256, etp<=8, dp<=1024.
+
+    The seed is P_k(encode(stream, coords)): encode packs each rank in a fixed-width field
+    under a stream id, so it is injective while every rank fits its field, and P_k is a
+    Feistel network, a permutation of 64-bit words. We check both parts (the field widths
+    cover the ranges; P_k inverts exactly), then compute seeds directly on large grids.
+    """
+    for axis, limit in LIMITS.items():
+        assert limit - 1 < 1 << seeds_module._FIELD_BITS[axis]
+    for stream in seeds_module._STREAM_IDS:
+        axes = seeds_module.stream_axes(stream, data_parallel_random_init=True)
+        assert 4 + sum(seeds_module._FIELD_BITS[a] for a in axes) <= 64, stream
+    key = bytes(range(32))
+    rng = random.Random(0)
+    for value in [0, 2**64 - 1, *(rng.getrandbits(64) for _ in range(5000))]:
+        assert _inverse_feistel64(key, seeds_module._feistel64(key, value)) == value
+
+    seen: dict[int, tuple] = {}
+
+    def record(stream: str, coords: dict[str, int], dp_random_init: bool) -> None:
+        axes = seeds_module.stream_axes(stream, data_parallel_random_init=dp_random_init)
+        ident = (stream, *(coords[a] for a in axes))
+        seed = seeds_module._hashed_seed(1234, stream, coords, axes)
+        assert seen.setdefault(seed, ident) == ident, f"{ident} and {seen[seed]} share seed {seed}"
+
+    zero = dict.fromkeys(seeds_module.AXES, 0)
+    for tp, pp in itertools.product(range(64), range(64)):
+        record(MODEL_PARALLEL_RNG, {**zero, "tp": tp, "pp": pp}, False)
+    for ep, etp, pp in itertools.product(range(256), range(8), (0, 63)):
+        record(EXPERT_PARALLEL_RNG, {**zero, "ep": ep, "etp": etp, "pp": pp}, False)
+    for stream in ("default", DATA_PARALLEL_RNG):
+        for pp, dp in itertools.product(range(64), range(0, 1024, 8)):
+            record(stream, {**zero, "pp": pp, "dp": dp}, True)
+    for _ in range(20000):
+        coords = {axis: rng.randrange(limit) for axis, limit in LIMITS.items()} | {"cp": 0}
+        record(rng.choice((MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG)), coords, True)
+
+
+def test_megatron_arithmetic_collides_where_hashed_does_not():
+    """Over tp<64 and ep<256 Megatron's formulas map distinct stream coordinates to one seed."""
+    megatron = {2718 + tp for tp in range(64)} & {
+        1024 + 100 * ep + etp for ep in range(256) for etp in range(8)
+    }
+    assert megatron  # e.g. 2724 = 2718 + 6 = 1024 + 100 * 17 + 0
+    plan = plan_seeds(0, coordinates={"tp": 6, "ep": 17})
+    assert len(set(plan.stream_seeds.values())) == 3
+
+
+def test_bad_scheme_and_ranks_are_typed_errors():
+    with pytest.raises(SeedSchemeError, match="'hashed' or 'megatron'"):
+        plan_seeds(1, scheme="md5")
+    with pytest.raises(RankError, match="tp_rank must be >= 0"):
+        plan_seeds(1, coordinates={"tp": -1})
+    with pytest.raises(RankError, match="exceeds"):
+        plan_seeds(1, coordinates={"etp": 256})
+
+
+def _seeded_draws(scheme: str) -> dict:
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2)
+    plan = model_parallel_seed(2024, scheme=scheme)
+    tracker = get_rng_tracker("cpu")
+    draws = {"default": torch.rand(16)}
+    for name in STREAMS:
+        with tracker.fork(name):
+            draws[name] = torch.rand(16)
+    gathered = {}
+    for name, value in draws.items():
+        out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, value)
+        gathered[name] = out
+    destroy_model_parallel()
+    return {"plan": plan, "draws": gathered, "tp": state.rank("tp"), "dp": state.rank("dp")}
+
+
+@pytest.mark.parametrize("scheme", ["hashed", "megatron"])
+def test_model_parallel_seed_on_4_ranks(scheme):
+    """tp=2, dp=2: default and data-parallel streams agree across TP; model-parallel differs.
+
+    The expert stream differs too: with expert=1 the expert-tensor-parallel rank is the TP rank.
+    """
+    results = run_distributed(_seeded_draws, world_size=4, args=(scheme,))
+    draws = results[0]["draws"]
+    tp_groups = [[0, 1], [2, 3]]  # tp is the fastest-varying axis
+    for group in tp_groups:
+        a, b = group
+        assert (results[a]["tp"], results[b]["tp"]) == (0, 1)
+        for name in ("default", DATA_PARALLEL_RNG):
+            assert torch.equal(draws[name][a], draws[name][b]), name
+        for name in (MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG):
+            assert not torch.equal(draws[name][a], draws[name][b]), name
+    if scheme == "megatron":
+        for result in results:
+            assert result["plan"].default_seed == 2024
+            assert result["plan"].stream_seeds[MODEL_PARALLEL_RNG] == 2024 + 2718 + result["tp"]
+            assert result["plan"].coordinates["dp"] == result["dp"]
