@@ -7,6 +7,12 @@ stream; and (in :mod:`rng_tracker.kernels`) mask-free fused dropout.
 
 from __future__ import annotations
 
+# checkpoint.py
+from rng_tracker.checkpoint import checkpoint, rng_context_fn
+
+# checkpoint_without_output.py
+from rng_tracker.checkpoint_without_output import CheckpointWithoutOutput
+
 # device_rng.py
 from rng_tracker.device_rng import (
     DeviceRNG,
@@ -20,6 +26,7 @@ from rng_tracker.device_rng import (
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
+    CheckpointTypeError,
     CheckpointUsageError,
     DuplicateStreamError,
     InvalidSeedError,
@@ -39,6 +46,9 @@ from rng_tracker.errors import (
     TrackerDeviceError,
     UnknownStreamError,
 )
+
+# rng_snapshot.py
+from rng_tracker.rng_snapshot import RNGSnapshot
 
 # seeds.py
 from rng_tracker.seeds import (
@@ -66,7 +76,9 @@ __all__ = [
     "CPURNGChangedWarning",
     "CheckpointConfigError",
     "CheckpointRNGMismatchError",
+    "CheckpointTypeError",
     "CheckpointUsageError",
+    "CheckpointWithoutOutput",
     "DeviceRNG",
     "DuplicateStreamError",
     "InvalidSeedError",
@@ -76,6 +88,7 @@ __all__ = [
     "ParallelConfigError",
     "ParallelStateError",
     "RNGConsistencyError",
+    "RNGSnapshot",
     "RNGState",
     "RNGStatesTracker",
     "RNGTrackerError",
@@ -88,10 +101,12 @@ __all__ = [
     "TrackerBusyError",
     "TrackerDeviceError",
     "UnknownStreamError",
+    "checkpoint",
     "default_device",
     "default_generator",
     "device_rng",
     "get_rng_tracker",
     "model_parallel_seed",
     "plan_seeds",
+    "rng_context_fn",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointConfigError",
     "CheckpointRNGMismatchError",
+    "CheckpointTypeError",
     "CheckpointUsageError",
     "DuplicateStreamError",
     "InvalidSeedError",
@@ -94,6 +95,10 @@ class ParallelConfigError(RNGTrackerError, ValueError):
 
 class CheckpointConfigError(RNGTrackerError, ValueError):
     """Checkpoint options that cannot work together or lack what they need."""
+
+
+class CheckpointTypeError(RNGTrackerError, TypeError):
+    """A checkpoint argument of the wrong type (e.g. a function that is not callable)."""
 
 
 class CheckpointUsageError(RNGTrackerError, RuntimeError):

@@ -5,6 +5,10 @@ They work on CPU as on CUDA: "cuda" in a name only echoes Megatron's API.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from rng_tracker.checkpoint import checkpoint as _checkpoint
 from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
@@ -15,6 +19,7 @@ from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tr
 
 __all__ = [
     "CudaRNGStatesTracker",
+    "checkpoint",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
@@ -77,3 +82,13 @@ def get_expert_parallel_rng_tracker_name() -> str:
 def get_model_parallel_rng_tracker_name() -> str:
     """Name of the stream that varies over tensor-parallel ranks."""
     return MODEL_PARALLEL_RNG
+
+
+def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+    """Megatron's positional checkpoint: reentrant, replaying every tracker stream."""
+    return _checkpoint(
+        function,
+        *args,
+        use_reentrant=True,
+        distribute_saved_activations=distribute_saved_activations,
+    )

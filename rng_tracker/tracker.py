@@ -7,9 +7,11 @@ torch op (and every rng_tracker kernel) inside the body draws from that stream.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,6 +34,7 @@ __all__ = [
     "MODEL_PARALLEL_RNG",
     "CPURNGChangedWarning",
     "RNGStatesTracker",
+    "all_trackers",
     "get_rng_tracker",
     "validate_seed",
 ]
@@ -57,6 +60,9 @@ def validate_seed(seed: Any) -> int:
     if not 0 <= value < 2**64:
         raise InvalidSeedError(f"seed must be in [0, 2**64), got {value}")
     return value
+
+
+_SERIALS = itertools.count()
 
 
 class _Fork:
@@ -94,11 +100,13 @@ class RNGStatesTracker:
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         self._rng: DeviceRNG = device_rng(device)
+        self._serial = next(_SERIALS)
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}
         self._stack: list[str] = []
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
+        _ALL_TRACKERS.add(self)
 
     # -- inspection -----------------------------------------------------------------
     @property
@@ -318,6 +326,12 @@ class RNGStatesTracker:
 
 
 _TRACKERS: dict[torch.device, RNGStatesTracker] = {}
+_ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
+
+
+def all_trackers() -> list[RNGStatesTracker]:
+    """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
+    return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
 
 
 def get_rng_tracker(device: torch.device | str | int | None = None) -> RNGStatesTracker:

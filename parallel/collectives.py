@@ -1,0 +1,157 @@
+"""Autograd-aware collectives of tensor and sequence parallelism.
+
+Each is a pair (forward op, backward op) that keeps gradients exact:
+
+| function | forward | backward |
+| --- | --- | --- |
+| ``copy_to_tp`` | identity | all-reduce |
+| ``reduce_from_tp`` | all-reduce | identity |
+| ``gather_from_tp`` | all-gather along ``dim`` | keep own chunk |
+| ``scatter_to_tp`` | keep own chunk | all-gather |
+| ``gather_from_sp`` | all-gather along ``dim`` | reduce-scatter |
+| ``reduce_scatter_to_sp`` | reduce-scatter | all-gather |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "copy_to_tp",
+    "gather_from_sp",
+    "gather_from_tp",
+    "reduce_from_tp",
+    "reduce_scatter_to_sp",
+    "scatter_to_tp",
+]
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"dim {dim} of size {x.shape[dim]} does not divide by the group size {size}"
+        )
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    # gloo has no reduce_scatter; all-reduce then keep the own chunk is exact and portable.
+    return _own_chunk(_all_reduce(x, group), group, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _own_chunk(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _own_chunk(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity; backward all-reduces the grad."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Leave a TP region by summing partial results over the group."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' shards along ``dim``."""
+    return _GatherFromTP.apply(x, group, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's shard of a replicated tensor along ``dim``."""
+    return _ScatterToTP.apply(x, group, dim)
+
+
+def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Sequence-parallel all-gather (backward: reduce-scatter)."""
+    return _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Sum partial results and keep this rank's sequence chunk (backward: all-gather)."""
+    return _ReduceScatterToSP.apply(x, group, dim)

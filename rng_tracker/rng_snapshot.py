@@ -1,0 +1,83 @@
+"""Snapshots of every RNG a region of code may draw from, and their exact replay.
+
+A snapshot holds the CPU generator, the default generators of the given devices and
+every stream of the given trackers; all copies. :func:`replaying` installs a snapshot
+for a body and puts back, afterwards, exactly what was there before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from rng_tracker.device_rng import RNGState, device_rng
+from rng_tracker.tracker import RNGStatesTracker
+
+__all__ = ["RNGSnapshot", "replaying"]
+
+
+@dataclass(frozen=True, slots=True)
+class RNGSnapshot:
+    """Copies of the CPU generator, device generators and tracker streams at one moment."""
+
+    cpu: torch.Tensor
+    devices: tuple[tuple[torch.device, RNGState], ...]
+    streams: tuple[tuple[RNGStatesTracker, dict[str, RNGState]], ...]
+
+    @classmethod
+    def capture(
+        cls, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
+    ) -> RNGSnapshot:
+        """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
+        trackers = tuple(trackers)
+        wanted = {d for d in devices if d.type != "cpu"} | {
+            t.device for t in trackers if t.device.type != "cpu"
+        }
+        return cls(
+            cpu=torch.default_generator.get_state(),
+            devices=tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)),
+            streams=tuple((t, t.get_states()) for t in trackers),
+        )
+
+    def restore(self) -> None:
+        """Install the snapshot: streams first, then the generators (which may host a stream)."""
+        for tracker, states in self.streams:
+            tracker.set_states(states)
+        for device, state in self.devices:
+            device_rng(device).install(device_rng(device).copy(state))
+        torch.default_generator.set_state(self.cpu)
+
+    def differences(self, other: RNGSnapshot) -> list[str]:
+        """Names of the generators and streams whose states differ between two snapshots."""
+        names = []
+        if not torch.equal(self.cpu, other.cpu):
+            names.append("the CPU generator")
+        for (device, mine), (_, theirs) in zip(self.devices, other.devices, strict=True):
+            if not device_rng(device).equal(mine, theirs):
+                names.append(f"the default generator of {device}")
+        for (tracker, mine), (_, theirs) in zip(self.streams, other.streams, strict=True):
+            rng = device_rng(tracker.device)
+            for name in sorted(set(mine) | set(theirs)):
+                if (
+                    name not in mine
+                    or name not in theirs
+                    or not rng.equal(mine[name], theirs[name])
+                ):
+                    names.append(f"stream {name!r} of the {tracker.device} tracker")
+        return names
+
+
+@contextmanager
+def replaying(
+    snapshot: RNGSnapshot, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
+) -> Iterator[None]:
+    """Run the body from ``snapshot``'s states; afterwards restore the states found on entry."""
+    found = RNGSnapshot.capture(devices, trackers)
+    snapshot.restore()
+    try:
+        yield
+    finally:
+        found.restore()

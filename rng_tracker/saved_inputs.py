@@ -1,0 +1,106 @@
+"""How a checkpoint keeps its inputs until the recompute: split across a group, or on the CPU.
+
+``pack``/``unpack`` have the shape of saved-tensor hooks, so the non-reentrant checkpoint
+applies them to the inputs torch saves, and the reentrant one calls them directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["InputSaver", "gather_saved", "split_for_save"]
+
+
+@dataclass(frozen=True, slots=True)
+class _SplitTensor:
+    part: torch.Tensor  # (ceil(numel / group_size),) this rank's slice of the padded flat tensor
+    shape: torch.Size
+    group: dist.ProcessGroup
+
+
+@dataclass(frozen=True, slots=True)
+class _OffloadedTensor:
+    data: torch.Tensor | _SplitTensor  # on the CPU
+    device: torch.device
+
+
+def split_for_save(tensor: torch.Tensor, group: dist.ProcessGroup) -> _SplitTensor:
+    """This rank's equal slice of ``tensor`` flattened and zero-padded to a multiple of the group size."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = tensor.detach().reshape(-1)
+    per_rank = -(-flat.numel() // size)
+    if flat.numel() != per_rank * size:
+        flat = torch.nn.functional.pad(flat, (0, per_rank * size - flat.numel()))
+    return _SplitTensor(flat[rank * per_rank : (rank + 1) * per_rank].clone(), tensor.shape, group)
+
+
+def gather_saved(split: _SplitTensor) -> torch.Tensor:
+    """The whole tensor again, all-gathered from the group's slices (padding dropped)."""
+    size = dist.get_world_size(split.group)
+    parts = [torch.empty_like(split.part) for _ in range(size)]
+    dist.all_gather(parts, split.part, group=split.group)
+    return torch.cat(parts)[: split.shape.numel()].view(split.shape)
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone()
+    pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    return pinned.copy_(tensor.detach(), non_blocking=True)
+
+
+class InputSaver:
+    """Packs saved checkpoint inputs: ``distribute`` splits one tensor across ``group``;
+    ``offload`` keeps every saved tensor in (pinned) CPU memory until it is unpacked."""
+
+    def __init__(
+        self,
+        *,
+        distribute: torch.Tensor | None = None,
+        group: dist.ProcessGroup | None = None,
+        offload: bool = False,
+    ) -> None:
+        # A weak reference: holding the input would keep alive the memory we mean to free.
+        self._distribute = None if distribute is None else weakref.ref(distribute)
+        self.group = group
+        self.offload = offload
+
+    @property
+    def active(self) -> bool:
+        """Whether packing changes anything (else inputs are saved as they are)."""
+        return self._distribute is not None or self.offload
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        """What to keep for ``tensor`` until backward."""
+        data: torch.Tensor | _SplitTensor = tensor
+        if self._distribute is not None and tensor is self._distribute():
+            data = split_for_save(tensor, self.group)
+        if not self.offload:
+            return data
+        if isinstance(data, _SplitTensor):
+            return _OffloadedTensor(
+                _SplitTensor(_to_cpu(data.part), data.shape, data.group), tensor.device
+            )
+        return _OffloadedTensor(_to_cpu(data), tensor.device)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        """The saved tensor, on its device again."""
+        device = None
+        if isinstance(packed, _OffloadedTensor):
+            packed, device = packed.data, packed.device
+            if isinstance(packed, _SplitTensor):
+                packed = _SplitTensor(
+                    packed.part.to(device, non_blocking=True), packed.shape, packed.group
+                )
+        if isinstance(packed, _SplitTensor):
+            return gather_saved(packed)
+        assert isinstance(packed, torch.Tensor)
+        return packed if device is None else packed.to(device, non_blocking=True)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Saved-tensor hooks applying :meth:`pack` and :meth:`unpack`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

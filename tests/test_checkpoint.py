@@ -1,0 +1,296 @@
+"""Checkpointing replays every RNG exactly: gradients and masks bitwise, in both modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
+
+from rng_tracker import (
+    CheckpointConfigError,
+    CheckpointRNGMismatchError,
+    CheckpointTypeError,
+    CheckpointUsageError,
+    CheckpointWithoutOutput,
+    RNGStatesTracker,
+    RNGTrackerError,
+    TrackerDeviceError,
+    checkpoint,
+    rng_context_fn,
+)
+from rng_tracker import megatron as mg
+
+MODES = {"non-reentrant": False, "reentrant": True}
+
+
+def make_tracker() -> RNGStatesTracker:
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 101)
+    tracker.add("data-parallel-rng", 202)
+    return tracker
+
+
+def dropout_block(x, w, tracker, masks):
+    """Dropout in the default stream, in a fork, in a nested fork, and a raw CPU draw."""
+    h = x @ w  # (batch, hidden)
+    h = F.dropout(h, 0.3)
+    masks.append(h != 0)
+    with tracker.fork("model-parallel-rng"):
+        h = F.dropout(h, 0.2)
+        masks.append(h != 0)
+        with tracker.fork("data-parallel-rng"):
+            h = F.dropout(h, 0.1)
+            masks.append(h != 0)
+    noise = torch.rand(h.shape)
+    masks.append(noise)
+    return torch.tanh(h * noise)
+
+
+def run(mode: str | None, **options):
+    """One forward+backward from fixed states; returns grads, masks and the final RNG states."""
+    torch.manual_seed(0)
+    tracker = make_tracker()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    masks: list[torch.Tensor] = []
+    if mode is None:
+        out = dropout_block(x, w, tracker, masks)
+    else:
+        out = checkpoint(
+            dropout_block,
+            x,
+            w,
+            tracker,
+            masks,
+            use_reentrant=MODES[mode],
+            tracker=tracker,
+            **options,
+        )
+    (out * torch.linspace(-1, 1, 16)).sum().backward()
+    end = (torch.get_rng_state(), tracker.get_states())
+    return x.grad, w.grad, masks, end
+
+
+def assert_same_end_states(a, b):
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"offload_to_cpu": True}, {"check_rng": True}],
+    ids=["plain", "offload", "check"],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_and_masks_are_bitwise_equal_to_no_checkpoint(mode, options):
+    """Grads equal the uncheckpointed block's bitwise; the recompute redraws the forward's masks;
+    every generator and stream ends where it would have without checkpointing."""
+    gx, gw, masks, end = run(None)
+    cx, cw, cmasks, cend = run(mode, **options)
+    assert torch.equal(gx, cx) and torch.equal(gw, cw)
+    assert len(cmasks) == 2 * len(masks)
+    for first, forward, recompute in zip(masks, cmasks[:4], cmasks[4:], strict=True):
+        assert torch.equal(first, forward) and torch.equal(forward, recompute)
+    assert_same_end_states(end, cend)
+
+
+def test_non_reentrant_supports_autograd_grad_kwargs_and_nesting():
+    """torch.autograd.grad, keyword arguments and a nested checkpoint work as in torch."""
+    tracker = make_tracker()
+    torch.manual_seed(1)
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def outer(x, *, w, masks):
+        return checkpoint(dropout_block, x, w, tracker, masks, tracker=tracker).sum(dim=0)
+
+    def go(use_checkpoint: bool):
+        torch.manual_seed(2)
+        tracker.set_states(start)
+        masks: list[torch.Tensor] = []
+        out = (
+            checkpoint(outer, x, w=w, masks=masks, tracker=tracker)
+            if use_checkpoint
+            else outer(x, w=w, masks=masks)
+        )
+        return torch.autograd.grad(out.square().sum(), (x, w))
+
+    start = tracker.get_states()
+    expected = go(False)
+    got = go(True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_reentrant_refuses_autograd_grad_clearly():
+    tracker = make_tracker()
+    x = torch.randn(2, 16, requires_grad=True)
+    out = checkpoint(
+        dropout_block, x, torch.eye(16), tracker, [], use_reentrant=True, tracker=tracker
+    )
+    with pytest.raises(CheckpointUsageError, match="use_reentrant=False"):
+        torch.autograd.grad(out.sum(), x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inputs_without_grad_and_outputs_without_grad_work(mode):
+    tracker = make_tracker()
+    x = torch.randn(2, 16)
+    out = checkpoint(
+        dropout_block, x, torch.eye(16), tracker, [], use_reentrant=MODES[mode], tracker=tracker
+    )
+    assert out.shape == (2, 16) and not out.requires_grad
+    w = torch.randn(16, 16, requires_grad=True)
+    out = checkpoint(
+        lambda a, b: (a @ b).detach(), x, w, use_reentrant=MODES[mode], tracker=tracker
+    )
+    if out.requires_grad:  # reentrant: a Function's output requires grad when an input does
+        out.sum().backward()  # its backward finds no recomputed output to differentiate
+    assert w.grad is None
+
+
+def test_megatron_positional_checkpoint_is_reentrant_and_exact():
+    gx, gw, _masks, _ = run(None)
+    torch.manual_seed(0)
+    tracker = make_tracker()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    cmasks: list[torch.Tensor] = []
+    out = mg.checkpoint(lambda a, b: dropout_block(a, b, tracker, cmasks), False, x, w)
+    (out * torch.linspace(-1, 1, 16)).sum().backward()
+    assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+
+
+def test_torch_checkpoint_with_rng_context_fn_replays_tracker_streams():
+    """torch.utils.checkpoint + rng_context_fn(): tracker streams replay bitwise."""
+    gx, gw, _masks, end = run(None)
+    torch.manual_seed(0)
+    tracker = make_tracker()
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    cmasks: list[torch.Tensor] = []
+    out = torch_checkpoint.checkpoint(
+        dropout_block,
+        x,
+        w,
+        tracker,
+        cmasks,
+        use_reentrant=False,
+        context_fn=rng_context_fn(tracker),
+    )
+    (out * torch.linspace(-1, 1, 16)).sum().backward()
+    assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+    for forward, recompute in zip(cmasks[:4], cmasks[4:], strict=True):
+        assert torch.equal(forward, recompute)
+    assert_same_end_states(end, (torch.get_rng_state(), tracker.get_states()))
+
+
+def test_torch_checkpoint_without_context_fn_does_not_replay_streams():
+    """The control: plain torch.utils.checkpoint replays the default generators but not the streams."""
+    tracker = make_tracker()
+    cmasks: list[torch.Tensor] = []
+    x = torch.randn(8, 16, requires_grad=True)
+    out = torch_checkpoint.checkpoint(
+        dropout_block, x, torch.eye(16), tracker, cmasks, use_reentrant=False
+    )
+    out.sum().backward()
+    assert torch.equal(cmasks[0], cmasks[4])  # default stream: torch replays it
+    assert not torch.equal(cmasks[1], cmasks[5])  # model-parallel stream: it does not
+
+
+def test_checkpoint_without_output_frees_the_output_and_recomputes_it_exactly():
+    """The output's storage is empty between discard and backward; grads equal the plain run."""
+
+    def go(selective: bool):
+        torch.manual_seed(3)
+        tracker = make_tracker()
+        x = torch.randn(4, 16, requires_grad=True)
+        w1 = torch.randn(16, 32, requires_grad=True)
+        w2 = torch.randn(32, 8, requires_grad=True)
+
+        def act(h):
+            with tracker.fork("model-parallel-rng"):
+                return F.dropout(F.gelu(h), 0.3)
+
+        h = x @ w1
+        if selective:
+            cwo = CheckpointWithoutOutput(tracker=tracker)
+            a = cwo.checkpoint(act, h)
+            y = a @ w2
+            cwo.discard_output_and_register_recompute(y)
+            assert a.untyped_storage().nbytes() == 0
+        else:
+            y = act(h) @ w2
+        (y * torch.linspace(-1, 1, 8)).sum().backward()
+        return x.grad, w1.grad, w2.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(go(False), go(True), strict=True))
+
+
+def _flaky_random(x, calls):
+    calls.append(1)
+    if len(calls) == 1:  # only in the first forward: a random op under data-dependent control flow
+        torch.rand(3)
+    return x.sin()  # saves x, so backward recomputes
+
+
+_OUTSIDE = torch.Generator().manual_seed(0)
+
+
+def _draws_outside_the_tracker(x):
+    return x * torch.rand(x.shape, generator=_OUTSIDE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_rng_names_a_random_op_under_data_dependent_control_flow(mode):
+    tracker = make_tracker()
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(
+        _flaky_random, x, [], use_reentrant=MODES[mode], tracker=tracker, check_rng=True
+    )
+    before = (torch.get_rng_state(), tracker.get_states())
+    with pytest.raises(CheckpointRNGMismatchError, match="the CPU generator") as info:
+        out.sum().backward()
+    assert "ran 1 random ops but the recompute ran 0" in str(info.value)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, RuntimeError)
+    assert_same_end_states(before, (torch.get_rng_state(), tracker.get_states()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_rng_names_a_draw_from_a_generator_outside_the_tracker(mode):
+    tracker = make_tracker()
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(
+        _draws_outside_the_tracker, x, use_reentrant=MODES[mode], tracker=tracker, check_rng=True
+    )
+    with pytest.raises(
+        CheckpointRNGMismatchError, match=r"explicit torch\.Generator outside the tracker"
+    ):
+        out.sum().backward()
+
+
+def test_check_rng_names_a_stream_the_checkpoint_does_not_replay():
+    tracker, other = make_tracker(), RNGStatesTracker("cpu")
+    other.add("private", 5)
+
+    def uses_other(x):
+        with other.fork("private"):
+            return F.dropout(x, 0.5)
+
+    out = checkpoint(
+        uses_other, torch.randn(16, requires_grad=True), tracker=tracker, check_rng=True
+    )
+    with pytest.raises(CheckpointRNGMismatchError, match="does not replay"):
+        out.sum().backward()
+
+
+def test_bad_input_is_typed_and_changes_nothing():
+    tracker = make_tracker()
+    before = (torch.get_rng_state(), tracker.get_states())
+    with pytest.raises(CheckpointTypeError, match="callable"):
+        checkpoint("not a function", torch.ones(1))
+    with pytest.raises(TrackerDeviceError, match="meta"):
+        checkpoint(torch.sin, torch.ones(1, device="meta"), tracker=tracker)
+    with pytest.raises(CheckpointConfigError, match="tp_group"):
+        checkpoint(torch.sin, torch.ones(1), distribute_saved_activations=True)
+    assert_same_end_states(before, (torch.get_rng_state(), tracker.get_states()))
