@@ -16,6 +16,7 @@ __all__ = [
     "InvalidSeedTypeError",
     "KernelInputError",
     "KernelInputTypeError",
+    "KernelUnavailableError",
     "ParallelConfigError",
     "ParallelStateError",
     "RNGConsistencyError",
@@ -115,6 +116,10 @@ class KernelInputError(RNGTrackerError, ValueError):
 
 class KernelInputTypeError(RNGTrackerError, TypeError):
     """A dropout kernel argument of the wrong type."""
+
+
+class KernelUnavailableError(RNGTrackerError, RuntimeError):
+    """impl="triton" was asked for but Triton cannot run here."""
 
 
 class RNGConsistencyError(RNGTrackerError, RuntimeError):

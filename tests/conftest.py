@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through Triton's interpreter; this must be set
+    # before rng_tracker.kernels is first imported (triton.jit reads it at decoration).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rng_tracker import RNGStatesTracker
 

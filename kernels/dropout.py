@@ -1,0 +1,142 @@
+"""Public fused dropout: ``dropout`` and ``bias_dropout_add``, differentiable and mask-free.
+
+The Philox key and counter base come from the default generator of x's device (or
+``generator``), so tracker forks, checkpoint replays and ``torch.manual_seed`` govern
+these kernels exactly as they govern ``torch.nn.functional.dropout``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Literal
+
+import torch
+
+from rng_tracker.device_rng import default_generator
+from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
+from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
+from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
+from rng_tracker.kernels.shard import Shard, layout_of
+from rng_tracker.kernels.triton_dropout import triton_runs_on
+
+__all__ = ["Impl", "bias_dropout_add", "dropout"]
+
+Impl = Literal["auto", "triton", "torch"]
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_p(p: object) -> float:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise KernelInputTypeError(f"p must be a float, got {type(p).__name__} {p!r}")
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise KernelInputError(f"dropout probability p must be in [0, 1], got {p}")
+    return p
+
+
+def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputTypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise KernelInputError(
+            f"{name} has dtype {t.dtype}; fused dropout supports fp32, fp16 and bf16"
+        )
+    if like is not None and (t.device != like.device or t.dtype != like.dtype):
+        raise KernelInputError(
+            f"{name} is {t.dtype} on {t.device} but x is {like.dtype} on {like.device}; "
+            "move/cast it to match x"
+        )
+    return t
+
+
+def _use_triton(x: torch.Tensor, impl: object) -> bool:
+    if impl not in ("auto", "triton", "torch"):
+        raise KernelInputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "torch":
+        return False
+    runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
+    if impl == "triton" and not runs:
+        raise KernelUnavailableError(
+            f"impl='triton' cannot run for a tensor on {x.device} here: it needs triton and a CUDA "
+            "device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
+        )
+    return runs and x.device.type == "cuda" if impl == "auto" else True
+
+
+def _fused(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    p: float,
+    shard: Shard | None,
+    generator: torch.Generator | None,
+    impl: Impl,
+) -> torch.Tensor:
+    use_triton = _use_triton(x, impl)
+    layout = layout_of(x.shape, shard)
+    if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
+        key, base = 0, 0
+    else:
+        generator = generator if generator is not None else default_generator(x.device)
+        if not isinstance(generator, torch.Generator):
+            raise KernelInputTypeError(
+                f"generator must be a torch.Generator, got {type(generator).__name__}"
+            )
+        key, base = draw_key_and_base(generator, layout.logical_numel)
+    seed = seed_tensor(key, base, x.device if use_triton else torch.device("cpu"))
+    dim, index, count = (0, 0, 1) if shard is None else (shard.dim, shard.index, shard.count)
+    op = fused_dropout_triton_op if use_triton else fused_dropout_op
+    return op(x, bias, residual, seed, p, dim, index, count)
+
+
+def dropout(
+    x: torch.Tensor,
+    p: float,
+    *,
+    training: bool = True,
+    shard: Shard | None = None,
+    generator: torch.Generator | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Dropout whose mask is a pure function of (key, counter base, global index).
+
+    ``shard`` places x in the logical tensor, so the shards of all ranks draw exactly
+    the unsharded tensor's mask. p == 0 or ``training=False`` returns x and draws nothing.
+    """
+    _check_tensor("x", x)
+    p = _check_p(p)
+    layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    if not training or p == 0.0:
+        return x
+    return _fused(x, None, None, p, shard, generator, impl)
+
+
+def bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    *,
+    training: bool = True,
+    shard: Shard | None = None,
+    generator: torch.Generator | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None."""
+    _check_tensor("x", x)
+    _check_tensor("residual", residual, like=x)
+    if residual.shape != x.shape:
+        raise KernelInputError(
+            f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}"
+        )
+    if bias is not None:
+        _check_tensor("bias", bias, like=x)
+        if x.dim() == 0 or bias.shape != x.shape[-1:]:
+            raise KernelInputError(
+                f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"
+            )
+    p = _check_p(p)
+    layout_of(x.shape, shard)
+    if not training or p == 0.0:
+        return residual + (x if bias is None else x + bias)
+    return _fused(x, bias, residual, p, shard, generator, impl)

@@ -1,0 +1,112 @@
+"""torch.library registration of fused dropout: reference and Triton ops, fakes, autograd.
+
+Both ops compute ``residual + keep * (x + bias) / (1 - p)`` (bias and residual optional)
+with the mask of the seed tensor [key, base]. Backward applies the same op to the
+incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the
+only thing saved is the 16-byte seed tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rng_tracker.kernels.reference import fused_dropout_reference
+from rng_tracker.kernels.shard import Shard, layout_of
+from rng_tracker.kernels.triton_dropout import HAS_TRITON, fused_dropout_triton
+
+__all__ = ["fused_dropout_op", "fused_dropout_triton_op"]
+
+
+def _layout(x: torch.Tensor, dim: int, index: int, count: int):
+    return layout_of(x.shape, None if count == 1 else Shard(dim, index, count))
+
+
+@torch.library.custom_op("rng_tracker::fused_dropout", mutates_args=())
+def fused_dropout_op(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    dim: int,
+    index: int,
+    count: int,
+) -> torch.Tensor:
+    """Fused dropout, reference path (plain torch, any device)."""
+    return fused_dropout_reference(
+        x.contiguous(), bias, residual, seed, p, _layout(x, dim, index, count)
+    )
+
+
+def _fake(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    dim: int,
+    index: int,
+    count: int,
+) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+fused_dropout_op.register_fake(_fake)
+
+if HAS_TRITON:
+
+    @torch.library.triton_op("rng_tracker::fused_dropout_triton", mutates_args=())
+    def fused_dropout_triton_op(
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        seed: torch.Tensor,
+        p: float,
+        dim: int,
+        index: int,
+        count: int,
+    ) -> torch.Tensor:
+        """Fused dropout, Triton kernel (traceable by torch.compile through wrap_triton)."""
+        return fused_dropout_triton(
+            x,
+            bias,
+            residual,
+            seed,
+            p,
+            _layout(x, dim, index, count),
+            launch=torch.library.wrap_triton,
+        )
+
+else:  # pragma: no cover - exercised only where triton is absent
+    fused_dropout_triton_op = None
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, bias, residual, seed, p, dim, index, count = inputs
+    ctx.save_for_backward(seed)
+    ctx.params = (p, dim, index, count)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.bias_numel = None if bias is None else bias.numel()
+    ctx.has_residual = residual is not None
+
+
+def _make_backward(op: Any):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (seed,) = ctx.saved_tensors
+        grad_x = op(grad.contiguous(), None, None, seed, *ctx.params)
+        grad_bias = None
+        if ctx.bias_numel is not None:
+            grad_bias = grad_x.float().reshape(-1, ctx.bias_numel).sum(0).to(ctx.bias_dtype)
+        grad_residual = grad if ctx.has_residual else None
+        return grad_x, grad_bias, grad_residual, None, None, None, None, None
+
+    return backward
+
+
+fused_dropout_op.register_autograd(_make_backward(fused_dropout_op), setup_context=_setup_context)
+if fused_dropout_triton_op is not None:
+    fused_dropout_triton_op.register_autograd(
+        _make_backward(fused_dropout_triton_op), setup_context=_setup_context
+    )

@@ -1,0 +1,29 @@
+"""The Philox key and counter base of one dropout call, taken from a torch generator.
+
+CUDA generators: key = the seed, counter base = philox offset // 4, and the offset
+advances by 4 * ceil(N / 4) for the logical element count N, so no later torch op
+reuses these counters. Other generators: key = one 64-bit draw, base = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["draw_key_and_base", "seed_tensor"]
+
+
+@torch.compiler.disable
+def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
+    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4 * (-(-logical_numel // 4)))
+        return generator.initial_seed(), offset // 4
+    draw = torch.empty((), dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=generator)
+    return int(draw) & (2**64 - 1), 0
+
+
+def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
+    """(key, base) as an int64 tensor: an op argument, never a constant baked into a graph."""
+    signed_key = key - 2**64 if key >= 2**63 else key
+    return torch.tensor([signed_key, base], dtype=torch.int64).to(device, non_blocking=True)

@@ -1,0 +1,143 @@
+"""The fused dropout Triton kernel: one pass over memory, masks regenerated from Philox.
+
+Each program handles ``BLOCK`` groups of 4 consecutive elements. When the layout is
+aligned (the usual case) one Philox4x32-10 call feeds a whole group with its four
+output words; otherwise every element computes its own counter and picks its word.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rng_tracker.kernels.reference import keep_threshold
+from rng_tracker.kernels.shard import Layout
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["HAS_TRITON", "fused_dropout_triton", "triton_runs_on"]
+
+HAS_TRITON = triton is not None
+_GROUPS_PER_PROGRAM = 256  # 1024 elements per program
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel can run for tensors on ``device`` here."""
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _pick(lane, w0, w1, w2, w3):
+        return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
+
+    @triton.jit
+    def _to_bf16_rne(value):
+        # fp32 → bf16, round to nearest even, spelled out: some backends (the interpreter) truncate.
+        bits = value.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+        rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
+        return rounded.to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _fused_dropout_kernel(
+        x_ptr,
+        bias_ptr,
+        residual_ptr,
+        out_ptr,
+        seed_ptr,
+        numel,
+        bias_numel,
+        threshold,
+        scale,
+        row,
+        gap,
+        offset,
+        HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        key = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
+        base = tl.load(seed_ptr + 1)
+        groups = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+        lane = tl.arange(0, 4)
+        local = groups[:, None] * 4 + lane[None, :]  # (BLOCK, 4) local flat indices
+        inside = local < numel
+        zero = tl.zeros_like(groups).to(tl.uint32)
+        if ALIGNED:
+            first = groups * 4
+            counter = base + (first + (first // row) * gap + offset) // 4
+            w0, w1, w2, w3 = tl.philox(
+                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero, zero
+            )
+            word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
+        else:
+            g = local + (local // row) * gap + offset
+            counter = base + g // 4
+            zeros = tl.zeros_like(counter).to(tl.uint32)
+            w0, w1, w2, w3 = tl.philox(
+                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zeros, zeros
+            )
+            word = _pick(g % 4, w0, w1, w2, w3)
+        keep = word.to(tl.int64) >= threshold
+        value = tl.load(x_ptr + local, mask=inside, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            value += tl.load(bias_ptr + local % bias_numel, mask=inside, other=0.0).to(tl.float32)
+        value = tl.where(keep, value * scale, 0.0)
+        if HAS_RESIDUAL:
+            value += tl.load(residual_ptr + local, mask=inside, other=0.0).to(tl.float32)
+        if OUT_BF16:
+            tl.store(out_ptr + local, _to_bf16_rne(value), mask=inside)
+        else:
+            tl.store(out_ptr + local, value.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def fused_dropout_triton(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    layout: Layout,
+    launch=None,
+) -> torch.Tensor:
+    """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    kernel = _fused_dropout_kernel if launch is None else launch(_fused_dropout_kernel)
+    grid = (triton.cdiv(triton.cdiv(x.numel(), 4), _GROUPS_PER_PROGRAM),)
+    kernel[grid](
+        x,
+        x if bias is None else bias.contiguous(),
+        x if residual is None else residual.contiguous(),
+        out,
+        seed,
+        x.numel(),
+        1 if bias is None else bias.numel(),
+        keep_threshold(p),
+        1.0 / (1.0 - p) if p < 1 else 0.0,
+        layout.row,
+        layout.gap,
+        layout.offset,
+        HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        ALIGNED=layout.aligned,
+        OUT_BF16=x.dtype == torch.bfloat16,
+        BLOCK=_GROUPS_PER_PROGRAM,
+    )
+    return out
