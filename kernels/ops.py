@@ -84,7 +84,7 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, bias, residual, seed, p, dim, index, count = inputs
+    _x, bias, residual, seed, p, dim, index, count = inputs
     ctx.save_for_backward(seed)
     ctx.params = (p, dim, index, count)
     ctx.bias_dtype = None if bias is None else bias.dtype
