@@ -31,8 +31,8 @@ class RandomOpLog(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        # (op name, "explicit" or the default generator's device, that generator's state bytes)
-        self.entries: list[tuple[str, str, bytes]] = []
+        # (op name, "explicit" or the default generator's device, that generator's state)
+        self.entries: list[tuple[str, str, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -43,7 +43,7 @@ class RandomOpLog(TorchDispatchMode):
             else:
                 rng = device_rng(_op_device(args, kwargs))
                 source, state = str(rng.device), rng.to_bytes(rng.snapshot())
-            self.entries.append((str(func), source, bytes(state.cpu().numpy())))
+            self.entries.append((str(func), source, state.cpu()))
         return func(*args, **kwargs)
 
 
@@ -52,7 +52,7 @@ def first_divergence(forward: RandomOpLog, recompute: RandomOpLog) -> str | None
     for index, (fwd, rec) in enumerate(zip(forward.entries, recompute.entries)):
         if fwd[0] != rec[0]:
             return f"random op #{index} was {fwd[0]} in the forward but {rec[0]} in the recompute"
-        if fwd[1:] != rec[1:]:
+        if fwd[1] != rec[1] or not torch.equal(fwd[2], rec[2]):
             if "explicit" in (fwd[1], rec[1]):
                 return (
                     f"random op #{index} ({fwd[0]}) drew from an explicit torch.Generator outside "

@@ -30,9 +30,9 @@ def full_state(tracker: RNGStatesTracker) -> tuple:
     """Every RNG state a failed call must leave alone, as comparable plain values."""
     streams = tracker.state_dict()["streams"]
     return (
-        bytes(torch.get_rng_state().numpy()),
+        bytes(torch.get_rng_state().tolist()),
         tracker.active(),
-        [(name, entry["seed"], bytes(entry["state"].numpy())) for name, entry in streams.items()],
+        [(name, entry["seed"], bytes(entry["state"].tolist())) for name, entry in streams.items()],
     )
 
 

@@ -1,0 +1,329 @@
+"""Fused dropout kernels: Philox answers, Triton == reference bitwise, layout invariance,
+statistics, mask-free memory, tracker integration, compile-traceability, typed errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rng_tracker import (
+    KernelInputError,
+    KernelInputTypeError,
+    RNGStatesTracker,
+    RNGTrackerError,
+    checkpoint,
+)
+from rng_tracker.kernels import Shard, bias_dropout_add, dropout, philox4x32
+
+M32 = 0xFFFFFFFF
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(0,), (1,), (3,), (5, 7), (1023,), (1025,), (3, 5, 67)]
+
+
+def gen(seed: int = 1234) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    ("key", "counter", "expected"),
+    [
+        ((0, 0), (0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((M32, M32), (M32, M32, M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0xA4093822, 0x299F31D0),
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ],
+)
+def test_philox_reproduces_random123_known_answers(key, counter, expected):
+    assert tuple(philox4x32(key, torch.tensor(counter)).tolist()) == expected
+
+
+def _run(impl: str, op: str, x, bias, residual, p=0.3):
+    g = gen()
+    x = x.detach().requires_grad_()
+    bias = None if bias is None else bias.detach().requires_grad_()
+    residual = residual.detach().requires_grad_()
+    if op == "dropout":
+        out = dropout(x, p, generator=g, impl=impl)
+    else:
+        out = bias_dropout_add(x, bias, residual, p, generator=g, impl=impl)
+    out.backward(torch.linspace(-2, 2, out.numel()).reshape(out.shape).to(out.dtype))
+    grads = [t.grad for t in (x, bias, residual) if t is not None and t.grad is not None]
+    return out.detach(), grads, g.get_state()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.float32: torch.int32}.get(t.dtype, torch.int16)) if t.numel() else t
+
+
+@pytest.mark.parametrize("op", ["dropout", "bias_dropout_add"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_kernel_equals_reference_bitwise(op, shape, dtype):
+    """Outputs, masks and gradients of the Triton kernel (interpreted on CPU) equal the
+    reference bit for bit, for odd sizes and empty tensors; the generator ends alike."""
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(dtype)
+    bias = torch.randn(shape[-1:]).to(dtype) if op == "bias_dropout_add" else None
+    residual = torch.randn(shape).to(dtype)
+    ref, triton = _run("torch", op, x, bias, residual), _run("triton", op, x, bias, residual)
+    assert torch.equal(_bits(ref[0]), _bits(triton[0]))
+    assert len(ref[1]) == len(triton[1])
+    for a, b in zip(ref[1], triton[1], strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(ref[2], triton[2])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_non_contiguous_input_equals_its_contiguous_copy(impl):
+    x = torch.randn(16, 12).t()  # (12, 16), strides (1, 12)
+    assert not x.is_contiguous()
+    assert torch.equal(
+        dropout(x, 0.5, generator=gen(), impl=impl),
+        dropout(x.contiguous(), 0.5, generator=gen(), impl=impl),
+    )
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("count", [2, 4])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_shards_assemble_to_the_unsharded_output(impl, dim, count):
+    """Concatenated shard outputs equal the unsharded output bitwise; the generator ends in the
+    same state after each shard's call as after the unsharded call (dim -1 with 4 shards of 3
+    elements exercises the unaligned path)."""
+    x = torch.randn(4, 8, 12)
+    whole_gen = gen(7)
+    whole = dropout(x, 0.4, generator=whole_gen, impl=impl)
+    parts = []
+    for index, chunk in enumerate(x.chunk(count, dim=dim)):
+        g = gen(7)
+        parts.append(
+            dropout(chunk.contiguous(), 0.4, shard=Shard(dim, index, count), generator=g, impl=impl)
+        )
+        assert torch.equal(g.get_state(), whole_gen.get_state())
+    assert torch.equal(torch.cat(parts, dim=dim), whole)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_within_four_sigma(p):
+    """Over 2**20 elements the kept fraction is 1 - p within 4 binomial standard deviations."""
+    n = 2**20
+    kept = (dropout(torch.ones(n), p, generator=gen(11), impl="torch") != 0).double().mean().item()
+    assert abs(kept - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_masks_of_consecutive_calls_are_uncorrelated():
+    """The Pearson correlation of two consecutive masks is within 4 / sqrt(n) of zero."""
+    n, g = 2**20, gen(12)
+    a = (dropout(torch.ones(n), 0.5, generator=g, impl="torch") != 0).double()
+    b = (dropout(torch.ones(n), 0.5, generator=g, impl="torch") != 0).double()
+    r = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+    assert abs(r) < 4 / math.sqrt(n)
+
+
+def _saved_bytes(fn, x) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return total
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_saved_bytes_per_call_do_not_grow_with_numel(impl):
+    """Dropout and bias-dropout-add save 16 bytes (the seed) whatever the size; F.dropout saves a
+    per-element mask (a float mask on CPU, 4 B/element; a bool mask on CUDA)."""
+    ours = [
+        _saved_bytes(lambda x: dropout(x, 0.5, impl=impl), torch.ones(n, requires_grad=True))
+        for n in (64, 4096)
+    ]
+    bda = [
+        _saved_bytes(
+            lambda x: bias_dropout_add(x, torch.ones(8), torch.ones_like(x), 0.5, impl=impl),
+            torch.ones(n // 8, 8, requires_grad=True),
+        )
+        for n in (64, 4096)
+    ]
+    torchs = [
+        _saved_bytes(lambda x: F.dropout(x, 0.5), torch.ones(n, requires_grad=True))
+        for n in (64, 4096)
+    ]
+    assert ours == [16, 16] and bda == [16, 16]
+    assert torchs[0] >= 64 and torchs[1] == 64 * torchs[0]
+
+
+def test_dropout_inside_a_fork_draws_from_that_stream():
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 99)
+    twin = torch.Generator().manual_seed(99)
+    x = torch.randn(64)
+    with tracker.fork("model-parallel-rng"):
+        got = dropout(x, 0.5)
+    assert torch.equal(got, dropout(x, 0.5, generator=twin))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recompute_regenerates_identical_masks(use_reentrant):
+    """Under checkpoint the recompute's kernels draw the forward's key: grads equal the plain run."""
+    tracker = RNGStatesTracker("cpu")
+
+    def block(x, w, b, masks):
+        h = x @ w
+        with tracker.fork("mp"):
+            h = dropout(h, 0.3)
+        masks.append(h != 0)
+        return bias_dropout_add(h, b, x, 0.2)
+
+    def go(ckpt: bool):
+        torch.manual_seed(5)
+        tracker.reset()
+        tracker.add("mp", 3)
+        x = torch.randn(4, 16, requires_grad=True)
+        w = torch.randn(16, 16, requires_grad=True)
+        b = torch.randn(16, requires_grad=True)
+        masks: list[torch.Tensor] = []
+        out = (
+            checkpoint(block, x, w, b, masks, use_reentrant=use_reentrant, tracker=tracker)
+            if ckpt
+            else block(x, w, b, masks)
+        )
+        out.square().sum().backward()
+        return (x.grad, w.grad, b.grad), masks
+
+    plain, plain_masks = go(False)
+    got, masks = go(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+    assert torch.equal(masks[0], plain_masks[0]) and torch.equal(masks[0], masks[1])
+
+
+def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
+    g = gen()
+    before = g.get_state()
+    x = torch.randn(10, requires_grad=True)
+    assert dropout(x, 0.0, generator=g) is x
+    assert dropout(x, 0.7, training=False, generator=g) is x
+    out = dropout(x, 1.0, generator=g)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(10)) and torch.equal(x.grad, torch.zeros(10))
+    assert torch.equal(g.get_state(), before)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "builtin", "words"),
+    [
+        (
+            lambda g: dropout(torch.ones(4), 1.5, generator=g),
+            KernelInputError,
+            ValueError,
+            "[0, 1]",
+        ),
+        (
+            lambda g: dropout(torch.ones(4), -0.1, generator=g),
+            KernelInputError,
+            ValueError,
+            "[0, 1]",
+        ),
+        (
+            lambda g: dropout(torch.ones(4), "0.1", generator=g),
+            KernelInputTypeError,
+            TypeError,
+            "float",
+        ),
+        (lambda g: dropout([1.0], 0.1, generator=g), KernelInputTypeError, TypeError, "tensor"),
+        (
+            lambda g: dropout(torch.ones(4, dtype=torch.int32), 0.1, generator=g),
+            KernelInputError,
+            ValueError,
+            "dtype",
+        ),
+        (
+            lambda g: dropout(torch.ones(4), 0.1, impl="cuda", generator=g),
+            KernelInputError,
+            ValueError,
+            "impl",
+        ),
+        (
+            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2), generator=g),
+            KernelInputError,
+            ValueError,
+            "out of range",
+        ),
+        (
+            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(0, 2, 2), generator=g),
+            KernelInputError,
+            ValueError,
+            "index < count",
+        ),
+        (
+            lambda g: bias_dropout_add(
+                torch.ones(2, 4), torch.ones(3), torch.ones(2, 4), 0.1, generator=g
+            ),
+            KernelInputError,
+            ValueError,
+            "bias must have shape (4,)",
+        ),
+        (
+            lambda g: bias_dropout_add(
+                torch.ones(2, 4),
+                torch.ones(4, dtype=torch.float16),
+                torch.ones(2, 4),
+                0.1,
+                generator=g,
+            ),
+            KernelInputError,
+            ValueError,
+            "cast it to match x",
+        ),
+        (
+            lambda g: bias_dropout_add(
+                torch.ones(2, 4), None, torch.ones(2, 4, device="meta"), 0.1, generator=g
+            ),
+            KernelInputError,
+            ValueError,
+            "meta",
+        ),
+    ],
+)
+def test_bad_input_is_typed_and_draws_nothing(call, error, builtin, words):
+    g = gen()
+    before, cpu_before = g.get_state(), torch.get_rng_state()
+    with pytest.raises(error) as info:
+        call(g)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert words in str(info.value)
+    assert torch.equal(g.get_state(), before) and torch.equal(torch.get_rng_state(), cpu_before)
+
+
+def test_ops_trace_under_torch_compile_with_the_seed_as_an_input():
+    """fullgraph compile (fake kernels, autograd) of the op; a new seed tensor gives a new mask
+    without recompiling, and compiled results equal eager ones bitwise."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    def step(x, seed):
+        return torch.ops.rng_tracker.fused_dropout(x, None, None, seed, 0.5, 0, 0, 1) * 2
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    x = torch.randn(64)
+    seeds = [torch.tensor([k, 0], dtype=torch.int64) for k in (1, 2)]
+    outs = [compiled(x, s) for s in seeds]
+    assert len(compiles) == 1
+    assert not torch.equal(outs[0], outs[1])
+    for out, s in zip(outs, seeds, strict=True):
+        assert torch.equal(out, step(x, s))
