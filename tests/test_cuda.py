@@ -1,0 +1,70 @@
+"""CUDA-only claims: graph-safe forks, the Philox offset contract, Triton == reference on GPU.
+
+Skipped (and reported as skipped) on machines without CUDA, such as CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from rng_tracker import CPURNGChangedWarning, RNGStatesTracker
+from rng_tracker.kernels import Shard, bias_dropout_add, dropout
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_cuda_fork_draws_the_stream_and_restores_the_default_state():
+    tracker = RNGStatesTracker("cuda")
+    tracker.add("a", 5)
+    torch.cuda.manual_seed(1)
+    before = torch.cuda.get_rng_state()
+    with tracker.fork("a"):
+        got = torch.rand(8, device="cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+    assert torch.equal(
+        got, torch.rand(8, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    )
+    snapshot = tracker.get_states()
+    with tracker.fork("a"):
+        torch.rand(8, device="cuda")
+    tracker.set_states(snapshot)  # snapshots never alias: this replays
+    with tracker.fork("a"):
+        again = torch.rand(8, device="cuda")
+    tracker.set_states(snapshot)
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(8, device="cuda"), again)
+
+
+def test_cpu_draw_inside_a_device_fork_warns_once_per_site():
+    tracker = RNGStatesTracker("cuda")
+    tracker.add("a", 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with tracker.fork("a"):
+                torch.rand(2)
+    assert sum(issubclass(w.category, CPURNGChangedWarning) for w in caught) == 1
+
+
+def test_kernel_key_is_the_seed_and_offset_advances_by_the_logical_count():
+    g = torch.Generator("cuda").manual_seed(77)
+    g.set_offset(8)
+    dropout(torch.ones(10, device="cuda"), 0.5, generator=g, shard=Shard(0, 1, 3), impl="triton")
+    assert g.get_offset() == 8 + 4 * ((30 + 3) // 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_on_gpu_equals_reference_bitwise(dtype):
+    x = torch.randn(37, 1029, device="cuda").to(dtype)
+    bias = torch.randn(1029, device="cuda").to(dtype)
+    residual = torch.randn_like(x)
+    outs = [
+        bias_dropout_add(
+            x, bias, residual, 0.3, generator=torch.Generator("cuda").manual_seed(3), impl=impl
+        )
+        for impl in ("torch", "triton")
+    ]
+    assert torch.equal(outs[0], outs[1])
