@@ -17,7 +17,7 @@ from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUna
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
 from rng_tracker.kernels.shard import Shard, layout_of
-from rng_tracker.kernels.triton_dropout import triton_runs_on
+from rng_tracker.kernels.triton_dropout import TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
 
@@ -56,9 +56,10 @@ def _use_triton(x: torch.Tensor, impl: object) -> bool:
         return False
     runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
     if impl == "triton" and not runs:
+        why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
         raise KernelUnavailableError(
-            f"impl='triton' cannot run for a tensor on {x.device} here: it needs triton and a CUDA "
-            "device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
+            f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
+            "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
         )
     return runs and x.device.type == "cuda" if impl == "auto" else True
 

@@ -14,14 +14,16 @@ import torch
 from rng_tracker.kernels.reference import keep_threshold
 from rng_tracker.kernels.shard import Layout
 
+TRITON_IMPORT_ERROR: str | None = None
 try:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
+except ImportError as error:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
+    TRITON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["HAS_TRITON", "fused_dropout_triton", "triton_runs_on"]
+__all__ = ["HAS_TRITON", "TRITON_IMPORT_ERROR", "fused_dropout_triton", "triton_runs_on"]
 
 HAS_TRITON = triton is not None
 _GROUPS_PER_PROGRAM = 256  # 1024 elements per program
