@@ -234,4 +234,5 @@ def model_parallel_seed(
         tracker.generator.manual_seed(plan.default_seed)
     for stream, stream_seed in plan.stream_seeds.items():
         tracker.add(stream, stream_seed)
+    tracker.seed_plan = plan
     return plan

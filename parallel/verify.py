@@ -1,0 +1,153 @@
+"""Cross-rank verification of RNG states against the declared equal/distinct policy.
+
+Each rank fingerprints its default generators and every tracker stream; the fingerprints
+are all-gathered and checked: a stream must be in the same state on ranks that share its
+coordinates on the axes it varies over (rng_tracker.seeds.stream_axes), and in different
+states wherever those coordinates differ — also across streams, which catches
+Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel random init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rng_tracker.device_rng import device_rng
+from rng_tracker.errors import RNGConsistencyError
+from rng_tracker.parallel.mesh import ParallelState, get_parallel_state_or_none
+from rng_tracker.seeds import (
+    AXES,
+    DATA_PARALLEL_RNG,
+    DEFAULT_STREAM,
+    EXPERT_PARALLEL_RNG,
+    SeedPlan,
+    stream_axes,
+)
+from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+
+__all__ = ["RNGReport", "verify_rng_consistency"]
+
+# Megatron seeds the default generator and data-parallel-rng from one seed, by design.
+_MAY_SHARE = {frozenset({DEFAULT_STREAM, DATA_PARALLEL_RNG})}
+_POLICIES = (DEFAULT_STREAM, DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG)
+
+
+@dataclass(frozen=True, slots=True)
+class RNGReport:
+    """What :func:`verify_rng_consistency` found, readable with ``print``."""
+
+    ok: bool
+    problems: tuple[str, ...]
+    fingerprints: dict[str, list[str]] = field(hash=False)  # stream → fingerprint per rank
+    coordinates: list[dict[str, int]] = field(hash=False)  # per rank
+
+    def __str__(self) -> str:
+        world = len(self.coordinates)
+        lines = [
+            f"RNG consistency over {world} ranks: {'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
+        ]
+        for stream, prints in self.fingerprints.items():
+            distinct = {fp: i for i, fp in enumerate(dict.fromkeys(prints))}
+            lines.append(
+                f"  {stream:<22} " + " ".join(chr(ord("A") + distinct[fp]) for fp in prints)
+            )
+        lines.extend(f"  ! {problem}" for problem in self.problems)
+        return "\n".join(lines)
+
+
+def _fingerprint(data: torch.Tensor) -> str:
+    return hashlib.blake2b(bytes(data.tolist()), digest_size=8).hexdigest()
+
+
+def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, str]:
+    rng = device_rng(tracker.device)
+    prints = {DEFAULT_STREAM: _fingerprint(rng.to_bytes(rng.snapshot()))}
+    if tracker.device.type != "cpu":
+        prints["cpu"] = _fingerprint(torch.get_rng_state())
+    for name, state in tracker.get_states().items():
+        prints[name] = _fingerprint(rng.to_bytes(state))
+    return prints
+
+
+def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
+    return ", ".join(f"{a}={coords[a]}" for a in axes) or "everywhere"
+
+
+def verify_rng_consistency(
+    state: ParallelState | None = None,
+    *,
+    tracker: RNGStatesTracker | None = None,
+    plan: SeedPlan | None = None,
+    strict: bool = False,
+) -> RNGReport:
+    """Check every rank's RNG states against the policy; collective over the default group.
+
+    Coordinates come from ``plan`` (default: the tracker's last SeedPlan), else from
+    ``state`` (default: the parallel state). With ``strict=True`` a failed check raises
+    :class:`RNGConsistencyError` carrying the report.
+    """
+    tracker = tracker if tracker is not None else get_rng_tracker()
+    plan = plan if plan is not None else tracker.seed_plan
+    state = state if state is not None else get_parallel_state_or_none()
+    if plan is not None:
+        coords, dp_random_init = dict(plan.coordinates), plan.data_parallel_random_init
+    else:
+        coords = {a: (state.rank(a) if state is not None else 0) for a in AXES}
+        dp_random_init = False
+    mine = {"coords": coords, "dpri": dp_random_init, "prints": _local_fingerprints(tracker)}
+    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    report = _check(everyone)
+    if strict and not report.ok:
+        raise RNGConsistencyError(str(report))
+    return report
+
+
+def _check(everyone: list[dict]) -> RNGReport:
+    problems: list[str] = []
+    streams = list(dict.fromkeys(name for rank in everyone for name in rank["prints"]))
+    fingerprints = {s: [rank["prints"].get(s, "-") for rank in everyone] for s in streams}
+    owners: dict[str, set[tuple[str, tuple[int, ...]]]] = defaultdict(set)
+    ranks_of: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
+    for stream in streams:
+        policy = DEFAULT_STREAM if stream == "cpu" else stream
+        if policy not in _POLICIES:
+            continue  # a user stream: no declared policy
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for rank, info in enumerate(everyone):
+            axes = stream_axes(policy, data_parallel_random_init=info["dpri"])
+            groups[tuple(info["coords"][a] for a in axes)].append(rank)
+        for identity, ranks in groups.items():
+            prints = {fingerprints[stream][r] for r in ranks}
+            axes = stream_axes(policy, data_parallel_random_init=everyone[ranks[0]]["dpri"])
+            if len(prints) > 1:
+                problems.append(
+                    f"stream {stream!r} must be equal on ranks {ranks} ({_where(everyone[ranks[0]]['coords'], axes)}) "
+                    f"but differs: "
+                    + ", ".join(f"rank {r}={fingerprints[stream][r][:6]}" for r in ranks)
+                )
+            for r in ranks:
+                owners[fingerprints[stream][r]].add((stream, identity))
+                ranks_of[(stream, identity)].append(r)
+    for fp, holders in owners.items():
+        names = {stream for stream, _ in holders}
+        if len(holders) > 1 and not (
+            len(names) > 1 and frozenset(names) in _MAY_SHARE and len({i for _, i in holders}) == 1
+        ):
+            described = "; ".join(
+                f"stream {stream!r} on ranks {sorted(set(ranks_of[(stream, ident)]))}"
+                for stream, ident in sorted(holders)
+            )
+            problems.append(
+                f"these must differ but are in one state ({fp[:6]}), so they draw identical values: {described}"
+            )
+    return RNGReport(
+        ok=not problems,
+        problems=tuple(problems),
+        fingerprints=fingerprints,
+        coordinates=[info["coords"] for info in everyone],
+    )
