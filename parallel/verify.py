@@ -10,7 +10,7 @@ Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel ra
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +125,11 @@ def _check(everyone: list[dict]) -> RNGReport:
             prints = {fingerprints[stream][r] for r in ranks}
             axes = stream_axes(policy, data_parallel_random_init=everyone[ranks[0]]["dpri"])
             if len(prints) > 1:
+                common = Counter(fingerprints[stream][r] for r in ranks).most_common(1)[0][0]
+                odd = [r for r in ranks if fingerprints[stream][r] != common]
                 problems.append(
                     f"stream {stream!r} must be equal on ranks {ranks} ({_where(everyone[ranks[0]]['coords'], axes)}) "
-                    f"but differs: "
+                    f"but ranks {odd} differ from the rest: "
                     + ", ".join(f"rank {r}={fingerprints[stream][r][:6]}" for r in ranks)
                 )
             for r in ranks:
