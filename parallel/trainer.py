@@ -9,6 +9,7 @@ resumed run continues bit for bit; in invariant mode a run may resume on another
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -215,18 +216,45 @@ def _load(
     return mine["step"], list(mine["losses"])
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Train TinyGPT on the default process group with ``cfg``; every rank returns its result."""
+def build(cfg: TrainConfig) -> tuple[ParallelState, TinyGPT, torch.optim.Optimizer]:
+    """Mesh, seeds, model and optimizer of ``cfg`` on this rank (the default process group)."""
     destroy_model_parallel()
     state = init_model_parallel(tensor=cfg.tp)
     device = _device()
-    tracker = get_rng_tracker(device)
-    model_parallel_seed(cfg.seed, tracker=tracker)
+    model_parallel_seed(cfg.seed, tracker=get_rng_tracker(device))
     gpt = replace(
         cfg.model, rng_mode=cfg.rng_mode, recompute=cfg.recompute, sequence_parallel=cfg.sp
     )
     model = TinyGPT(gpt, group=state.group("tp") if cfg.tp > 1 else None).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    return state, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+
+def train_step(
+    model: TinyGPT,
+    optimizer: torch.optim.Optimizer,
+    state: ParallelState,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> float:
+    """Forward, backward, gradient sync and update; returns the loss averaged over DP."""
+    loss = model.loss(inputs, targets)
+    loss.backward()
+    _sync_grads(model, state)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = loss.detach().clone()
+    if state.size("dp") > 1:
+        dist.all_reduce(value, group=state.group("dp"))
+        value /= state.size("dp")
+    return value.item()
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train TinyGPT on the default process group with ``cfg``; every rank returns its result."""
+    state, model, optimizer = build(cfg)
+    device = next(model.parameters()).device
+    tracker = get_rng_tracker(device)
+    gpt = model.config
     step, losses = (0, [])
     if cfg.resume:
         step, losses = _load(cfg.resume, model, optimizer, state, cfg, device)
@@ -242,19 +270,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     while step < cfg.steps:
         inputs, targets = corpus.batch(step, dp_rank, dp, batch=cfg.batch, seq_len=gpt.seq_len)
         probe = record_masks() if cfg.probe_masks and masks is None else None
-        with probe if probe is not None else _nothing() as recorded:
-            loss = model.loss(inputs.to(device), targets.to(device))
+        with probe if probe is not None else contextlib.nullcontext() as recorded:
+            losses.append(
+                train_step(model, optimizer, state, inputs.to(device), targets.to(device))
+            )
         if recorded is not None:
             masks = list(recorded)
-        loss.backward()
-        _sync_grads(model, state)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().clone()
-        if dp > 1:
-            dist.all_reduce(value, group=state.group("dp"))
-            value /= dp
-        losses.append(value.item())
         step += 1
         tokens += cfg.batch * gpt.seq_len * dp
         if talk and (step % cfg.log_every == 0 or step == cfg.steps):
@@ -282,11 +303,3 @@ def train(cfg: TrainConfig) -> TrainResult:
     )
     destroy_model_parallel()
     return result
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

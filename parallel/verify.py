@@ -47,8 +47,10 @@ class RNGReport:
 
     def __str__(self) -> str:
         world = len(self.coordinates)
+        verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
         lines = [
-            f"RNG consistency over {world} ranks: {'OK' if self.ok else f'{len(self.problems)} problem(s)'}"
+            f"RNG consistency over {world} ranks: {verdict}",
+            "  (a letter per rank and stream; one letter = one state)",
         ]
         for stream, prints in self.fingerprints.items():
             distinct = {fp: i for i, fp in enumerate(dict.fromkeys(prints))}
