@@ -294,3 +294,29 @@ def test_bad_input_is_typed_and_changes_nothing():
     with pytest.raises(CheckpointConfigError, match="tp_group"):
         checkpoint(torch.sin, torch.ones(1), distribute_saved_activations=True)
     assert_same_end_states(before, (torch.get_rng_state(), tracker.get_states()))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_autocast_state_is_replayed_in_the_recompute(mode):
+    """Under CPU autocast (bf16 matmul) the recompute runs in the same autocast state: grads equal
+    the uncheckpointed autocast run bitwise, and differ from a run without autocast."""
+
+    def go(ckpt: bool, autocast: bool):
+        torch.manual_seed(4)
+        tracker = make_tracker()
+        x = torch.randn(8, 16, requires_grad=True)
+        w = torch.randn(16, 16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            masks: list[torch.Tensor] = []
+            if ckpt:
+                out = checkpoint(
+                    dropout_block, x, w, tracker, masks, use_reentrant=MODES[mode], tracker=tracker
+                )
+            else:
+                out = dropout_block(x, w, tracker, masks)
+        out.float().sum().backward()
+        return x.grad, w.grad
+
+    expected = go(False, True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, go(True, True), strict=True))
+    assert not torch.equal(expected[1], go(False, False)[1])
