@@ -33,7 +33,19 @@ from rng_tracker.rng_snapshot import RNGSnapshot, replaying
 from rng_tracker.saved_inputs import InputSaver
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
-__all__ = ["checkpoint", "rng_context_fn"]
+__all__ = ["backward_recomputed", "checkpoint", "rng_context_fn"]
+
+
+def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate ``grad_outputs`` through recomputed ``outputs`` (those that need it)."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, grad_outputs)
+        if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.device]:
@@ -219,14 +231,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             _replay_autocast(ctx.autocast, ctx.autocast_cache),
         ):
             outputs = ctx.run_function(*args)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        backward_recomputed(outputs, grad_outputs)
         grads = tuple(
             a.grad if isinstance(a, torch.Tensor) and ctx.input_requires_grad[i] else None
             for i, a in enumerate(args)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker.checkpoint import backward_recomputed
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
@@ -42,13 +43,7 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
             owner._recompute()
         inputs, outputs = owner._recomputed
         owner._recomputed = None
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        backward_recomputed(outputs, grad_outputs)
         grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in inputs)
         return (None, *grads)
 

@@ -4,11 +4,7 @@
 # Creates or reuses .venv and installs what it needs (CPU torch 2.13.0 if no torch).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-python=${PYTHON:-python3}
-[[ -x .venv/bin/python ]] || "$python" -m venv .venv
-# shellcheck disable=SC1091
-source .venv/bin/activate
-python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0
+source scripts/_venv.sh
 python -m pip install --quiet -e .
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
