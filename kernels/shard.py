@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -64,18 +63,11 @@ def layout_of(shape: torch.Size, shard: Shard | None) -> Layout:
         raise KernelInputTypeError(f"shard must be a Shard or None, got {type(shard).__name__}")
     if not shape:
         raise KernelInputError("a 0-dim tensor cannot be a shard; pass shard=None")
-    try:
-        dim = (
-            operator.index(shard.dim) % len(shape)
-            if -len(shape) <= shard.dim < len(shape)
-            else None
-        )
-    except ZeroDivisionError:  # pragma: no cover - shape is non-empty here
-        dim = None
-    if dim is None:
+    if not -len(shape) <= shard.dim < len(shape):
         raise KernelInputError(
             f"Shard.dim {shard.dim} is out of range for a {len(shape)}-dim tensor"
         )
+    dim = shard.dim % len(shape)
     row = shape[dim:].numel()
     return Layout(
         numel=numel,
