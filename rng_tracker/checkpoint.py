@@ -69,15 +69,14 @@ class _RNGRecord:
         self.forward_end: RNGSnapshot | None = None
         self.forward_log = RandomOpLog() if check else None
 
-    def begin_forward(self) -> None:
+    @contextlib.contextmanager
+    def forward(self) -> Any:
+        """Run the first forward: snapshot at its start, and (when checking) log and snapshot its end."""
         self.start = RNGSnapshot.capture(self.devices, self.trackers)
-
-    def end_forward(self) -> None:
+        with self.forward_log if self.forward_log is not None else contextlib.nullcontext():
+            yield
         if self.check:
             self.forward_end = RNGSnapshot.capture(self.devices, self.trackers)
-
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        return self.forward_log if self.forward_log is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def replay(self) -> Any:
@@ -108,27 +107,8 @@ class _RNGRecord:
             )
 
 
-class _ForwardContext:
-    __slots__ = ("_log", "_record")
-
-    def __init__(self, record: _RNGRecord) -> None:
-        self._record = record
-        self._log: contextlib.AbstractContextManager[None] | None = None
-
-    def __enter__(self) -> None:
-        self._record.begin_forward()
-        self._log = self._record.forward_context()
-        self._log.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        assert self._log is not None
-        self._log.__exit__(*exc_info)
-        if exc_info[0] is None:
-            self._record.end_forward()
-
-
 def _context_pair(record: _RNGRecord) -> tuple[Any, Any]:
-    return _ForwardContext(record), record.replay()
+    return record.forward(), record.replay()
 
 
 def rng_context_fn(
@@ -198,10 +178,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         ctx.saver = saver
         ctx.autocast = _autocast_state(d.type for d in record.devices)
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
-        record.begin_forward()
-        with torch.no_grad(), record.forward_context():
+        with torch.no_grad(), record.forward():
             outputs = run_function(*args)
-        record.end_forward()
         ctx.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.input_requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         ctx.non_tensors = [None if isinstance(a, torch.Tensor) else a for a in args]
