@@ -64,6 +64,7 @@ class CheckpointWithoutOutput:
         self._sizes: list[int] = []
         self._snapshot: RNGSnapshot | None = None
         self._devices: list[torch.device] = []
+        self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
         self._recomputed: tuple[list[Any], tuple[Any, ...]] | None = None
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
@@ -74,8 +75,8 @@ class CheckpointWithoutOutput:
             )
         self._function = run_function
         self._devices = list({a.device: None for a in args if isinstance(a, torch.Tensor)})
-        trackers = self._trackers if self._trackers is not None else all_trackers()
-        self._snapshot = RNGSnapshot.capture(self._devices, trackers)
+        self._replayed = self._trackers if self._trackers is not None else all_trackers()
+        self._snapshot = RNGSnapshot.capture(self._devices, self._replayed)
         self._recomputed = None
         outputs = _RunWithoutSavingOutput.apply(self, *args)
         self._outputs = tuple(
@@ -110,17 +111,17 @@ class CheckpointWithoutOutput:
         args = list(ctx.non_tensors)
         for slot, tensor in zip(ctx.slots, ctx.saved_tensors, strict=True):
             args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
-        trackers = self._trackers if self._trackers is not None else all_trackers()
-        with replaying(self._snapshot, self._devices, trackers), torch.enable_grad():
+        with replaying(self._snapshot, self._devices, self._replayed), torch.enable_grad():
             outputs = self._function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        fresh = [o for o in outputs if isinstance(o, torch.Tensor)]
-        for output, size, new in zip(self._outputs, self._sizes or [None] * len(fresh), fresh):
-            if size is not None and output.untyped_storage().nbytes() == 0:
+        if self._sizes:  # the outputs were discarded: refill their storage in place
+            fresh = [o for o in outputs if isinstance(o, torch.Tensor)]
+            for output, size, new in zip(self._outputs, self._sizes, fresh, strict=True):
                 output.untyped_storage().resize_(size)
                 output.data.copy_(
                     new.detach()
                 )  # .data: no version bump for the consumer's saved copy
+            self._sizes = []
         self._recomputed = (args, outputs)
 
     def _find_ctx(self) -> Any:
