@@ -14,6 +14,7 @@ Each is a pair (forward op, backward op) that keeps gradients exact:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,14 @@ __all__ = [
 ]
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+# Every collective below has the signature (tensor, group, dim) -> tensor.
+
+
+def _identity(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     x = x.contiguous().clone()
@@ -62,96 +70,54 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     return _own_chunk(_all_reduce(x, group), group, dim)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
+Collective = Callable[[torch.Tensor, dist.ProcessGroup, int], torch.Tensor]
+
+
+class _Conjugate(torch.autograd.Function):
+    """Forward applies one collective; backward applies its adjoint to the gradient."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return grad, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        group: dist.ProcessGroup,
+        dim: int,
+        forward_op: Collective,
+        backward_op: Collective,
+    ) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.backward_op = group, dim, backward_op
+        return forward_op(x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _own_chunk(grad, ctx.group, ctx.dim), None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        return ctx.backward_op(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity; backward all-reduces the grad."""
-    return _CopyToTP.apply(x, group)
+    return _Conjugate.apply(x, group, 0, _identity, _all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Leave a TP region by summing partial results over the group."""
-    return _ReduceFromTP.apply(x, group)
+    return _Conjugate.apply(x, group, 0, _all_reduce, _identity)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' shards along ``dim``."""
-    return _GatherFromTP.apply(x, group, dim)
+    return _Conjugate.apply(x, group, dim, _all_gather, _own_chunk)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Keep this rank's shard of a replicated tensor along ``dim``."""
-    return _ScatterToTP.apply(x, group, dim)
+    return _Conjugate.apply(x, group, dim, _own_chunk, _all_gather)
 
 
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     """Sequence-parallel all-gather (backward: reduce-scatter)."""
-    return _GatherFromSP.apply(x, group, dim)
+    return _Conjugate.apply(x, group, dim, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk (backward: all-gather)."""
-    return _ReduceScatterToSP.apply(x, group, dim)
+    return _Conjugate.apply(x, group, dim, _reduce_scatter, _all_gather)
