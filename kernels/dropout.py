@@ -61,7 +61,9 @@ def _use_triton(x: torch.Tensor, impl: object) -> bool:
             f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
             "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
         )
-    return runs and x.device.type == "cuda" if impl == "auto" else True
+    if impl == "triton":
+        return True
+    return runs and x.device.type == "cuda"  # auto: Triton on a GPU, the reference elsewhere
 
 
 def _fused(

@@ -84,11 +84,13 @@ class DeviceRNG:
             self.generator, "graphsafe_get_state"
         )
 
+    def _state_of(self, generator: torch.Generator) -> RNGState:
+        # The form this device's states take: a graph-safe handle or a uint8 tensor copy.
+        return generator.graphsafe_get_state() if self.graph_safe else generator.get_state()
+
     def live(self) -> RNGState:
         """The state now installed: a handle on the graph-safe path, else a copy."""
-        if self.graph_safe:
-            return self.generator.graphsafe_get_state()
-        return self.generator.get_state()
+        return self._state_of(self.generator)
 
     def install(self, state: RNGState) -> None:
         """Make ``state`` the generator's state (by handle on the graph-safe path)."""
@@ -111,13 +113,9 @@ class DeviceRNG:
 
     def fresh(self, seed: int) -> RNGState:
         """A new state seeded with ``seed``, leaving the generator as it was."""
-        if self.graph_safe:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            return generator.graphsafe_get_state()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
-        return generator.get_state()
+        return self._state_of(generator)
 
     def to_bytes(self, state: RNGState) -> torch.Tensor:
         """The state as a uint8 CPU tensor (the device-independent form)."""
@@ -129,9 +127,7 @@ class DeviceRNG:
         """A state for this device made from :meth:`to_bytes` output."""
         generator = torch.Generator(device=self.device)
         generator.set_state(data.to("cpu"))
-        if self.graph_safe:
-            return generator.graphsafe_get_state()
-        return generator.get_state()
+        return self._state_of(generator)
 
     def equal(self, a: RNGState, b: RNGState) -> bool:
         """Whether two saved states would draw the same values."""

@@ -87,12 +87,14 @@ def _feistel64(key: bytes, value: int) -> int:
     return (left << 32) | right
 
 
-def _hashed_seed(
-    base_seed: int, stream: str, coords: Mapping[str, int], axes: tuple[str, ...]
-) -> int:
-    key = hashlib.blake2b(
+def _seed_key(base_seed: int) -> bytes:
+    """The Feistel key of a base seed."""
+    return hashlib.blake2b(
         b"rng_tracker.seeds.v1" + base_seed.to_bytes(8, "little"), digest_size=32
     ).digest()
+
+
+def _hashed_seed(key: bytes, stream: str, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
     return _feistel64(key, _encode(stream, coords, axes))
 
 
@@ -150,9 +152,10 @@ def plan_seeds(
     seed = validate_seed(seed)
     coords = {axis: _check_rank(axis, (coordinates or {}).get(axis, 0)) for axis in AXES}
     if scheme == "hashed":
+        key = _seed_key(seed)
         seeds = {
             stream: _hashed_seed(
-                seed,
+                key,
                 stream,
                 coords,
                 stream_axes(stream, data_parallel_random_init=data_parallel_random_init),
