@@ -109,12 +109,19 @@ def verify_rng_consistency(
     return report
 
 
+def _may_share(holders: dict[tuple[str, tuple[int, ...]], list[int]]) -> bool:
+    """Whether these (stream, identity) holders of one state are allowed to coincide."""
+    streams = {stream for stream, _ in holders}
+    identities = {identity for _, identity in holders}
+    return len(holders) == 1 or (frozenset(streams) in _MAY_SHARE and len(identities) == 1)
+
+
 def _check(everyone: list[dict]) -> RNGReport:
     problems: list[str] = []
     streams = list(dict.fromkeys(name for rank in everyone for name in rank["prints"]))
     fingerprints = {s: [rank["prints"].get(s, "-") for rank in everyone] for s in streams}
-    owners: dict[str, set[tuple[str, tuple[int, ...]]]] = defaultdict(set)
-    ranks_of: dict[tuple[str, tuple[int, ...]], list[int]] = defaultdict(list)
+    # fingerprint -> {(stream, identity): ranks}; identity = coordinates on the stream's axes
+    holders: dict[str, dict[tuple[str, tuple[int, ...]], list[int]]] = defaultdict(dict)
     for stream in streams:
         policy = DEFAULT_STREAM if stream == "cpu" else stream
         if policy not in _POLICIES:
@@ -124,27 +131,23 @@ def _check(everyone: list[dict]) -> RNGReport:
             axes = stream_axes(policy, data_parallel_random_init=info["dpri"])
             groups[tuple(info["coords"][a] for a in axes)].append(rank)
         for identity, ranks in groups.items():
-            prints = {fingerprints[stream][r] for r in ranks}
-            axes = stream_axes(policy, data_parallel_random_init=everyone[ranks[0]]["dpri"])
-            if len(prints) > 1:
-                common = Counter(fingerprints[stream][r] for r in ranks).most_common(1)[0][0]
-                odd = [r for r in ranks if fingerprints[stream][r] != common]
+            prints = [fingerprints[stream][r] for r in ranks]
+            if len(set(prints)) > 1:
+                common = Counter(prints).most_common(1)[0][0]
+                odd = [r for r, fp in zip(ranks, prints) if fp != common]
+                axes = stream_axes(policy, data_parallel_random_init=everyone[ranks[0]]["dpri"])
                 problems.append(
                     f"stream {stream!r} must be equal on ranks {ranks} ({_where(everyone[ranks[0]]['coords'], axes)}) "
                     f"but ranks {odd} differ from the rest: "
-                    + ", ".join(f"rank {r}={fingerprints[stream][r][:6]}" for r in ranks)
+                    + ", ".join(f"rank {r}={fp[:6]}" for r, fp in zip(ranks, prints))
                 )
-            for r in ranks:
-                owners[fingerprints[stream][r]].add((stream, identity))
-                ranks_of[(stream, identity)].append(r)
-    for fp, holders in owners.items():
-        names = {stream for stream, _ in holders}
-        if len(holders) > 1 and not (
-            len(names) > 1 and frozenset(names) in _MAY_SHARE and len({i for _, i in holders}) == 1
-        ):
+            for r, fp in zip(ranks, prints):
+                holders[fp].setdefault((stream, identity), []).append(r)
+    for fp, sharing in holders.items():
+        if not _may_share(sharing):
             described = "; ".join(
-                f"stream {stream!r} on ranks {sorted(set(ranks_of[(stream, ident)]))}"
-                for stream, ident in sorted(holders)
+                f"stream {stream!r} on ranks {sharing[(stream, ident)]}"
+                for stream, ident in sorted(sharing)
             )
             problems.append(
                 f"these must differ but are in one state ({fp[:6]}), so they draw identical values: {described}"
