@@ -35,18 +35,22 @@ class Corpus:
 
     def __init__(self, *, vocab: int = 64, chars: int = 200_000, seed: int = 0) -> None:
         rng = random.Random(seed)
-        parts = []
-        while sum(map(len, parts)) < chars:
+        parts, length = [], 0
+        while length < chars:
             parts.append(
                 f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}{rng.choice(_ENDS)} "
             )
+            length += len(parts[-1])
         text = "".join(parts)[:chars]
         alphabet = sorted(set(text))
         if len(alphabet) > vocab:
             raise ValueError(f"the corpus has {len(alphabet)} symbols, more than vocab={vocab}")
         self.alphabet = alphabet
-        lookup = {ch: i for i, ch in enumerate(alphabet)}
-        self.tokens = torch.tensor([lookup[ch] for ch in text], dtype=torch.int64)
+        lookup = torch.zeros(256, dtype=torch.int64)  # the grammar is ASCII: byte -> token id
+        lookup[[ord(ch) for ch in alphabet]] = torch.arange(len(alphabet))
+        self.tokens = lookup[
+            torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8).long()
+        ]
 
     def batch(
         self, step: int, dp_rank: int, dp_size: int, *, batch: int, seq_len: int
