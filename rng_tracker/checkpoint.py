@@ -267,6 +267,7 @@ def checkpoint(
             *args,
             use_reentrant=False,
             context_fn=functools.partial(_context_pair, record),
+            preserve_rng_state=False,  # the record snapshots and replays the CPU and input devices itself
             **options,
             **kwargs,
         )
