@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from rng_tracker.errors import KernelInputError
+
 __all__ = ["PHILOX_KEY_A", "PHILOX_KEY_B", "PHILOX_ROUND_A", "PHILOX_ROUND_B", "philox4x32"]
 
 PHILOX_ROUND_A = 0xD2511F53  # multiplies counter word 0
@@ -37,7 +39,9 @@ def philox4x32(
     """
     counters = counters.to(torch.int64)
     if counters.shape[-1:] != (4,):
-        raise ValueError(f"counters must have a last dim of 4, got shape {tuple(counters.shape)}")
+        raise KernelInputError(
+            f"counters must have a last dim of 4, got shape {tuple(counters.shape)}"
+        )
     c0, c1, c2, c3 = counters.unbind(-1)
     if isinstance(key, torch.Tensor):
         k0, k1 = key.to(device=counters.device, dtype=torch.int64).unbind(-1)

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker.errors import ParallelConfigError
+
 __all__ = [
     "copy_to_tp",
     "gather_from_sp",
@@ -59,7 +61,7 @@ def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Ten
     if size == 1:
         return x
     if x.shape[dim] % size:
-        raise ValueError(
+        raise ParallelConfigError(
             f"dim {dim} of size {x.shape[dim]} does not divide by the group size {size}"
         )
     return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()

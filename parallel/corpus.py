@@ -6,6 +6,8 @@ import random
 
 import torch
 
+from rng_tracker.errors import ParallelConfigError
+
 __all__ = ["Corpus"]
 
 _SUBJECTS = [
@@ -44,7 +46,9 @@ class Corpus:
         text = "".join(parts)[:chars]
         alphabet = sorted(set(text))
         if len(alphabet) > vocab:
-            raise ValueError(f"the corpus has {len(alphabet)} symbols, more than vocab={vocab}")
+            raise ParallelConfigError(
+                f"the corpus has {len(alphabet)} symbols, more than vocab={vocab}"
+            )
         self.alphabet = alphabet
         lookup = torch.zeros(256, dtype=torch.int64)  # the grammar is ASCII: byte -> token id
         lookup[[ord(ch) for ch in alphabet]] = torch.arange(len(alphabet))

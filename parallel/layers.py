@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel.collectives import (
     copy_to_tp,
     gather_from_sp,
@@ -40,7 +41,7 @@ def shard_param(
     """A parameter holding this rank's chunk of ``full`` along ``dim`` (None: all of it)."""
     rank, size = _tp(group)
     if dim is not None and full.shape[dim] % size:
-        raise ValueError(
+        raise ParallelConfigError(
             f"dim {dim} of size {full.shape[dim]} does not divide by the TP size {size}"
         )
     data = full if dim is None else full.chunk(size, dim=dim)[rank]
@@ -149,7 +150,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.group = group
         rank, size = _tp(group)
         if vocab % size:
-            raise ValueError(f"vocab {vocab} does not divide by the TP size {size}")
+            raise ParallelConfigError(f"vocab {vocab} does not divide by the TP size {size}")
         self.start, self.end = rank * vocab // size, (rank + 1) * vocab // size
         self.weight = shard_param(torch.randn(vocab, hidden, generator=init) * 0.02, 0, group)
 

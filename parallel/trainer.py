@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
+from rng_tracker.errors import StateDictError
 from rng_tracker.parallel.corpus import Corpus
 from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
@@ -161,7 +162,7 @@ def _load(
         if name.startswith("rank") and name.endswith(".pt")
     ]
     if not files or any(f.get("version") != CHECKPOINT_VERSION for f in files):
-        raise ValueError(
+        raise StateDictError(
             f"{path} holds no rng_tracker training checkpoint of version {CHECKPOINT_VERSION}"
         )
     old = files[0]["layout"]
@@ -173,7 +174,7 @@ def _load(
     )
     by_coords = {(f["coords"]["tp"], f["coords"]["dp"]): f for f in files}
     if old["dp"] != dp:
-        raise ValueError(
+        raise StateDictError(
             f"checkpoint has dp={old['dp']} but this run has dp={dp}: keep the data-parallel size"
         )
     if old["tp"] == tp:
@@ -183,7 +184,7 @@ def _load(
         get_rng_tracker(device).load_state_dict(mine["rng"]["tracker"])
     else:
         if cfg.rng_mode != "invariant" or files[0]["rng_mode"] != "invariant":
-            raise ValueError(
+            raise StateDictError(
                 f"checkpoint has tp={old['tp']}, this run tp={tp}: only rng_mode='invariant' masks survive "
                 "a layout change; resume with the same --tp"
             )

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from rng_tracker.checkpoint import checkpoint
 from rng_tracker.device_rng import default_generator
+from rng_tracker.errors import ParallelConfigError
 from rng_tracker.kernels import Shard, bias_dropout_add, dropout
 from rng_tracker.parallel.collectives import scatter_to_tp
 from rng_tracker.parallel.layers import (
@@ -69,9 +70,11 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.rng_mode not in ("megatron", "invariant"):
-            raise ValueError(f"rng_mode must be 'megatron' or 'invariant', got {self.rng_mode!r}")
+            raise ParallelConfigError(
+                f"rng_mode must be 'megatron' or 'invariant', got {self.rng_mode!r}"
+            )
         if self.recompute not in ("none", "full", "selective"):
-            raise ValueError(
+            raise ParallelConfigError(
                 f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}"
             )
 
@@ -155,7 +158,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         super().__init__()
         _, tp = _tp(group)
         if config.heads % tp or config.hidden % config.heads:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"heads={config.heads} must divide by tp={tp} and divide hidden={config.hidden}"
             )
         self.config, self.group = config, group

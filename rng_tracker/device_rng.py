@@ -11,6 +11,8 @@ from typing import TypeAlias
 
 import torch
 
+from rng_tracker.errors import TrackerDeviceError
+
 __all__ = [
     "DeviceRNG",
     "RNGState",
@@ -63,7 +65,9 @@ def default_generator(device: torch.device | str | int | None = None) -> torch.G
         return generators[device.index]
     if device.type == "mps":
         return module._get_default_mps_generator()
-    raise NotImplementedError(f"rng_tracker cannot find the default generator of {device}")
+    raise TrackerDeviceError(
+        f"rng_tracker finds no default generator for {device}; use cpu, cuda or a torch.accelerator device"
+    )
 
 
 class DeviceRNG:

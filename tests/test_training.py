@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from rng_tracker import RNGConsistencyError, get_rng_tracker, model_parallel_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.testing import run_distributed
+from rng_tracker.parallel.testing import DistributedTestError, run_distributed
 from rng_tracker.parallel.trainer import TrainConfig, train
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.parallel.verify import verify_rng_consistency
@@ -168,10 +168,11 @@ def test_invariant_mode_resumes_on_another_tp_degree(tmp_path):
 def test_megatron_mode_refuses_to_resume_on_another_tp_degree(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_distributed(train, world_size=2, args=(config(tp=2, steps=1, save=ckpt, verify=False),))
-    with pytest.raises(Exception, match="only rng_mode='invariant'"):
+    with pytest.raises(DistributedTestError, match="only rng_mode='invariant'") as info:
         run_distributed(
             train, world_size=1, args=(config(tp=1, steps=2, resume=ckpt, verify=False),)
         )
+    assert "StateDictError" in str(info.value)
 
 
 def _corrupted_rank_report() -> tuple:

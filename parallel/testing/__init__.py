@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 # harness.py
-from rng_tracker.parallel.testing.harness import DistributedTestError, run_distributed
+from rng_tracker.parallel.testing.harness import (
+    DistributedTestError,
+    HarnessUsageError,
+    run_distributed,
+)
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "HarnessUsageError", "run_distributed"]

@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from rng_tracker.errors import RNGTrackerError
+from rng_tracker.errors import ParallelConfigError, RNGTrackerError
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "HarnessUsageError", "run_distributed"]
 
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
@@ -39,6 +39,10 @@ class DistributedTestError(RNGTrackerError, RuntimeError):
     def __init__(self, message: str, failures: Mapping[int, str]) -> None:
         super().__init__(message)
         self.failures = dict(failures)
+
+
+class HarnessUsageError(RNGTrackerError, TypeError):
+    """``run_distributed`` was given a function the rank processes cannot import."""
 
 
 _CONTEXT: multiprocessing.context.BaseContext | None = None
@@ -167,10 +171,10 @@ def run_distributed(
     failed rank; no process outlives the call.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise ParallelConfigError(f"world_size must be >= 1, got {world_size}")
     qualname = getattr(fn, "__qualname__", "")
     if "<locals>" in qualname or "<lambda>" in qualname:
-        raise TypeError(
+        raise HarnessUsageError(
             f"{qualname} is not importable by the rank processes; define it at module level"
         )
     payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
