@@ -90,12 +90,9 @@ def _make_backward(op: Any):
         grad_x = op(grad.contiguous(), None, None, seed, *ctx.params)
         grad_bias = None
         if ctx.bias_numel is not None:
-            rows = (
-                grad_x.float().reshape(-1, ctx.bias_numel)
-                if ctx.bias_numel
-                else grad_x.new_zeros(0, 0)
-            )
-            grad_bias = rows.sum(0).to(ctx.bias_dtype)
+            rows = grad_x.reshape(-1, ctx.bias_numel) if ctx.bias_numel else grad_x.new_zeros(0, 0)
+            # Accumulate in fp32 without materialising an fp32 copy of grad_x.
+            grad_bias = rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         grad_residual = grad if ctx.has_residual else None
         return grad_x, grad_bias, grad_residual, None, None, None, None, None
 

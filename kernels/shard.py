@@ -33,8 +33,9 @@ class Layout:
     """Local flat index l → global flat index g = l + (l // row) * gap + offset.
 
     ``row`` is the local extent of the sharded dim times everything after it; ``gap``
-    skips the other ranks' chunks; ``aligned`` means groups of 4 consecutive local
-    elements are groups of 4 consecutive global ones (one Philox call feeds them).
+    skips the other ranks' chunks (0 when the shard is one contiguous block of the
+    logical tensor); ``aligned`` means groups of 4 consecutive local elements are groups
+    of 4 consecutive global ones (one Philox call feeds them).
     """
 
     numel: int
@@ -45,7 +46,7 @@ class Layout:
 
     @property
     def aligned(self) -> bool:
-        return self.row % 4 == 0 or self.gap == 0
+        return self.offset % 4 == 0 and (self.gap == 0 or self.row % 4 == 0)
 
     def global_indices(self, device: torch.device) -> torch.Tensor:
         local = torch.arange(self.numel, dtype=torch.int64, device=device)
@@ -69,10 +70,11 @@ def layout_of(shape: torch.Size, shard: Shard | None) -> Layout:
         )
     dim = shard.dim % len(shape)
     row = shape[dim:].numel()
+    contiguous_block = shape[:dim].numel() == 1  # e.g. dim 0: no other rank's chunk in between
     return Layout(
         numel=numel,
         logical_numel=numel * shard.count,
         row=max(row, 1),
-        gap=(shard.count - 1) * row,
+        gap=0 if contiguous_block else (shard.count - 1) * row,
         offset=shard.index * row,
     )

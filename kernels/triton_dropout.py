@@ -3,6 +3,9 @@
 Each program handles ``BLOCK`` groups of 4 consecutive elements. When the layout is
 aligned (the usual case) one Philox4x32-10 call feeds a whole group with its four
 output words; otherwise every element computes its own counter and picks its word.
+Index arithmetic that the common layouts don't need is compiled out: no division for
+unsharded or contiguous-block shards, one bias column per group instead of a modulo
+per element, and a mask per group (vector loads) whenever numel % 4 == 0.
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ if HAS_TRITON:
         offset,
         HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        HAS_GAP: tl.constexpr,
         ALIGNED: tl.constexpr,
+        WHOLE_GROUPS: tl.constexpr,
+        BIAS_BY_GROUP: tl.constexpr,
         OUT_BF16: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -77,17 +83,25 @@ if HAS_TRITON:
         groups = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
         lane = tl.arange(0, 4)
         local = groups[:, None] * 4 + lane[None, :]  # (BLOCK, 4) local flat indices
-        inside = local < numel
+        if WHOLE_GROUPS:
+            # numel % 4 == 0: one mask bit per group, so a group's 4 elements load as one vector.
+            inside = tl.broadcast_to((groups < numel // 4)[:, None], (BLOCK, 4))
+        else:
+            inside = local < numel
         zero = tl.zeros_like(groups).to(tl.uint32)
         if ALIGNED:
             first = groups * 4
-            counter = base + (first + (first // row) * gap + offset) // 4
+            if HAS_GAP:
+                first += (first // row) * gap
+            counter = base + (first + offset) // 4
             w0, w1, w2, w3 = tl.philox(
                 key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero, zero
             )
             word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
         else:
-            g = local + (local // row) * gap + offset
+            g = local + offset
+            if HAS_GAP:
+                g += (local // row) * gap
             counter = base + g // 4
             zeros = tl.zeros_like(counter).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
@@ -97,7 +111,13 @@ if HAS_TRITON:
         keep = word.to(tl.int64) >= threshold
         value = tl.load(x_ptr + local, mask=inside, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            value += tl.load(bias_ptr + local % bias_numel, mask=inside, other=0.0).to(tl.float32)
+            if BIAS_BY_GROUP:
+                # bias_numel % 4 == 0: a group's 4 columns are consecutive and in bounds.
+                column = tl.multiple_of((groups * 4) % bias_numel, 4)
+                value += tl.load(bias_ptr + column[:, None] + lane[None, :]).to(tl.float32)
+            else:
+                bias_at = local % bias_numel
+                value += tl.load(bias_ptr + bias_at, mask=inside, other=0.0).to(tl.float32)
         value = tl.where(keep, value * scale, 0.0)
         if HAS_RESIDUAL:
             value += tl.load(residual_ptr + local, mask=inside, other=0.0).to(tl.float32)
@@ -138,7 +158,10 @@ def fused_dropout_triton(
         layout.offset,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
+        HAS_GAP=layout.gap != 0,
         ALIGNED=layout.aligned,
+        WHOLE_GROUPS=x.numel() % 4 == 0,
+        BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,
         OUT_BF16=x.dtype == torch.bfloat16,
         BLOCK=_GROUPS_PER_PROGRAM,
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference

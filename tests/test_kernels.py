@@ -20,7 +20,9 @@ from rng_tracker.kernels import Shard, bias_dropout_add, dropout, philox4x32
 
 M32 = 0xFFFFFFFF
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SHAPES = [(0,), (1,), (3,), (5, 7), (1023,), (1025,), (3, 5, 67)]
+# Odd sizes (numel not a multiple of 4, of the block; 1 and 0 elements), and sizes whose numel
+# and last dim are multiples of 4 (per-group masks and bias columns), across program boundaries.
+SHAPES = [(0,), (1,), (3,), (5, 7), (1023,), (1025,), (3, 5, 67), (3, 4), (4, 8), (6, 260)]
 
 
 def gen(seed: int = 1234) -> torch.Generator:
@@ -106,6 +108,29 @@ def test_shards_assemble_to_the_unsharded_output(impl, dim, count):
             dropout(chunk.contiguous(), 0.4, shard=Shard(dim, index, count), generator=g, impl=impl)
         )
         assert torch.equal(g.get_state(), whole_gen.get_state())
+    assert torch.equal(torch.cat(parts, dim=dim), whole)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize(("shape", "dim", "count"), [((8, 3), 0, 4), ((1, 10, 3), 1, 2)])
+def test_contiguous_block_shards_at_unaligned_offsets_assemble(impl, shape, dim, count):
+    """A shard that is one contiguous block of the logical tensor (all leading dims 1) whose
+    offset is not a multiple of 4 still draws the unsharded mask, with bias and residual."""
+    x, residual = torch.randn(shape), torch.randn(shape)
+    bias = torch.randn(shape[-1:])
+    whole = bias_dropout_add(x, bias, residual, 0.3, generator=gen(5), impl=impl)
+    parts = [
+        bias_dropout_add(
+            xs.contiguous(),
+            bias,
+            rs.contiguous(),
+            0.3,
+            shard=Shard(dim, index, count),
+            generator=gen(5),
+            impl=impl,
+        )
+        for index, (xs, rs) in enumerate(zip(x.chunk(count, dim), residual.chunk(count, dim)))
+    ]
     assert torch.equal(torch.cat(parts, dim=dim), whole)
 
 
