@@ -77,6 +77,13 @@ def _fused(
 ) -> torch.Tensor:
     use_triton = _use_triton(x, impl)
     layout = layout_of(x.shape, shard)
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KernelUnavailableError(
+            "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
+            "are read from the generator on the host, so every replay would reuse the captured "
+            "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
+            "tensor to each replay)"
+        )
     if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
         key, base = 0, 0
     else:

@@ -76,24 +76,25 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _x, bias, residual, seed, p, dim, index, count = inputs
+    _x, bias, _residual, seed, p, dim, index, count = inputs
     ctx.save_for_backward(seed)
     ctx.params = (p, dim, index, count)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.bias_numel = None if bias is None else bias.numel()
-    ctx.has_residual = residual is not None
 
 
 def _make_backward(op: Any):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         (seed,) = ctx.saved_tensors
-        grad_x = op(grad.contiguous(), None, None, seed, *ctx.params)
-        grad_bias = None
-        if ctx.bias_numel is not None:
+        needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
+        grad_x = grad_bias = None
+        if needs_x or needs_bias:
+            grad_x = op(grad.contiguous(), None, None, seed, *ctx.params)
+        if needs_bias:
             rows = grad_x.reshape(-1, ctx.bias_numel) if ctx.bias_numel else grad_x.new_zeros(0, 0)
             # Accumulate in fp32 without materialising an fp32 copy of grad_x.
             grad_bias = rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        grad_residual = grad if ctx.has_residual else None
+        grad_residual = grad if needs_residual else None
         return grad_x, grad_bias, grad_residual, None, None, None, None, None
 
     return backward

@@ -119,7 +119,7 @@ class KernelInputTypeError(RNGTrackerError, TypeError):
 
 
 class KernelUnavailableError(RNGTrackerError, RuntimeError):
-    """impl="triton" was asked for but Triton cannot run here."""
+    """The fused kernel cannot run as asked: Triton is missing here, or a CUDA graph is capturing."""
 
 
 class RNGConsistencyError(RNGTrackerError, RuntimeError):

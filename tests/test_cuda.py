@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from rng_tracker import CPURNGChangedWarning, RNGStatesTracker
+from rng_tracker import CPURNGChangedWarning, KernelUnavailableError, RNGStatesTracker
 from rng_tracker.kernels import Shard, bias_dropout_add, dropout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -56,15 +56,31 @@ def test_kernel_key_is_the_seed_and_offset_advances_by_the_logical_count():
     assert g.get_offset() == 8 + 4 * ((30 + 3) // 4)
 
 
+@pytest.mark.parametrize("columns", [1029, 1024], ids=["per-element", "per-group"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_on_gpu_equals_reference_bitwise(dtype):
-    x = torch.randn(37, 1029, device="cuda").to(dtype)
-    bias = torch.randn(1029, device="cuda").to(dtype)
-    residual = torch.randn_like(x)
-    outs = [
-        bias_dropout_add(
-            x, bias, residual, 0.3, generator=torch.Generator("cuda").manual_seed(3), impl=impl
-        )
-        for impl in ("torch", "triton")
-    ]
-    assert torch.equal(outs[0], outs[1])
+def test_triton_on_gpu_equals_reference_bitwise(dtype, columns):
+    """Outputs and gradients, on the per-element path (odd columns) and the vector path."""
+    results = []
+    for impl in ("torch", "triton"):
+        torch.manual_seed(0)
+        x = torch.randn(37, columns, device="cuda").to(dtype).requires_grad_()
+        bias = torch.randn(columns, device="cuda").to(dtype).requires_grad_()
+        residual = torch.randn(37, columns, device="cuda").to(dtype).requires_grad_()
+        g = torch.Generator("cuda").manual_seed(3)
+        out = bias_dropout_add(x, bias, residual, 0.3, generator=g, impl=impl)
+        out.backward(torch.randn_like(out))
+        results.append((out, x.grad, bias.grad, residual.grad, g.get_offset()))
+    for ours, reference in zip(*results):
+        assert ours == reference if isinstance(ours, int) else torch.equal(ours, reference)
+
+
+def test_capture_in_a_cuda_graph_is_refused_before_drawing():
+    x = torch.ones(64, device="cuda")
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    offset = generator.get_offset()
+    with (
+        pytest.raises(KernelUnavailableError, match="CUDA graph"),
+        torch.cuda.graph(torch.cuda.CUDAGraph()),
+    ):
+        dropout(x, 0.5)
+    assert generator.get_offset() == offset

@@ -165,6 +165,19 @@ def _saved_bytes(fn, x) -> int:
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("wanted", ["x", "bias", "residual"])
+def test_gradient_of_one_input_alone_equals_its_gradient_among_all(impl, wanted):
+    """Backward computes only what autograd asks for, and that part is unchanged."""
+    inputs = {"x": torch.randn(6, 8), "bias": torch.randn(8), "residual": torch.randn(6, 8)}
+    grad = torch.randn(6, 8)
+    every = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    bias_dropout_add(*every.values(), 0.3, generator=gen(), impl=impl).backward(grad)
+    alone = {k: v.clone().requires_grad_(k == wanted) for k, v in inputs.items()}
+    bias_dropout_add(*alone.values(), 0.3, generator=gen(), impl=impl).backward(grad)
+    assert torch.equal(alone[wanted].grad, every[wanted].grad)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_saved_bytes_per_call_do_not_grow_with_numel(impl):
     """Dropout and bias-dropout-add save 16 bytes (the seed) whatever the size; F.dropout saves a
     per-element mask (a float mask on CPU, 4 B/element; a bool mask on CUDA)."""
