@@ -87,12 +87,17 @@ def _bench_size(n, dtype, device, timer, ours, eager_ops, compiled_ops, p) -> No
             bwd_s = timer(lambda out=out: torch.autograd.grad(out, (x,), grad, retain_graph=True))
             rows["bwd"][name] = 2 * n * x.element_size() / bwd_s / 1e9
         for pass_name, r in rows.items():
-            comp = f"{r['compile']:8.1f}" if "compile" in r else f"{'-':>8}"
+            comp = _gbs(r["compile"], 8) if "compile" in r else f"{'-':>8}"
             print(
                 f"{op:<17}{str(dtype).replace('torch.', ''):<9}{'2^' + str(n.bit_length() - 1):>6} {pass_name:<4}"
-                f"{r['ours']:10.1f}{r['eager']:8.1f}{comp}{copy_gbs:8.1f}  "
-                f"{r['ours'] / r['eager']:10.2f}{r['ours'] / copy_gbs:10.2f}"
+                f"{_gbs(r['ours'], 10)}{_gbs(r['eager'], 8)}{comp}{_gbs(copy_gbs, 8)}  "
+                f"{r['ours'] / r['eager']:10.3f}{r['ours'] / copy_gbs:10.3f}"
             )
+
+
+def _gbs(value: float, width: int) -> str:
+    """GB/s with one decimal, or three significant digits below 10 (CPU reference figures)."""
+    return f"{value:{width}.1f}" if value >= 10 else f"{value:{width}.3g}"
 
 
 def main() -> None:
