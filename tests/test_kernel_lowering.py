@@ -4,8 +4,8 @@ The interpreter, which the other kernel tests use, accepts programs that real lo
 rejects; this compiles the kernel's variants for an sm_90 target and checks the PTX for what
 the design relies on: each group of 4 elements of x, bias, residual and output moves as one
 vector even when numel is not a multiple of 16; index arithmetic costs at most one 64-bit
-modulo per group and no division for unsharded or contiguous-block layouts; and no FMA
-contraction (the product x * scale must round before the residual is added, as in the
+modulo per group and no division for unsharded or contiguous-block layouts; bf16 output
+rounds in hardware (cvt.rn); and no FMA contraction (the product x * scale must round before the residual is added, as in the
 reference). It checks the lowering, not the speed: speed needs a GPU (scripts/bench_dropout.py).
 """
 
@@ -35,7 +35,7 @@ for dtype in ("fp32", "fp16", "bf16"):
         signature.update(seed_ptr="*i64", numel="i32", bias_numel="i32", threshold="u32", scale="fp32",
                          row="i32", gap="i32", offset="i32")
         constants = {"HAS_BIAS": True, "HAS_RESIDUAL": True, "HAS_GAP": gap, "ALIGNED": aligned,
-                     "WHOLE_GROUPS": True, "BIAS_BY_GROUP": True, "OUT_BF16": dtype == "bf16", "BLOCK": 256}
+                     "WHOLE_GROUPS": True, "BIAS_BY_GROUP": True, "BF16_IN_SOFTWARE": False, "BLOCK": 256}
         signature.update({c: "constexpr" for c in constants})
         # Aligned pointers, as a launch specialises them; numel and bias_numel with no
         # divisibility known (numel % 4 == 0 is all WHOLE_GROUPS promises).
@@ -47,6 +47,7 @@ for dtype in ("fp32", "fp16", "bf16"):
         stores = re.findall(r"\bst\.global[\w.]*", ptx)
         report.append({"dtype": dtype, "aligned": aligned, "gap": gap,
                        "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+                       "hardware_bf16_rne": len(re.findall(r"\bcvt\.rn\.bf16(?:x2)?\.f32", ptx)),
                        "scalar_loads": sum(".v" not in op and not op.endswith(".b64") for op in loads),
                        "vector_stores": sum(".v" in op for op in stores),
                        "scalar_stores": sum(".v" not in op for op in stores),
@@ -66,6 +67,8 @@ def test_kernel_lowers_to_sm90_ptx_with_vector_access_cheap_indexing_and_no_fma(
     assert len(report) == 9
     for variant in report:
         assert variant["fma"] == 0, variant
+        # On a GPU, bf16 output rounds to nearest even in hardware (as torch's CUDA cast does).
+        assert (variant["hardware_bf16_rne"] > 0) == (variant["dtype"] == "bf16"), variant
         if variant["aligned"]:
             # x, bias and residual load a group as one vector, the output stores one.
             assert variant["scalar_loads"] == 0 and variant["scalar_stores"] == 0, variant
