@@ -15,11 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels.triton_dropout import HAS_TRITON, TRITON_IMPORT_ERROR
+from rng_tracker.kernels.triton_dropout import (
+    _GROUPS_PER_PROGRAM,
+    HAS_TRITON,
+    TRITON_IMPORT_ERROR,
+)
 
-__all__ = ["Variant", "compile_variant", "sass_opcodes"]
+__all__ = ["ELEMENTS_PER_THREAD", "Variant", "compile_variant", "sass_opcodes"]
 
-_BLOCK = 256
+_NUM_WARPS = 4  # Triton's default, which the launch keeps
+ELEMENTS_PER_THREAD = 4 * _GROUPS_PER_PROGRAM // (32 * _NUM_WARPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +52,7 @@ class Variant:
             "WHOLE_GROUPS": self.whole_groups,
             "BIAS_BY_GROUP": self.bias_by_group,
             "BF16_IN_SOFTWARE": False,  # a GPU rounds in hardware
-            "BLOCK": _BLOCK,
+            "BLOCK": _GROUPS_PER_PROGRAM,
         }
 
 
@@ -92,7 +97,8 @@ def compile_variant(variant: Variant, capability: int = 90) -> Mapping[str, str 
     )
     target = GPUTarget("cuda", capability, 32)
     # As the launch in triton_dropout.py: no FMA contraction.
-    return triton.compile(source, target=target, options={"enable_fp_fusion": False}).asm
+    options = {"enable_fp_fusion": False, "num_warps": _NUM_WARPS}
+    return triton.compile(source, target=target, options=options).asm
 
 
 def sass_opcodes(cubin: bytes) -> tuple[list[str], int]:

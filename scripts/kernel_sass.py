@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from rng_tracker.kernels.lowering import Variant, compile_variant, sass_opcodes
-
-_ELEMENTS_PER_THREAD = 8  # BLOCK = 256 groups of 4 over 4 warps of 32 threads
+from rng_tracker.kernels.lowering import (
+    ELEMENTS_PER_THREAD,
+    Variant,
+    compile_variant,
+    sass_opcodes,
+)
 
 
 def main() -> None:
@@ -25,7 +28,7 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the interpreter's kernel cannot be compiled")
 
-    print(f"sm_{args.capability}, {_ELEMENTS_PER_THREAD} elements per thread; NOPs excluded")
+    print(f"sm_{args.capability}, {ELEMENTS_PER_THREAD} elements per thread; NOPs excluded")
     header = f"{'op':<18}{'dtype':<7}{'layout':<16}{'SASS/thread':>11}{'per element':>13}"
     print(f"{header}{'registers':>11}")
     for op, with_inputs in (("dropout", False), ("bias_dropout_add", True)):
@@ -38,7 +41,7 @@ def main() -> None:
                     compile_variant(variant, args.capability)["cubin"]
                 )
                 layout = "sharded (gap)" if gap else "unsharded"
-                per_element = len(opcodes) / _ELEMENTS_PER_THREAD
+                per_element = len(opcodes) / ELEMENTS_PER_THREAD
                 print(
                     f"{op:<18}{dtype:<7}{layout:<16}{len(opcodes):>11}{per_element:>13.1f}"
                     f"{registers:>11}"

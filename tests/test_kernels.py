@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker import (
     KernelInputError,
@@ -166,15 +167,34 @@ def _saved_bytes(fn, x) -> int:
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("wanted", ["x", "bias", "residual"])
-def test_gradient_of_one_input_alone_equals_its_gradient_among_all(impl, wanted):
-    """Backward computes only what autograd asks for, and that part is unchanged."""
+def test_backward_computes_only_the_gradient_asked_for(impl, wanted):
+    """With one input requiring grad, backward runs only the ops its gradient needs (no mask
+    regeneration for the residual alone, no bias reduction unless bias wants a gradient), and
+    that gradient equals the one computed with every input requiring grad."""
     inputs = {"x": torch.randn(6, 8), "bias": torch.randn(8), "residual": torch.randn(6, 8)}
     grad = torch.randn(6, 8)
     every = {k: v.clone().requires_grad_() for k, v in inputs.items()}
     bias_dropout_add(*every.values(), 0.3, generator=gen(), impl=impl).backward(grad)
     alone = {k: v.clone().requires_grad_(k == wanted) for k, v in inputs.items()}
-    bias_dropout_add(*alone.values(), 0.3, generator=gen(), impl=impl).backward(grad)
+    out = bias_dropout_add(*alone.values(), 0.3, generator=gen(), impl=impl)
+    with _OpNames() as backward_ops:
+        out.backward(grad)
     assert torch.equal(alone[wanted].grad, every[wanted].grad)
+    regenerations = sum("fused_dropout" in name for name in backward_ops.names)
+    reductions = sum(name.startswith("aten.sum") for name in backward_ops.names)
+    assert (regenerations, reductions) == {"x": (1, 0), "bias": (1, 1), "residual": (0, 0)}[wanted]
+
+
+class _OpNames(TorchDispatchMode):
+    """The names of the operators dispatched inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
