@@ -47,12 +47,16 @@ def dropout_block(x, w, tracker, masks):
     return torch.tanh(h * noise)
 
 
-def run(mode: str | None, **options):
-    """One forward+backward from fixed states; returns grads, masks and the final RNG states."""
+def fixed_start() -> tuple[RNGStatesTracker, torch.Tensor, torch.Tensor]:
+    """Seed 0, a fresh tracker, and the block's input and weight drawn from the default generator."""
     torch.manual_seed(0)
     tracker = make_tracker()
-    x = torch.randn(8, 16, requires_grad=True)
-    w = torch.randn(16, 16, requires_grad=True)
+    return tracker, torch.randn(8, 16, requires_grad=True), torch.randn(16, 16, requires_grad=True)
+
+
+def run(mode: str | None, **options):
+    """One forward+backward from fixed states; returns grads, masks and the final RNG states."""
+    tracker, x, w = fixed_start()
     masks: list[torch.Tensor] = []
     if mode is None:
         out = dropout_block(x, w, tracker, masks)
@@ -151,10 +155,7 @@ def test_inputs_without_grad_and_outputs_without_grad_work(mode):
 
 def test_megatron_positional_checkpoint_is_reentrant_and_exact():
     gx, gw, _masks, _ = run(None)
-    torch.manual_seed(0)
-    tracker = make_tracker()
-    x = torch.randn(8, 16, requires_grad=True)
-    w = torch.randn(16, 16, requires_grad=True)
+    tracker, x, w = fixed_start()
     cmasks: list[torch.Tensor] = []
     out = mg.checkpoint(lambda a, b: dropout_block(a, b, tracker, cmasks), False, x, w)
     (out * torch.linspace(-1, 1, 16)).sum().backward()
@@ -164,10 +165,7 @@ def test_megatron_positional_checkpoint_is_reentrant_and_exact():
 def test_torch_checkpoint_with_rng_context_fn_replays_tracker_streams():
     """torch.utils.checkpoint + rng_context_fn(): tracker streams replay bitwise."""
     gx, gw, _masks, end = run(None)
-    torch.manual_seed(0)
-    tracker = make_tracker()
-    x = torch.randn(8, 16, requires_grad=True)
-    w = torch.randn(16, 16, requires_grad=True)
+    tracker, x, w = fixed_start()
     cmasks: list[torch.Tensor] = []
     out = torch_checkpoint.checkpoint(
         dropout_block,
