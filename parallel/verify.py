@@ -10,14 +10,16 @@ Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel ra
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
-from rng_tracker.errors import RNGConsistencyError
+from rng_tracker.errors import ParallelStateError, RNGConsistencyError
 from rng_tracker.parallel.mesh import ParallelState, get_parallel_state_or_none
 from rng_tracker.seeds import (
     AXES,
@@ -79,6 +81,27 @@ def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
     return ", ".join(f"{a}={coords[a]}" for a in axes) or "everywhere"
 
 
+def _gather_json(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``payload``, all-gathered as UTF-8 JSON in uint8 tensors (no pickling)."""
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(device)
+    world = dist.get_world_size()
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return [
+        json.loads(bytes(part[: int(n)].cpu().tolist()).decode())
+        for part, n in zip(parts, lengths, strict=True)
+    ]
+
+
 def verify_rng_consistency(
     state: ParallelState | None = None,
     *,
@@ -88,25 +111,58 @@ def verify_rng_consistency(
 ) -> RNGReport:
     """Check every rank's RNG states against the policy; collective over the default group.
 
-    Coordinates come from ``plan`` (default: the tracker's last SeedPlan), else from
-    ``state`` (default: the parallel state). With ``strict=True`` a failed check raises
+    Ranks are placed by their coordinates in ``state`` (default: the initialised parallel
+    state). ``plan`` (the :class:`SeedPlan` that ``model_parallel_seed`` returned) says how
+    the streams were seeded; every coordinate it claims is checked against the mesh, so a
+    rank seeded as another rank is named. Without a mesh the plan's coordinates are taken as
+    given. With several ranks and neither, :class:`ParallelStateError` is raised rather than
+    placing every rank at 0. With ``strict=True`` a failed check raises
     :class:`RNGConsistencyError` carrying the report.
     """
     tracker = tracker if tracker is not None else get_rng_tracker()
-    plan = plan if plan is not None else tracker.seed_plan
     state = state if state is not None else get_parallel_state_or_none()
-    if plan is not None:
-        coords, dp_random_init = dict(plan.coordinates), plan.data_parallel_random_init
+    claimed: dict[str, int] = {}
+    if state is not None:
+        coords = {axis: state.rank(axis) for axis in AXES}
+        if plan is not None:
+            claimed = {a: r for a, r in plan.coordinates.items() if a in coords and coords[a] != r}
+    elif plan is not None:
+        coords = dict(plan.coordinates)
+    elif dist.get_world_size() > 1:
+        raise ParallelStateError(
+            f"verify_rng_consistency on rank {dist.get_rank()}: no parallel state is "
+            "initialised and no plan was given, so the ranks' coordinates are unknown; call "
+            "init_model_parallel(...) first, or pass state=... or plan=model_parallel_seed(...)"
+        )
     else:
-        coords = {a: (state.rank(a) if state is not None else 0) for a in AXES}
-        dp_random_init = False
-    mine = {"coords": coords, "dpri": dp_random_init, "prints": _local_fingerprints(tracker)}
-    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
-    report = _check(everyone)
+        coords = dict.fromkeys(AXES, 0)
+    mine = {
+        "coords": coords,
+        "claimed": claimed,
+        "dpri": plan.data_parallel_random_init if plan is not None else False,
+        "prints": _local_fingerprints(tracker),
+    }
+    report = _check(_gather_json(mine))
     if strict and not report.ok:
         raise RNGConsistencyError(str(report))
     return report
+
+
+def _misplaced(rank: int, info: dict[str, Any], streams: list[str]) -> list[str]:
+    """Problems of a rank whose seed plan claims other coordinates than the mesh gives it."""
+    problems = []
+    for axis, claimed in sorted(info["claimed"].items()):
+        affected = [
+            s
+            for s in streams
+            if s in _POLICIES and axis in stream_axes(s, data_parallel_random_init=info["dpri"])
+        ]
+        problems.append(
+            f"rank {rank} was seeded as {axis}={claimed} but the mesh puts it at "
+            f"{axis}={info['coords'][axis]}: its streams {affected} were seeded for another "
+            "rank; seed with model_parallel_seed(seed, state=...) or the mesh's ranks"
+        )
+    return problems
 
 
 def _may_share(holders: dict[tuple[str, tuple[int, ...]], list[int]]) -> bool:
@@ -116,9 +172,11 @@ def _may_share(holders: dict[tuple[str, tuple[int, ...]], list[int]]) -> bool:
     return len(holders) == 1 or (frozenset(streams) in _MAY_SHARE and len(identities) == 1)
 
 
-def _check(everyone: list[dict]) -> RNGReport:
+def _check(everyone: list[dict[str, Any]]) -> RNGReport:
     problems: list[str] = []
     streams = list(dict.fromkeys(name for rank in everyone for name in rank["prints"]))
+    for rank, info in enumerate(everyone):
+        problems.extend(_misplaced(rank, info, streams))
     fingerprints = {s: [rank["prints"].get(s, "-") for rank in everyone] for s in streams}
     # fingerprint -> {(stream, identity): ranks}; identity = coordinates on the stream's axes
     holders: dict[str, dict[tuple[str, tuple[int, ...]], list[int]]] = defaultdict(dict)

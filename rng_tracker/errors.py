@@ -58,8 +58,8 @@ class InvalidSeedError(RNGTrackerError, ValueError):
     """A seed outside [0, 2**64)."""
 
 
-class InvalidSeedTypeError(RNGTrackerError, TypeError):
-    """A seed that is not an int (bools and floats are refused)."""
+class InvalidSeedTypeError(InvalidSeedError, TypeError):
+    """A seed that is not an int (bools and floats are refused); also an :class:`InvalidSeedError`."""
 
 
 class StreamNameError(RNGTrackerError, TypeError):

@@ -14,12 +14,15 @@ import hashlib
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from rng_tracker.errors import RankError, SeedReuseError, SeedSchemeError
+from rng_tracker.errors import ParallelStateError, RankError, SeedReuseError, SeedSchemeError
 from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker, validate_seed
+
+if TYPE_CHECKING:
+    from rng_tracker.parallel.mesh import ParallelState
 
 __all__ = [
     "AXES",
@@ -189,13 +192,32 @@ def plan_seeds(
     )
 
 
-def _ranks_from_parallel_state() -> dict[str, int]:
+def _ranks_of(state: ParallelState) -> dict[str, int]:
+    return {axis: state.rank(axis) for axis in AXES}
+
+
+def _missing_ranks_source(missing: list[str]) -> dict[str, int]:
+    """Ranks for the axes the caller left out: the parallel state's, else 0 in a single process.
+
+    Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
+    that is refused rather than guessed.
+    """
     from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
 
     state = get_parallel_state_or_none()
-    if state is None:
-        return {}
-    return {axis: state.rank(axis) for axis in AXES}
+    if state is not None:
+        return _ranks_of(state)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ParallelStateError(
+            f"model_parallel_seed on rank {dist.get_rank()} of {dist.get_world_size()}: no "
+            f"parallel state is initialised and {', '.join(missing)} were not given, so every "
+            "rank would seed as rank 0 and draw correlated masks; call "
+            "rng_tracker.parallel.init_model_parallel(...) first, pass state=..., or pass "
+            "every rank explicitly"
+        )
+    return dict.fromkeys(AXES, 0)
 
 
 def model_parallel_seed(
@@ -209,13 +231,18 @@ def model_parallel_seed(
     etp_rank: int | None = None,
     cp_rank: int | None = None,
     data_parallel_random_init: bool = False,
+    state: ParallelState | None = None,
     tracker: RNGStatesTracker | None = None,
 ) -> SeedPlan:
     """Seed the CPU and device default generators and register the parallel streams.
 
-    Ranks not given come from the initialised parallel state, else 0. The tracker is
-    reset and gets ``data-parallel-rng``, ``model-parallel-rng`` and
-    ``expert-parallel-rng``. Nothing changes if the call raises.
+    Ranks come from the arguments, then from ``state`` (a
+    :class:`~rng_tracker.parallel.ParallelState`), then from the initialised parallel state;
+    in a single process the rest are 0. With several ranks and no parallel state, leaving a
+    rank out raises :class:`ParallelStateError` instead of guessing rank 0 everywhere.
+    The tracker is reset and gets ``data-parallel-rng``, ``model-parallel-rng`` and
+    ``expert-parallel-rng``. Returns the :class:`SeedPlan` (pass it to
+    ``verify_rng_consistency(plan=...)``). Nothing changes if the call raises.
     """
     tracker = tracker if tracker is not None else get_rng_tracker()
     given = {
@@ -226,7 +253,13 @@ def model_parallel_seed(
         "etp": etp_rank,
         "cp": cp_rank,
     }
-    coords = _ranks_from_parallel_state() if any(r is None for r in given.values()) else {}
+    missing = [f"{axis}_rank" for axis in AXES if given[axis] is None]
+    if state is not None:
+        coords = _ranks_of(state)
+    elif missing:
+        coords = _missing_ranks_source(missing)
+    else:
+        coords = {}
     coords.update({axis: rank for axis, rank in given.items() if rank is not None})
     plan = plan_seeds(
         seed, scheme=scheme, coordinates=coords, data_parallel_random_init=data_parallel_random_init
@@ -237,5 +270,4 @@ def model_parallel_seed(
         tracker.generator.manual_seed(plan.default_seed)
     for stream, stream_seed in plan.stream_seeds.items():
         tracker.add(stream, stream_seed)
-    tracker.seed_plan = plan
     return plan

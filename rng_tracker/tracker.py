@@ -106,7 +106,6 @@ class RNGStatesTracker:
         self._stack: list[str] = []
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
-        self.seed_plan: Any = None  # the SeedPlan of the last model_parallel_seed on this tracker
         _ALL_TRACKERS.add(self)
 
     # -- inspection -----------------------------------------------------------------
@@ -172,7 +171,6 @@ class RNGStatesTracker:
         self._require_idle("reset()")
         self._states.clear()
         self._seeds.clear()
-        self.seed_plan = None
 
     # -- forking -----------------------------------------------------------------
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> _Fork:

@@ -13,7 +13,9 @@ SHAPE = (8, 8, 20)  # every dim divides by the 4 ranks
 
 def _shard_masks(dim: int, impl: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model_parallel_seed(77, tp_rank=rank, pp_rank=0, dp_rank=0)  # data-parallel-rng is replicated
+    model_parallel_seed(
+        77, tp_rank=rank, pp_rank=0, dp_rank=0, cp_rank=0, ep_rank=0, etp_rank=rank
+    )  # data-parallel-rng is replicated
     tracker = get_rng_tracker("cpu")
     logical = torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))
     with tracker.fork(DATA_PARALLEL_RNG):
@@ -25,7 +27,7 @@ def _shard_masks(dim: int, impl: str) -> dict:
         )
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local)
-    model_parallel_seed(77, tp_rank=rank, pp_rank=0, dp_rank=0)
+    model_parallel_seed(77, tp_rank=rank, pp_rank=0, dp_rank=0, cp_rank=0, ep_rank=0, etp_rank=rank)
     with tracker.fork(DATA_PARALLEL_RNG):
         whole = dropout(logical, 0.5, impl=impl)
     return {"assembled": torch.cat(parts, dim=dim), "whole": whole}

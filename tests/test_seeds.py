@@ -13,6 +13,7 @@ from rng_tracker import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
+    InvalidSeedError,
     RankError,
     RNGStatesTracker,
     SeedReuseError,
@@ -189,3 +190,13 @@ def test_model_parallel_seed_on_4_ranks(scheme):
             assert result["plan"].default_seed == 2024
             assert result["plan"].stream_seeds[MODEL_PARALLEL_RNG] == 2024 + 2718 + result["tp"]
             assert result["plan"].coordinates["dp"] == result["dp"]
+
+
+def test_a_seed_of_the_wrong_type_is_also_an_invalid_seed(tracker):
+    """`except InvalidSeedError` catches every bad seed, of a bad value or a bad type."""
+    for bad in (1.5, True, "7", None):
+        with pytest.raises(InvalidSeedError, match="seed must be an int"):
+            tracker.add("a", bad)
+    with pytest.raises(InvalidSeedError):
+        plan_seeds(2.0)
+    assert tracker.names() == []

@@ -211,10 +211,18 @@ VIRTUAL = [(1, 0), (0, 10), (0, 0), (1, 1)]
 
 def _scheme_report(scheme: str) -> tuple:
     pp, dp = VIRTUAL[dist.get_rank()]
-    model_parallel_seed(
-        9, scheme=scheme, tp_rank=0, pp_rank=pp, dp_rank=dp, data_parallel_random_init=True
+    plan = model_parallel_seed(
+        9,
+        scheme=scheme,
+        tp_rank=0,
+        pp_rank=pp,
+        dp_rank=dp,
+        cp_rank=0,
+        ep_rank=0,
+        etp_rank=0,
+        data_parallel_random_init=True,
     )
-    report = verify_rng_consistency()
+    report = verify_rng_consistency(plan=plan)
     return report.ok, report.problems
 
 

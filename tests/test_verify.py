@@ -1,0 +1,132 @@
+"""The cross-rank RNG verifier: it checks a seed plan's claims against the real mesh, and it
+needs nothing beyond the base install (no pickled objects, so no numpy, over the wire)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rng_tracker import (
+    MODEL_PARALLEL_RNG,
+    ParallelStateError,
+    RNGConsistencyError,
+    get_rng_tracker,
+    model_parallel_seed,
+)
+from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.testing import run_distributed
+from rng_tracker.parallel.verify import verify_rng_consistency
+
+
+def _every_rank_seeds_as_tp_rank_0() -> tuple:
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2)
+    plan = model_parallel_seed(11, tp_rank=0, etp_rank=0)  # the lie: both TP ranks claim tp=0
+    report = verify_rng_consistency(plan=plan)
+    with pytest.raises(RNGConsistencyError):
+        verify_rng_consistency(plan=plan, strict=True)
+    honest = verify_rng_consistency(plan=model_parallel_seed(11, state=state))
+    destroy_model_parallel()
+    return report.ok, report.problems, honest.ok, honest.problems
+
+
+def test_verifier_checks_the_plans_coordinates_against_the_mesh():
+    """A plan claiming tp=0 on every TP rank leaves model-parallel-rng equal across the TP
+    group; the verifier must fail and name the misplaced rank and the stream."""
+    ok, problems, honest_ok, honest_problems = run_distributed(
+        _every_rank_seeds_as_tp_rank_0, world_size=2
+    )[0]
+    assert not ok
+    assert any(
+        p.startswith("rank 1 was seeded as tp=0 but the mesh puts it at tp=1")
+        and MODEL_PARALLEL_RNG in p
+        for p in problems
+    ), problems
+    assert any(f"stream {MODEL_PARALLEL_RNG!r} on ranks [0]" in p for p in problems), problems
+    assert honest_ok, honest_problems
+
+
+def _seed_without_parallel_state() -> tuple:
+    destroy_model_parallel()
+    tracker = get_rng_tracker("cpu")
+    tracker.reset()
+    tracker.add("mine", 5)
+    cpu_before = torch.get_rng_state()
+    states_before = tracker.get_states()
+    with pytest.raises(ParallelStateError, match="init_model_parallel") as info:
+        model_parallel_seed(1234)
+    unchanged = torch.equal(cpu_before, torch.get_rng_state()) and tracker.names() == ["mine"]
+    unchanged = unchanged and torch.equal(states_before["mine"], tracker.get_states()["mine"])
+    with pytest.raises(ParallelStateError):
+        model_parallel_seed(1234, tp_rank=dist.get_rank())  # the other axes are still unknown
+    with pytest.raises(ParallelStateError, match="plan="):
+        verify_rng_consistency()
+    state = init_model_parallel(tensor=2)
+    plan = model_parallel_seed(1234, state=state)
+    destroy_model_parallel()
+    return str(info.value), unchanged, plan.coordinates["tp"]
+
+
+def test_seeding_refuses_to_guess_ranks_on_several_processes():
+    """Two gloo ranks and no parallel state: seeding must raise (typed, nothing changed)
+    instead of seeding both as rank 0; an explicit state places each rank."""
+    results = run_distributed(_seed_without_parallel_state, world_size=2)
+    for rank, (message, unchanged, tp) in enumerate(results):
+        assert f"rank {rank} of 2" in message
+        assert unchanged
+        assert tp == rank
+
+
+_BLOCK_NUMPY = """
+import importlib.abc, sys
+class _NoNumpy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError("numpy is hidden: the base install has none", name=name)
+sys.meta_path.insert(0, _NoNumpy())
+"""
+
+_VERIFY_WITHOUT_NUMPY = textwrap.dedent(
+    """
+    from rng_tracker.parallel.testing import run_distributed
+
+    def check():
+        import sys
+        assert "numpy" not in sys.modules
+        from rng_tracker import model_parallel_seed
+        from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+        from rng_tracker.parallel.verify import verify_rng_consistency
+        state = init_model_parallel(tensor=2)
+        report = verify_rng_consistency(plan=model_parallel_seed(3, state=state), strict=True)
+        destroy_model_parallel()
+        return report.ok
+
+    if __name__ == "__main__":
+        print("verified", run_distributed(check, world_size=2, timeout=60))
+    """
+)
+
+
+def test_verifier_runs_without_numpy(tmp_path):
+    """The base install has no numpy; every process of this run cannot import it."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_NUMPY)
+    script = tmp_path / "verify_without_numpy.py"
+    script.write_text(_VERIFY_WITHOUT_NUMPY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "verified [True, True]" in done.stdout
