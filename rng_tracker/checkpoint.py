@@ -1,25 +1,29 @@
 """Activation checkpointing that replays every RNG stream exactly.
 
 Both modes snapshot, at forward time, the CPU generator, the default generator of every
-device the inputs live on, and every stream of the tracker(s); the recompute runs from
-those states and the backward-time states are restored afterwards.
+device the inputs live on, and every stream of the tracker(s); each recompute runs from
+those states and the states found when it started are restored afterwards.
 
-- ``use_reentrant=False`` is ``torch.utils.checkpoint`` (non-reentrant) with a
-  ``context_fn`` that adds the tracker streams, so early stop, nesting, kwargs and
-  ``torch.autograd.grad`` work as there.
-- ``use_reentrant=True`` is a Megatron-style autograd Function.
+- ``use_reentrant=False`` is ``torch.utils.checkpoint`` (non-reentrant): torch calls the
+  function once for the forward and once per recompute, and the replay wraps each call,
+  so early stop, nesting, kwargs, ``torch.autograd.grad``, repeated and double backward,
+  ``debug`` and a user ``context_fn`` (selective checkpointing) work as there.
+- ``use_reentrant=True`` is an autograd Function with torch's reentrant contract.
+- :func:`megatron_checkpoint` is Megatron's ``CheckpointFunction``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes
 
 from rng_tracker.errors import (
     CheckpointConfigError,
@@ -29,23 +33,46 @@ from rng_tracker.errors import (
     TrackerDeviceError,
 )
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
-from rng_tracker.rng_snapshot import RNGSnapshot, replaying
-from rng_tracker.saved_inputs import InputSaver
+from rng_tracker.rng_snapshot import RNGSnapshot
+from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
-__all__ = ["backward_recomputed", "checkpoint", "rng_context_fn"]
+__all__ = ["checkpoint", "is_checkpointing", "megatron_checkpoint", "rng_context_fn"]
+
+_DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
 
 
-def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-    """Backpropagate ``grad_outputs`` through recomputed ``outputs`` (those that need it)."""
+def is_checkpointing() -> bool:
+    """Whether this thread runs inside a checkpointed forward or its recompute (Megatron's
+    ``is_checkpointing``), in any mode of :func:`checkpoint`, :func:`megatron_checkpoint` or
+    under :func:`rng_context_fn`."""
+    return getattr(_DEPTH, "value", 0) > 0
+
+
+def _enter_checkpointing() -> None:
+    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
+
+
+def _leave_checkpointing() -> None:
+    _DEPTH.value -= 1
+
+
+def _backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate ``grad_outputs`` through recomputed ``outputs``, as torch's reentrant
+    checkpoint does: raise (with torch's words) when no output requires grad."""
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     pairs = [
         (out, grad)
         for out, grad in zip(outputs, grad_outputs)
-        if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+        if isinstance(out, torch.Tensor) and out.requires_grad
     ]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    if not pairs:
+        raise CheckpointUsageError(
+            "none of output has requires_grad=True, this checkpoint() is not necessary: the "
+            "recomputed function returned no tensor that requires grad (a detached or no-grad "
+            "output?). Drop the checkpoint, or use checkpoint(use_reentrant=False)"
+        )
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.device]:
@@ -57,7 +84,11 @@ def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.de
 
 
 class _RNGRecord:
-    """What one checkpointed call remembers of its randomness."""
+    """What one checkpointed call remembers of its randomness.
+
+    The generator bookkeeping (state copies) runs with torch dispatch modes switched off,
+    so a user's modes (selective checkpointing's caches, debug logging) never see it.
+    """
 
     def __init__(
         self, devices: Sequence[torch.device], trackers: Sequence[RNGStatesTracker], check: bool
@@ -67,37 +98,89 @@ class _RNGRecord:
         self.check = check
         self.start: RNGSnapshot | None = None
         self.forward_end: RNGSnapshot | None = None
-        self.forward_log = RandomOpLog() if check else None
+        self.forward_log: RandomOpLog | None = None
 
-    @contextlib.contextmanager
-    def forward(self) -> Any:
-        """Run the first forward: snapshot at its start, and (when checking) log and snapshot its end."""
-        self.start = RNGSnapshot.capture(self.devices, self.trackers)
-        with self.forward_log if self.forward_log is not None else contextlib.nullcontext():
-            yield
-        if self.check:
-            self.forward_end = RNGSnapshot.capture(self.devices, self.trackers)
+    def capture(self) -> RNGSnapshot:
+        with _disable_current_modes():
+            return RNGSnapshot.capture(self.devices, self.trackers)
 
-    @contextlib.contextmanager
-    def replay(self) -> Any:
-        """Run the recompute from the forward's states; verify it when checking."""
-        assert self.start is not None, "recompute before forward"
-        log = RandomOpLog() if self.check else None
+    def forward(self) -> _Forward:
+        """Context of the first forward: snapshot at its start (and, checking, log its draws)."""
+        return _Forward(self)
+
+    def replay(self) -> _Replay:
+        """Context of a recompute, re-enterable: each entry replays the forward's states."""
+        return _Replay(self)
+
+
+class _Forward:
+    """Enter around the first forward; records the states the recomputes will replay."""
+
+    __slots__ = ("_record",)
+
+    def __init__(self, record: _RNGRecord) -> None:
+        self._record = record
+
+    def __enter__(self) -> None:
+        record = self._record
+        record.start = record.capture()
+        _enter_checkpointing()
+        if record.check:
+            record.forward_log = RandomOpLog()
+            record.forward_log.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        record = self._record
+        try:
+            if record.forward_log is not None:
+                record.forward_log.__exit__(exc_type, exc, tb)
+            if record.check and exc_type is None:
+                record.forward_end = record.capture()
+        finally:
+            _leave_checkpointing()
+
+
+class _Replay:
+    """Enter around each recompute, any number of times: installs the forward's snapshot,
+    and on exit restores what was installed on entry (also when the recompute raises, e.g.
+    torch's early stop). When checking, a completed recompute must end in the forward's
+    end states and draw the forward's random ops, else it raises."""
+
+    __slots__ = ("_open", "_record")
+
+    def __init__(self, record: _RNGRecord) -> None:
+        self._record = record
+        self._open: list[tuple[RNGSnapshot, RandomOpLog | None]] = []
+
+    def __enter__(self) -> None:
+        record = self._record
+        assert record.start is not None, "recompute before forward"
+        found = record.capture()
+        with _disable_current_modes():
+            record.start.restore()
+        log = RandomOpLog() if record.check else None
+        self._open.append((found, log))
+        _enter_checkpointing()
+        if log is not None:
+            log.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        record = self._record
+        found, log = self._open.pop()
         mismatch: list[str] = []
-        with replaying(self.start, self.devices, self.trackers):
-            with log if log is not None else contextlib.nullcontext():
-                yield
-            if self.check:
-                assert (
-                    self.forward_end is not None
-                    and self.forward_log is not None
-                    and log is not None
-                )
-                end = RNGSnapshot.capture(self.devices, self.trackers)
-                mismatch = self.forward_end.differences(end)
-                divergence = first_divergence(self.forward_log, log)
+        try:
+            if log is not None:
+                log.__exit__(exc_type, exc, tb)
+            if log is not None and exc_type is None:
+                assert record.forward_end is not None and record.forward_log is not None
+                mismatch = record.forward_end.differences(record.capture())
+                divergence = first_divergence(record.forward_log, log)
                 if divergence:
                     mismatch.append(divergence)
+        finally:
+            _leave_checkpointing()
+            with _disable_current_modes():
+                found.restore()
         if mismatch:
             raise CheckpointRNGMismatchError(
                 "the recompute did not draw the randomness of the first forward: "
@@ -107,8 +190,39 @@ class _RNGRecord:
             )
 
 
-def _context_pair(record: _RNGRecord) -> tuple[Any, Any]:
-    return record.forward(), record.replay()
+class _CheckpointingOnly:
+    """Marks a region as checkpointed (for :func:`is_checkpointing`) without touching RNG."""
+
+    def __enter__(self) -> None:
+        _enter_checkpointing()
+
+    def __exit__(self, *exc_info: object) -> None:
+        _leave_checkpointing()
+
+
+class _WithReplay:
+    """The function as torch's non-reentrant checkpoint calls it: the first call is the
+    forward, every later call a recompute replaying the forward's randomness."""
+
+    __slots__ = ("_forward_done", "_function", "_record", "_replay")
+
+    def __init__(self, function: Callable[..., Any], record: _RNGRecord | None) -> None:
+        self._function = function
+        self._record = record
+        self._replay = record.replay() if record is not None else None
+        self._forward_done = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        context: Any
+        if self._record is None or self._replay is None:
+            context = _CheckpointingOnly()
+        elif not self._forward_done:
+            context = self._record.forward()
+        else:
+            context = self._replay
+        self._forward_done = True
+        with context:
+            return self._function(*args, **kwargs)
 
 
 def rng_context_fn(
@@ -118,14 +232,13 @@ def rng_context_fn(
 
     torch preserves the CPU and input-device generators itself; this adds the tracker
     streams (every tracker of the process when ``tracker`` is None) and the trackers'
-    device generators.
+    device generators. Its recompute context replays them at every recompute.
     """
     trackers = _resolve_trackers(tracker)
 
-    def context_fn() -> tuple[Any, Any]:
-        return _context_pair(
-            _RNGRecord((), trackers if trackers is not None else all_trackers(), False)
-        )
+    def context_fn() -> tuple[_Forward, _Replay]:
+        record = _RNGRecord((), trackers if trackers is not None else all_trackers(), False)
+        return record.forward(), record.replay()
 
     return context_fn
 
@@ -169,21 +282,32 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     def forward(
         ctx: Any,
         run_function: Callable[..., Any],
-        record: _RNGRecord,
+        record: _RNGRecord | None,
         saver: InputSaver,
+        split_group: dist.ProcessGroup | None,
         *args: Any,
     ) -> Any:
         ctx.run_function = run_function
         ctx.record = record
         ctx.saver = saver
-        ctx.autocast = _autocast_state(d.type for d in record.devices)
+        ctx.autocast = _autocast_state(a.device.type for a in args if isinstance(a, torch.Tensor))
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
-        with torch.no_grad(), record.forward():
+        with (
+            torch.no_grad(),
+            record.forward() if record is not None else _CheckpointingOnly(),
+        ):
             outputs = run_function(*args)
         ctx.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.input_requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         ctx.non_tensors = [None if isinstance(a, torch.Tensor) else a for a in args]
         tensors = [args[i] for i in ctx.tensor_slots]
+        ctx.split = None
+        if split_group is not None:
+            # Megatron: the caller's args[0] keeps only this rank's chunk until backward.
+            first = args[0]
+            split = split_for_save(first.data, split_group)
+            ctx.split = (first.shape, split_group)
+            first.data = split.part
         if saver.active:
             ctx.packed = [saver.pack(t) for t in tensors]
         else:
@@ -194,33 +318,55 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         if not torch.autograd._is_checkpoint_valid():
             raise CheckpointUsageError(
-                "checkpoint(use_reentrant=True) supports only .backward() without `inputs`: "
-                "torch.autograd.grad and backward(inputs=...) cannot drive its recompute. "
-                "Use checkpoint(use_reentrant=False) for them"
+                "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or "
+                "passing an `inputs` parameter to .backward(): the reentrant recompute cannot "
+                "serve torch.autograd.grad or backward(inputs=...). Use "
+                "checkpoint(use_reentrant=False), or call .backward() without `inputs`"
             )
         saver: InputSaver = ctx.saver
         tensors = [saver.unpack(p) for p in ctx.packed] if saver.active else list(ctx.saved_tensors)
+        if ctx.split is not None:
+            shape, group = ctx.split
+            first = tensors[0]
+            first.data = gather_chunks(
+                first.data, shape, group
+            )  # the caller's tensor is whole again
         args = list(ctx.non_tensors)
         for slot, tensor in zip(ctx.tensor_slots, tensors, strict=True):
             args[slot] = tensor.detach().requires_grad_(ctx.input_requires_grad[slot])
+        record: _RNGRecord | None = ctx.record
         with (
-            ctx.record.replay(),
+            record.replay() if record is not None else _CheckpointingOnly(),
             torch.enable_grad(),
             _replay_autocast(ctx.autocast, ctx.autocast_cache),
         ):
             outputs = ctx.run_function(*args)
-        backward_recomputed(outputs, grad_outputs)
+        _backward_recomputed(outputs, grad_outputs)
         grads = tuple(
             a.grad if isinstance(a, torch.Tensor) and ctx.input_requires_grad[i] else None
             for i, a in enumerate(args)
         )
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
+
+
+def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        warnings.warn(
+            "None of the inputs have requires_grad=True. Gradients will be None",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
     use_reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool | None = None,
     distribute_saved_activations: bool = False,
     tp_group: dist.ProcessGroup | None = None,
     offload_to_cpu: bool = False,
@@ -229,21 +375,36 @@ def checkpoint(
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
-    backward with exactly the randomness of this forward.
+    backward, every time, with exactly the randomness of this forward.
+
+    torch's keywords keep torch's meaning: ``preserve_rng_state=False`` replays no RNG at all
+    (neither the generators nor the tracker streams); ``context_fn``, ``determinism_check``,
+    ``debug`` and ``early_stop`` (default: torch's, i.e. on) go to torch's non-reentrant
+    checkpoint. Reentrant mode refuses ``context_fn``, ``debug`` and keyword arguments for
+    ``function``, and ignores ``determinism_check`` and ``early_stop``, as torch does.
 
     Args:
-        use_reentrant: Megatron-style autograd Function (``.backward()`` only) instead of
-            torch's non-reentrant machinery.
+        use_reentrant: an autograd Function (``.backward()`` only) instead of torch's
+            non-reentrant machinery.
         distribute_saved_activations: keep only this rank's slice of the first input,
             split across ``tp_group`` (default: the TP group of the parallel state), and
-            all-gather it for the recompute.
+            all-gather it for the recompute. The caller's tensor is not changed (see
+            :func:`megatron_checkpoint` for Megatron's in-place variant).
         offload_to_cpu: keep saved inputs in (pinned) CPU memory until the recompute.
         tracker: tracker(s) whose streams to replay; default every tracker of the process.
-        check_rng: verify the recompute drew exactly the forward's randomness, else raise
-            :class:`CheckpointRNGMismatchError` naming what diverged (turns early stop off).
+        check_rng: verify each complete recompute drew exactly the forward's randomness,
+            else raise :class:`CheckpointRNGMismatchError` naming what diverged (turns early
+            stop off unless ``early_stop=True`` is passed, which is refused).
     """
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
+    if use_reentrant:
+        _refuse_non_reentrant_options(context_fn, debug, kwargs)
+    if check_rng and early_stop:
+        raise CheckpointConfigError(
+            "check_rng=True compares the whole recompute with the forward, but early_stop=True "
+            "stops the recompute early; drop one of them"
+        )
     devices = _input_devices(args, kwargs)
     trackers = _resolve_trackers(tracker)
     if trackers is not None:
@@ -256,21 +417,88 @@ def checkpoint(
     else:
         trackers = all_trackers()
     saver = _input_saver(args, distribute_saved_activations, tp_group, offload_to_cpu)
-    record = _RNGRecord(devices, trackers, check_rng)
+    record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:
-        run = functools.partial(function, **kwargs) if kwargs else function
-        return _ReentrantCheckpoint.apply(run, record, saver, *args)
-    options = {"early_stop": False} if check_rng else {}
+        _warn_if_no_input_requires_grad(args)
+        return _ReentrantCheckpoint.apply(function, record, saver, None, *args)
+    if not torch.is_grad_enabled():
+        record = None  # torch will not recompute: nothing to replay
+    if early_stop is None:
+        early_stop = not check_rng
     with saver.hooks() if saver.active else contextlib.nullcontext():
         return torch_checkpoint.checkpoint(
-            function,
+            _WithReplay(function, record),
             *args,
             use_reentrant=False,
-            context_fn=functools.partial(_context_pair, record),
-            preserve_rng_state=False,  # the record snapshots and replays the CPU and input devices itself
-            **options,
+            context_fn=context_fn,
+            determinism_check=determinism_check,
+            debug=debug,
+            early_stop=early_stop,
+            preserve_rng_state=False,  # the record snapshots and replays the generators itself
             **kwargs,
         )
+
+
+def _refuse_non_reentrant_options(
+    context_fn: Callable[[], tuple[Any, Any]], debug: bool, kwargs: dict[str, Any]
+) -> None:
+    if context_fn is not torch_checkpoint.noop_context_fn or debug is not False:
+        raise CheckpointConfigError(
+            "Passing `context_fn` or `debug` is only supported when use_reentrant=False. "
+            "Drop them, or use checkpoint(use_reentrant=False)"
+        )
+    if kwargs:
+        raise CheckpointConfigError(
+            "Unexpected keyword arguments: " + ",".join(kwargs) + ". checkpoint(use_reentrant="
+            "True) passes only positional arguments to the function, as torch's does; pass "
+            "them positionally or use checkpoint(use_reentrant=False)"
+        )
+
+
+def megatron_checkpoint(
+    function: Callable[..., Any], distribute_saved_activations: bool, *args: Any
+) -> Any:
+    """Megatron's ``checkpoint(function, distribute_saved_activations, *args)``: reentrant,
+    replaying the CPU and input-device generators and every tracker stream.
+
+    With ``distribute_saved_activations`` the caller's ``args[0]`` (a tensor that is not a
+    view) keeps, from the end of the forward until backward, only this rank's 1/tp flat
+    chunk (``args[0].data`` is replaced, as Megatron does), so the memory is freed although
+    the caller holds it; backward all-gathers it over the TP group of the initialised
+    parallel state and gives ``args[0]`` its whole data back before recomputing.
+    """
+    if not callable(function):
+        raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
+    group = _megatron_split_group(args) if distribute_saved_activations else None
+    record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
+    _warn_if_no_input_requires_grad(args)
+    return _ReentrantCheckpoint.apply(function, record, InputSaver(), group, *args)
+
+
+def _megatron_split_group(args: Sequence[Any]) -> dist.ProcessGroup:
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True needs a tensor as the first argument"
+        )
+    if args[0]._base is not None:
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True replaces args[0].data by this rank's chunk, but "
+            "args[0] is a view of another tensor, whose data would not shrink; pass a tensor "
+            "that owns its storage (e.g. x.clone() or Megatron's make_viewless_tensor)"
+        )
+    return _parallel_state_tp_group()
+
+
+def _parallel_state_tp_group() -> dist.ProcessGroup:
+    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+
+    state = get_parallel_state_or_none()
+    if state is None:
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True needs tp_group=... or an initialised "
+            "parallel state (rng_tracker.parallel.init_model_parallel)"
+        )
+    return state.group("tp")
 
 
 def _input_saver(
@@ -283,15 +511,5 @@ def _input_saver(
             "distribute_saved_activations=True needs a tensor as the first argument"
         )
     if group is None:
-        from rng_tracker.parallel.mesh import (
-            get_parallel_state_or_none,
-        )  # lazy: core stays torch-only
-
-        state = get_parallel_state_or_none()
-        if state is None:
-            raise CheckpointConfigError(
-                "distribute_saved_activations=True needs tp_group=... or an initialised "
-                "parallel state (rng_tracker.parallel.init_model_parallel)"
-            )
-        group = state.group("tp")
+        group = _parallel_state_tp_group()
     return InputSaver(distribute=args[0], group=group, offload=offload)

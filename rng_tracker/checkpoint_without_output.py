@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker.checkpoint import backward_recomputed
+from rng_tracker.checkpoint import _backward_recomputed
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
@@ -43,7 +43,7 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
             owner._recompute()
         inputs, outputs = owner._recomputed
         owner._recomputed = None
-        backward_recomputed(outputs, grad_outputs)
+        _backward_recomputed(outputs, grad_outputs)
         grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in inputs)
         return (None, *grads)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["InputSaver", "gather_saved", "split_for_save"]
+__all__ = ["InputSaver", "gather_chunks", "gather_saved", "split_for_save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +38,18 @@ def split_for_save(tensor: torch.Tensor, group: dist.ProcessGroup) -> _SplitTens
     return _SplitTensor(flat[rank * per_rank : (rank + 1) * per_rank].clone(), tensor.shape, group)
 
 
+def gather_chunks(part: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole tensor of ``shape`` again, all-gathered from the group's flat slices
+    ``part`` (padding dropped)."""
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(part) for _ in range(size)]
+    dist.all_gather(parts, part, group=group)
+    return torch.cat(parts)[: shape.numel()].view(shape)
+
+
 def gather_saved(split: _SplitTensor) -> torch.Tensor:
     """The whole tensor again, all-gathered from the group's slices (padding dropped)."""
-    size = dist.get_world_size(split.group)
-    parts = [torch.empty_like(split.part) for _ in range(size)]
-    dist.all_gather(parts, split.part, group=split.group)
-    return torch.cat(parts)[: split.shape.numel()].view(split.shape)
+    return gather_chunks(split.part, split.shape, split.group)
 
 
 def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from rng_tracker import (
     rng_context_fn,
 )
 from rng_tracker import megatron as mg
+from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
 
 MODES = {"non-reentrant": False, "reentrant": True}
 
@@ -136,20 +137,32 @@ def test_reentrant_refuses_autograd_grad_clearly():
         torch.autograd.grad(out.sum(), x)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_inputs_without_grad_and_outputs_without_grad_work(mode):
+def test_inputs_without_grad_and_outputs_without_grad_work_non_reentrant():
+    """Non-reentrant: inputs and outputs that need no grad are fine, as in torch."""
     tracker = make_tracker()
     x = torch.randn(2, 16)
-    out = checkpoint(
-        dropout_block, x, torch.eye(16), tracker, [], use_reentrant=MODES[mode], tracker=tracker
-    )
+    out = checkpoint(dropout_block, x, torch.eye(16), tracker, [], tracker=tracker)
     assert out.shape == (2, 16) and not out.requires_grad
     w = torch.randn(16, 16, requires_grad=True)
-    out = checkpoint(
-        lambda a, b: (a @ b).detach(), x, w, use_reentrant=MODES[mode], tracker=tracker
-    )
-    if out.requires_grad:  # reentrant: a Function's output requires grad when an input does
-        out.sum().backward()  # its backward finds no recomputed output to differentiate
+    out = checkpoint(lambda a, b: (a @ b).detach(), x, w, tracker=tracker)
+    assert not out.requires_grad and w.grad is None
+
+
+def test_reentrant_warns_and_raises_where_torch_does():
+    """Reentrant, as torch's: no input requiring grad warns; an output that needs grad whose
+    recompute needs none raises torch's "none of output has requires_grad=True"."""
+    tracker = make_tracker()
+    x = torch.randn(2, 16)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        out = checkpoint(
+            dropout_block, x, torch.eye(16), tracker, [], use_reentrant=True, tracker=tracker
+        )
+    assert out.shape == (2, 16) and not out.requires_grad
+    w = torch.randn(16, 16, requires_grad=True)
+    out = checkpoint(lambda a, b: (a @ b).detach(), x, w, use_reentrant=True, tracker=tracker)
+    assert out.requires_grad  # a Function's output requires grad when an input does
+    with pytest.raises(CheckpointUsageError, match="none of output has requires_grad=True"):
+        out.sum().backward()
     assert w.grad is None
 
 
@@ -318,3 +331,26 @@ def test_autocast_state_is_replayed_in_the_recompute(mode):
     expected = go(False, True)
     assert all(torch.equal(a, b) for a, b in zip(expected, go(True, True), strict=True))
     assert not torch.equal(expected[1], go(False, False)[1])
+
+
+@pytest.mark.parametrize("mode", [*MODES, "megatron", "torch+rng_context_fn"])
+def test_is_checkpointing_inside_forward_and_recompute_only(mode):
+    """Megatron's is_checkpointing(): True in the checkpointed forward and in its recompute,
+    False around them (also after the recompute restored the states)."""
+    seen: list[bool] = []
+
+    def f(x):
+        seen.append(is_checkpointing())
+        return x.sin().exp()
+
+    x = torch.randn(4, requires_grad=True)
+    assert not is_checkpointing()
+    if mode == "megatron":
+        out = megatron_checkpoint(f, False, x)
+    elif mode == "torch+rng_context_fn":
+        out = torch_checkpoint.checkpoint(f, x, use_reentrant=False, context_fn=rng_context_fn())
+    else:
+        out = checkpoint(f, x, use_reentrant=MODES[mode])
+    assert seen == [True] and not is_checkpointing()
+    out.sum().backward()
+    assert seen == [True, True] and not is_checkpointing()

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from rng_tracker import MODEL_PARALLEL_RNG, checkpoint, get_rng_tracker, model_parallel_seed
+from rng_tracker.checkpoint import megatron_checkpoint
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.collectives import copy_to_tp, reduce_from_tp
 from rng_tracker.parallel.testing import run_distributed
@@ -17,6 +18,7 @@ VARIANTS = {
     "reentrant": {"use_reentrant": True},
     "non-reentrant+distribute": {"use_reentrant": False, "distribute_saved_activations": True},
     "reentrant+distribute": {"use_reentrant": True, "distribute_saved_activations": True},
+    "megatron+distribute": "megatron",
 }
 
 
@@ -48,9 +50,13 @@ def _run_all_variants() -> dict:
         masks: list[torch.Tensor] = []
         if options is None:
             out = tp_block(x, a, b, group, masks)
+        elif options == "megatron":
+            out = megatron_checkpoint(tp_block, True, x, a, b, group, masks)
+            assert x.shape == (BATCH * HIDDEN // 2,)  # the caller's x holds only its chunk now
         else:
             out = checkpoint(tp_block, x, a, b, group, masks, **options)
         (out * torch.linspace(-1, 1, HIDDEN)).sum().backward()
+        assert x.shape == (BATCH, HIDDEN)  # whole again after backward
         results[name] = {"grads": (x.grad, a.grad, b.grad), "masks": masks}
     destroy_model_parallel()
     return results
@@ -62,15 +68,18 @@ def _odd_sized_distribute() -> tuple:
     init_model_parallel(tensor=2)
     model_parallel_seed(3)
     outs = []
-    for options in (None, {"use_reentrant": True}, {"use_reentrant": False}):
-        x = torch.arange(35.0).reshape(7, 5).requires_grad_()
+    for options in (None, {"use_reentrant": True}, {"use_reentrant": False}, "megatron"):
+        x = torch.arange(35.0).reshape(7, 5).clone().requires_grad_()  # viewless
         f = lambda t: (t.sin() * t).sum()  # noqa: E731 - tiny local function
-        loss = (
-            f(x)
-            if options is None
-            else checkpoint(f, x, distribute_saved_activations=True, **options)
-        )
+        if options is None:
+            loss = f(x)
+        elif options == "megatron":
+            loss = megatron_checkpoint(f, True, x)
+            assert x.shape == (18,)  # ceil(35 / 2): this rank's padded chunk
+        else:
+            loss = checkpoint(f, x, distribute_saved_activations=True, **options)
         loss.backward()
+        assert x.shape == (7, 5) and torch.equal(x.detach(), torch.arange(35.0).reshape(7, 5))
         outs.append(x.grad)
     destroy_model_parallel()
     return tuple(outs)
@@ -106,5 +115,5 @@ def test_tp_block_checkpointed_in_every_mode_is_bitwise_exact():
 
 
 def test_distributed_saved_input_of_odd_size_is_padded_not_truncated():
-    for plain, reentrant, non_reentrant in run_distributed(_odd_sized_distribute, world_size=2):
-        assert torch.equal(plain, reentrant) and torch.equal(plain, non_reentrant)
+    for plain, *checkpointed in run_distributed(_odd_sized_distribute, world_size=2):
+        assert all(torch.equal(plain, grad) for grad in checkpointed)
