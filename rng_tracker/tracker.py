@@ -155,7 +155,7 @@ class RNGStatesTracker:
         return iter(list(self._states))
 
     def __repr__(self) -> str:
-        return f"RNGStatesTracker(device={self.device}, streams={self.names()})"
+        return f"{type(self).__name__}(device={self.device}, streams={self.names()})"
 
     # -- registration -----------------------------------------------------------------
     def add(self, name: str, seed: int) -> None:
