@@ -192,8 +192,9 @@ class CudaRNGStatesTracker(RNGStatesTracker):
         return set(self._seeds.values())
 
     def is_initialized(self) -> bool:
-        """Whether ``add`` or ``set_states`` ran since the last reset (Megatron's meaning)."""
-        return self._is_initialized
+        """Whether ``add`` or ``set_states`` ran since the last reset (Megatron's meaning),
+        or streams were loaded."""
+        return self._is_initialized or bool(self._states)
 
     def reset(self) -> None:
         """Forget every stream."""

@@ -531,6 +531,26 @@ def test_every_megatron_name_exists_with_a_compatible_signature():
 # ----------------------------------------------------------------------------------------
 # Part 3: behaviours Megatron's suite leaves out
 # ----------------------------------------------------------------------------------------
+def test_tracker_attributes_follow_megatron():
+    """states_ is a read-only view of the stored states, seeds_ the seeds added since the
+    last reset, is_initialized true after add or set_states (even of nothing)."""
+    tracker = CudaRNGStatesTracker()
+    assert not tracker.is_initialized() and tracker.seeds_ == set()
+    tracker.add("a", 5)
+    tracker.add("b", 6)
+    assert tracker.is_initialized() and tracker.seeds_ == {5, 6}
+    assert torch.equal(tracker.states_["a"], seeded_state(5))
+    with pytest.raises(TypeError):
+        tracker.states_["a"] = seeded_state(7)  # type: ignore[index]
+    with tracker.fork("a"):
+        torch.rand(2, device=DEVICE)
+    assert not torch.equal(tracker.states_["a"], seeded_state(5))
+    tracker.reset()
+    assert not tracker.is_initialized() and dict(tracker.states_) == {}
+    tracker.set_states({})
+    assert tracker.is_initialized()
+
+
 def test_manual_seed_takes_megatron_positional_order_and_arithmetic():
     """(seed, te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, tp_rank,
     ep_rank, etp_rank) positionally; seeds are Megatron's, bitwise."""
