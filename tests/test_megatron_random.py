@@ -758,8 +758,9 @@ def test_ranks_come_from_the_parallel_state_and_are_never_guessed(rank):
         model_parallel_cuda_manual_seed(10)
         mine = get_cuda_rng_tracker().get_states()["model-parallel-rng"]
         assert torch.equal(mine, seeded_state(10 + 2718 + state.rank("tp")))
-        gathered = [torch.empty_like(mine) for _ in range(2)]
-        dist.all_gather(gathered, mine)
+        wire = mine.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+        gathered = [torch.empty_like(wire) for _ in range(2)]
+        dist.all_gather(gathered, wire)
         assert not torch.equal(gathered[0], gathered[1])
     finally:
         destroy_model_parallel()
