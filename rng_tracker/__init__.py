@@ -45,6 +45,7 @@ from rng_tracker.errors import (
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
+    TrackerNotInitializedError,
     UnknownStreamError,
 )
 
@@ -102,6 +103,7 @@ __all__ = [
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
+    "TrackerNotInitializedError",
     "UnknownStreamError",
     "checkpoint",
     "default_device",

@@ -2,7 +2,10 @@
 
 This is the only module that knows how each device type stores generator state:
 CUDA (graph-safe generator states where torch has them), CPU and any other
-``torch.accelerator`` device (state tensors).
+``torch.accelerator`` device (state tensors). A :class:`DeviceRNG` may also be asked
+for one form on every device: uint8 state tensors, or ``torch.Generator`` objects
+(graph-safe handles on CUDA, cloned generators elsewhere), as Megatron's two tracker
+modes store them.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ __all__ = [
     "device_rng",
 ]
 
-# A saved generator state: a cloned ``torch.Generator`` (CUDA graph-safe path) or a
-# uint8 CPU tensor (every other device).
+# A saved generator state: a ``torch.Generator`` (graph-safe handle on CUDA, clone
+# elsewhere) or a uint8 CPU tensor.
 RNGState: TypeAlias = "torch.Generator | torch.Tensor"
 
 
@@ -73,24 +76,41 @@ def default_generator(device: torch.device | str | int | None = None) -> torch.G
 class DeviceRNG:
     """Reads and writes the default generator of one device.
 
-    ``swap_in``/``swap_out`` are the fork fast path: on CUDA with graph-safe states they
+    ``live``/``install`` are the fork fast path: on CUDA with graph-safe states they
     move generator-state *handles* (no copy; each handle is installed in at most one
-    place at a time), elsewhere they copy state tensors. ``snapshot``/``restore`` always
-    copy, so a snapshot never aliases live state.
+    place at a time), elsewhere they copy states. ``snapshot``/``copy`` always copy, so a
+    snapshot never aliases live state.
+
+    Args:
+        device: the device whose default generator this reads and writes.
+        generator_states: the form of saved states. None: graph-safe ``torch.Generator``
+            handles where the device has them (CUDA), else uint8 tensors. True:
+            ``torch.Generator`` objects on every device (handles on CUDA, clones
+            elsewhere). False: uint8 tensors on every device, CUDA included.
     """
 
-    __slots__ = ("device", "generator", "graph_safe")
+    __slots__ = ("device", "generator", "generator_states", "graph_safe")
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        generator_states: bool | None = None,
+    ) -> None:
         self.device = _normalize(device)
         self.generator = default_generator(self.device)
-        self.graph_safe = self.device.type == "cuda" and hasattr(
-            self.generator, "graphsafe_get_state"
-        )
+        has_handles = self.device.type == "cuda" and hasattr(self.generator, "graphsafe_get_state")
+        self.generator_states = has_handles if generator_states is None else bool(generator_states)
+        self.graph_safe = self.generator_states and has_handles  # states are live handles
 
     def _state_of(self, generator: torch.Generator) -> RNGState:
-        # The form this device's states take: a graph-safe handle or a uint8 tensor copy.
-        return generator.graphsafe_get_state() if self.graph_safe else generator.get_state()
+        # The form this device's states take: a graph-safe handle, a cloned generator or a
+        # uint8 tensor copy.
+        if self.graph_safe:
+            return generator.graphsafe_get_state()
+        if self.generator_states:
+            return generator.clone_state()
+        return generator.get_state()
 
     def live(self) -> RNGState:
         """The state now installed: a handle on the graph-safe path, else a copy."""
@@ -100,14 +120,16 @@ class DeviceRNG:
         """Make ``state`` the generator's state (by handle on the graph-safe path)."""
         if self.graph_safe:
             self.generator.graphsafe_set_state(state)
-        else:
+        elif isinstance(state, torch.Tensor):
             self.generator.set_state(state)
+        else:
+            self.generator.set_state(state.get_state())
 
     def snapshot(self) -> RNGState:
         """An independent copy of the current state."""
         if self.graph_safe:
             return self.generator.graphsafe_get_state().clone_state()
-        return self.generator.get_state()
+        return self._state_of(self.generator)
 
     def copy(self, state: RNGState) -> RNGState:
         """An independent copy of a saved state."""
@@ -137,14 +159,41 @@ class DeviceRNG:
         """Whether two saved states would draw the same values."""
         return torch.equal(self.to_bytes(a), self.to_bytes(b))
 
+    def convert(self, state: object) -> RNGState:
+        """A copy of ``state`` (a state tensor or a generator of this device type) in this
+        object's form; raises :class:`TrackerDeviceError` if it is neither."""
+        if isinstance(state, torch.Generator):
+            if state.device.type != self.device.type:
+                raise TrackerDeviceError(
+                    f"a generator of {state.device} holds no {self.device.type} state; pass a "
+                    f"state of a {self.device.type} generator"
+                )
+            return state.clone_state() if self.generator_states else state.get_state()
+        if isinstance(state, torch.Tensor):
+            try:
+                return self.from_bytes(state)
+            except (RuntimeError, TypeError):
+                raise TrackerDeviceError(
+                    f"the tensor is not a {self.device.type} generator state (dtype "
+                    f"{state.dtype}, {state.numel()} elements); pass what get_rng_state() or "
+                    f"get_states() of the {self.device.type} device returns"
+                ) from None
+        raise TrackerDeviceError(
+            f"a generator state is a torch.Tensor or a torch.Generator, got "
+            f"{type(state).__name__} {state!r}"
+        )
 
-_DEVICE_RNGS: dict[torch.device, DeviceRNG] = {}
+
+_DEVICE_RNGS: dict[tuple[torch.device, bool | None], DeviceRNG] = {}
 
 
-def device_rng(device: torch.device | str | int | None = None) -> DeviceRNG:
-    """The cached :class:`DeviceRNG` of ``device``."""
+def device_rng(
+    device: torch.device | str | int | None = None, *, generator_states: bool | None = None
+) -> DeviceRNG:
+    """The cached :class:`DeviceRNG` of ``device`` for the given state form."""
     device = _normalize(device)
-    rng = _DEVICE_RNGS.get(device)
+    key = (device, generator_states)
+    rng = _DEVICE_RNGS.get(key)
     if rng is None:
-        rng = _DEVICE_RNGS[device] = DeviceRNG(device)
+        rng = _DEVICE_RNGS[key] = DeviceRNG(device, generator_states=generator_states)
     return rng

@@ -28,6 +28,7 @@ __all__ = [
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
+    "TrackerNotInitializedError",
     "UnknownStreamError",
 ]
 
@@ -124,3 +125,7 @@ class KernelUnavailableError(RNGTrackerError, RuntimeError):
 
 class RNGConsistencyError(RNGTrackerError, RuntimeError):
     """Ranks hold RNG states that break the declared equal/distinct policy."""
+
+
+class TrackerNotInitializedError(RNGTrackerError, RuntimeError):
+    """A Megatron-compatible call needs the process's RNG tracker, which was never created."""

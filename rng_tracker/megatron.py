@@ -1,94 +1,487 @@
-"""Megatron-LM-compatible names, for users who migrate and must keep their masks.
+"""A drop-in for ``megatron.core.tensor_parallel.random``, on any device.
 
-They work on CPU as on CUDA: "cuda" in a name only echoes Megatron's API.
+Every public name of Megatron-LM's module, and the private ones Megatron's other
+modules import from it, with Megatron's signatures and positional order. "cuda" in a
+name only echoes Megatron's API: the names act on the default generator of the current
+device (CUDA, another ``torch.accelerator`` device, or CPU). Where the behaviour
+differs from Megatron's, ``docs/migrating.md`` says how and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import operator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
-from rng_tracker.checkpoint import checkpoint as _checkpoint
+import torch
+import torch.distributed as dist
+
+from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
+from rng_tracker.checkpoint_without_output import (
+    CheckpointWithoutOutput,
+    CheckpointWithoutOutputManager,
+)
+from rng_tracker.device_rng import RNGState, default_generator, device_rng
+from rng_tracker.errors import (
+    ParallelStateError,
+    RankError,
+    SeedReuseError,
+    TrackerDeviceError,
+    TrackerNotInitializedError,
+)
 from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
     model_parallel_seed,
+    plan_seeds,
 )
-from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from rng_tracker.tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    _set_process_tracker,
+    validate_seed,
+)
 
 __all__ = [
+    "HAVE_TE",
+    "CheckpointFunction",
+    "CheckpointWithoutOutput",
+    "CheckpointWithoutOutputManager",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
+    "get_all_rng_states",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "get_gtp_remat_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
+    "initialize_rng_tracker",
+    "is_checkpointing",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
 ]
 
+# TransformerEngine is never used here: te_rng_tracker asks for what TE's tracker is,
+# a tracker of graph-safe generator states (see initialize_rng_tracker).
+HAVE_TE = False
 
+_MODEL_PARALLEL_RNG_TRACKER_NAME = MODEL_PARALLEL_RNG
+_EXPERT_PARALLEL_RNG_TRACKER_NAME = EXPERT_PARALLEL_RNG
+_DATA_PARALLEL_RNG_TRACKER_NAME = DATA_PARALLEL_RNG
+_GTP_REMAT_RNG_TRACKER_NAME = "gtp-remat-rng"
+_EXPERT_GTP_REMAT_RNG_TRACKER_NAME = "egtp-remat-rng"
+
+
+# -- device generator states -------------------------------------------------------------
+def _get_cuda_rng_state(
+    device: int | str | torch.device | None = None, clone: bool = False, graph_safe: bool = False
+) -> RNGState:
+    """The state of ``device``'s default generator (default: the current device).
+
+    ``graph_safe=False``: a uint8 state tensor. ``graph_safe=True``: a ``torch.Generator``
+    - on CUDA the live graph-safe handle, or a clone of it with ``clone=True``; on
+    devices without graph-safe states always a clone.
+    """
+    rng = device_rng(device)
+    generator = rng.generator
+    if not graph_safe:
+        return generator.get_state()
+    if clone or not hasattr(generator, "graphsafe_get_state") or rng.device.type != "cuda":
+        return generator.clone_state()
+    return generator.graphsafe_get_state()
+
+
+def _set_cuda_rng_state(
+    new_state: RNGState, device: int | str | torch.device = -1, graph_safe: bool = False
+) -> None:
+    """Install ``new_state`` (a state tensor or a ``torch.Generator``) in ``device``'s
+    default generator (-1: the current device). With ``graph_safe=True`` on CUDA a
+    generator is installed by handle, as Megatron does; otherwise its state is copied."""
+    target = None if isinstance(device, int) and device == -1 else device
+    generator = default_generator(target)
+    if isinstance(new_state, torch.Generator):
+        if new_state.device.type != generator.device.type:
+            raise TrackerDeviceError(
+                f"a generator of {new_state.device} cannot set the state of {generator.device}"
+            )
+        if graph_safe and generator.device.type == "cuda":
+            generator.graphsafe_set_state(new_state)
+            return
+        new_state = new_state.get_state()
+    if not isinstance(new_state, torch.Tensor):
+        raise TrackerDeviceError(
+            f"a generator state is a torch.Tensor or a torch.Generator, got {type(new_state).__name__}"
+        )
+    try:
+        generator.set_state(new_state)
+    except (RuntimeError, TypeError) as error:
+        raise TrackerDeviceError(
+            f"the tensor is not a {generator.device.type} generator state: {error}"
+        ) from None
+
+
+def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGState:
+    """``state`` as a ``torch.Generator`` (``to_graphable=True``) or as a uint8 state
+    tensor; a state already in that form is returned as it is. The current device's
+    generator is not touched."""
+    if isinstance(state, torch.Generator):
+        return state if to_graphable else state.get_state()
+    if isinstance(state, torch.Tensor):
+        return device_rng(None, generator_states=True).convert(state) if to_graphable else state
+    raise TrackerDeviceError(
+        f"convert_cuda_rng_state takes a torch.Tensor or a torch.Generator, got "
+        f"{type(state).__name__}"
+    )
+
+
+# -- stream names ----------------------------------------------------------------------
+def get_expert_parallel_rng_tracker_name() -> str:
+    """Name of the stream that varies over expert- and expert-tensor-parallel ranks."""
+    return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_data_parallel_rng_tracker_name() -> str:
+    """Name of the stream that is equal across tensor-parallel ranks."""
+    return _DATA_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_model_parallel_rng_tracker_name() -> str:
+    """Name of the stream that varies over tensor-parallel ranks (not in Megatron)."""
+    return _MODEL_PARALLEL_RNG_TRACKER_NAME
+
+
+def get_gtp_remat_rng_tracker_name(is_expert: bool = False) -> str:
+    """Name of the (expert) GTP-remat weight-init stream, which differs per GTP rank."""
+    return _EXPERT_GTP_REMAT_RNG_TRACKER_NAME if is_expert else _GTP_REMAT_RNG_TRACKER_NAME
+
+
+# -- the tracker -------------------------------------------------------------------------
 class CudaRNGStatesTracker(RNGStatesTracker):
-    """Megatron's tracker class name; the streams of the current device."""
+    """Megatron's tracker: the streams of the current device's default generator.
+
+    Args:
+        use_cudagraphable_rng: the form of the saved states. True: ``torch.Generator``
+            objects (graph-safe handles on CUDA, which CUDA graphs can register; clones on
+            other devices). False: uint8 state tensors, on CUDA too. Forks draw the same
+            values either way.
+        is_inference_rng_tracker: kept as an attribute, as Megatron does; the inference
+            behaviour comes from :func:`initialize_rng_tracker`.
+    """
 
     def __init__(
         self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False
     ) -> None:
-        # Graph-safe states are used wherever torch offers them, so both flags are moot.
-        super().__init__(device=None)
+        super().__init__(None, generator_states=bool(use_cudagraphable_rng))
+        self.use_cudagraphable_rng = bool(use_cudagraphable_rng)
+        self.is_inference_rng_tracker = bool(is_inference_rng_tracker)
+        self._is_initialized = False
+
+    @property
+    def states_(self) -> Mapping[str, RNGState]:
+        """Read-only view of the streams' stored states (Megatron's ``states_``); a stream
+        with an open fork shows its state at fork entry. Use ``get_states()`` for copies."""
+        return MappingProxyType(self._states)
+
+    @property
+    def seeds_(self) -> set[int]:
+        """The seeds of the streams added since the last reset (Megatron's ``seeds_``)."""
+        return set(self._seeds.values())
+
+    def is_initialized(self) -> bool:
+        """Whether ``add`` or ``set_states`` ran since the last reset (Megatron's meaning),
+        or streams were loaded."""
+        return self._is_initialized or bool(self._states)
+
+    def reset(self) -> None:
+        """Forget every stream."""
+        super().reset()
+        self._is_initialized = False
+
+    def add(self, name: str, seed: int) -> None:
+        """Register stream ``name`` starting from ``seed``; the generator is untouched."""
+        super().add(name, seed)
+        self._is_initialized = True
+
+    def set_states(self, states: Mapping[str, RNGState]) -> None:
+        """Replace every stream with copies of ``states`` (tensors or generators)."""
+        super().set_states(states)
+        self._is_initialized = True
+
+
+class _InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
+    """Megatron's inference tracker: ``add`` and ``set_states`` do nothing and ``fork`` is
+    a no-op, so inference draws from the default generator."""
+
+    def add(self, name: str, seed: int) -> None:
+        """Do nothing (inference keeps no streams)."""
+
+    def set_states(self, states: Mapping[str, RNGState]) -> None:
+        """Do nothing (inference keeps no streams)."""
+
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Any:
+        """A context that changes nothing."""
+        return contextlib.nullcontext()
+
+
+_CUDA_RNG_STATE_TRACKER: CudaRNGStatesTracker | None = None
+_CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def initialize_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    force_reset: bool = False,
+) -> None:
+    """Create the process's Megatron tracker once (again with ``force_reset``).
+
+    It also becomes what :func:`rng_tracker.get_rng_tracker` returns for its device.
+    ``use_te_rng_tracker`` gives what TransformerEngine's tracker is, a tracker of
+    graph-safe generator states (TE itself is not used); ``inference_rng_tracker`` a
+    tracker whose ``add``/``set_states``/``fork`` do nothing.
+    """
+    global _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED
+    if force_reset:
+        _CUDA_RNG_STATE_TRACKER = None
+        _CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        return
+    cls = _InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
+    tracker = cls(
+        use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
+        is_inference_rng_tracker=inference_rng_tracker,
+    )
+    _set_process_tracker(tracker)
+    _CUDA_RNG_STATE_TRACKER = tracker
+    _CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def get_cuda_rng_tracker(
     use_te_rng_tracker: bool = False,
     inference_rng_tracker: bool = False,
     use_cudagraphable_rng: bool = False,
-) -> RNGStatesTracker:
-    """The process's tracker of the current device (Megatron's accessor name)."""
-    return get_rng_tracker()
+) -> CudaRNGStatesTracker:
+    """The process's Megatron tracker, created with these options on the first call."""
+    initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
+    assert _CUDA_RNG_STATE_TRACKER is not None
+    return _CUDA_RNG_STATE_TRACKER
+
+
+def get_all_rng_states() -> dict[str, RNGState]:
+    """The stored state of every stream of the Megatron tracker, by reference.
+
+    On a graph-safe CUDA tracker these are the generator handles its forks install (what a
+    CUDA graph must register); use ``get_cuda_rng_tracker().get_states()`` for copies.
+    """
+    if not _CUDA_RNG_STATE_TRACKER_INITIALIZED or _CUDA_RNG_STATE_TRACKER is None:
+        raise TrackerNotInitializedError(
+            "get_all_rng_states(): the RNG tracker is not initialised; call "
+            "get_cuda_rng_tracker() or model_parallel_cuda_manual_seed(seed) first"
+        )
+    return dict(_CUDA_RNG_STATE_TRACKER.states_)
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
+    """Whether the tracker keeps ``torch.Generator`` states (Megatron's graph-safe mode)."""
+    if getattr(cuda_rng_tracker, "use_cudagraphable_rng", False):
+        return True
+    rng = getattr(cuda_rng_tracker, "_rng", None)
+    return isinstance(cuda_rng_tracker, RNGStatesTracker) and bool(rng.generator_states)
+
+
+# -- seeding -------------------------------------------------------------------------------
+def _parallel_ranks(
+    tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
+) -> dict[str, int]:
+    """The tp/ep/etp ranks: as given, else from the parallel state, else 0 in one process."""
+    given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
+    if all(rank is not None for rank in given.values()):
+        return dict(given)  # type: ignore[arg-type]
+    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+
+    state = get_parallel_state_or_none()
+    if state is not None:
+        found = {axis: state.rank(axis) for axis in given}
+    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        missing = ", ".join(f"{axis}_rank" for axis, rank in given.items() if rank is None)
+        raise ParallelStateError(
+            f"model_parallel_cuda_manual_seed needs {missing}: torch.distributed runs "
+            f"{dist.get_world_size()} ranks but no parallel state is initialised, so every rank "
+            "would seed as rank 0 and draw the same masks; call "
+            "rng_tracker.parallel.init_model_parallel(...) first or pass the ranks"
+        )
+    else:
+        found = dict.fromkeys(given, 0)
+    return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}
+
+
+def _gtp_seed(
+    axis: str, rank: int | None, world_size: int | None, base: int, offset: int
+) -> int | None:
+    """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
+    size = 1 if world_size is None else _index(f"{axis}_world_size", world_size)
+    if size <= 1:
+        return None
+    if rank is None:
+        raise ParallelStateError(
+            f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
+            f"{axis} axis, so pass the rank explicitly"
+        )
+    return base + offset + 65536 * (1 + _index(f"{axis}_rank", rank))
+
+
+def _index(what: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise RankError(f"{what} must be an int, got {value!r}")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise RankError(f"{what} must be an int, got {type(value).__name__}") from None
+    if result < 0:
+        raise RankError(f"{what} must be >= 0, got {result}")
+    return result
 
 
 def model_parallel_cuda_manual_seed(
     seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
     tp_rank: int | None = None,
     ep_rank: int | None = None,
     etp_rank: int | None = None,
+    gtp_remat_rank: int | None = None,
+    egtp_remat_rank: int | None = None,
+    force_reset_rng: bool = False,
+    gtp_remat_world_size: int | None = None,
+    egtp_remat_world_size: int | None = None,
 ) -> SeedPlan:
-    """Megatron's seeding: ``seed`` already holds the pipeline offset, as Megatron passes it.
+    """Megatron's seeding, bit for bit; ``seed`` already holds the pipeline offset.
 
-    default = seed; model-parallel-rng = seed + 2718 + tp_rank;
-    expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank.
+    default generator and data-parallel-rng = seed; model-parallel-rng = seed + 2718 +
+    tp_rank; expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank; the GTP-remat
+    streams only where their world size is above 1. Ranks not given come from
+    rng_tracker.parallel's parallel state, else are 0 when torch.distributed runs one rank
+    (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
+    Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
     """
-    return model_parallel_seed(
+    ranks = _parallel_ranks(tp_rank, ep_rank, etp_rank)
+    plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
+    extra = {
+        name: value
+        for name, value in (
+            (
+                _GTP_REMAT_RNG_TRACKER_NAME,
+                _gtp_seed(
+                    "gtp_remat",
+                    gtp_remat_rank,
+                    gtp_remat_world_size,
+                    plan.stream_seeds[MODEL_PARALLEL_RNG],
+                    0,
+                ),
+            ),
+            (
+                _EXPERT_GTP_REMAT_RNG_TRACKER_NAME,
+                _gtp_seed(
+                    "egtp_remat",
+                    egtp_remat_rank,
+                    egtp_remat_world_size,
+                    plan.stream_seeds[EXPERT_PARALLEL_RNG],
+                    32768,
+                ),
+            ),
+        )
+        if value is not None
+    }
+    used = {value: name for name, value in plan.stream_seeds.items()}
+    for name, value in extra.items():
+        validate_seed(value)
+        if value in used:
+            raise SeedReuseError(
+                f"Megatron's arithmetic gives {name!r} the seed {value} of {used[value]!r}: "
+                "they would draw identical values; change the ranks or the seed"
+            )
+        used[value] = name
+    initialize_rng_tracker(
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+    )
+    tracker = _CUDA_RNG_STATE_TRACKER
+    assert tracker is not None
+    plan = model_parallel_seed(
         seed,
         scheme="megatron",
-        tp_rank=tp_rank,
-        ep_rank=ep_rank,
-        etp_rank=etp_rank,
+        tp_rank=ranks["tp"],
+        ep_rank=ranks["ep"],
+        etp_rank=ranks["etp"],
         pp_rank=0,
         dp_rank=0,
+        cp_rank=0,
+        tracker=tracker,
     )
+    for name, value in extra.items():
+        tracker.add(name, value)
+    return plan
 
 
-def get_data_parallel_rng_tracker_name() -> str:
-    """Name of the stream that is equal across tensor-parallel ranks."""
-    return DATA_PARALLEL_RNG
+# -- whole-process RNG snapshots (Megatron's private helpers) ---------------------------------
+def _get_all_rng_states() -> tuple[torch.Tensor, RNGState, dict[str, RNGState]]:
+    """Copies of the CPU state, the current device's state and the Megatron tracker's streams."""
+    tracker = get_cuda_rng_tracker()
+    device_state = _get_cuda_rng_state(
+        graph_safe=is_graph_safe_cuda_rng_tracker(tracker), clone=True
+    )
+    return torch.get_rng_state(), device_state, tracker.get_states()
 
 
-def get_expert_parallel_rng_tracker_name() -> str:
-    """Name of the stream that varies over expert- and expert-tensor-parallel ranks."""
-    return EXPERT_PARALLEL_RNG
+def _set_all_rng_states(
+    cpu_rng_state: torch.Tensor,
+    cuda_rng_state: RNGState,
+    cuda_rng_state_tracker: Mapping[str, RNGState],
+) -> None:
+    """Install what :func:`_get_all_rng_states` returned."""
+    get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+    _set_cuda_rng_state(cuda_rng_state)
+    torch.set_rng_state(cpu_rng_state)
 
 
-def get_model_parallel_rng_tracker_name() -> str:
-    """Name of the stream that varies over tensor-parallel ranks."""
-    return MODEL_PARALLEL_RNG
+@contextlib.contextmanager
+def _fork_rng() -> Iterator[None]:
+    """Run the body, then put every RNG state back as it was on entry."""
+    states = _get_all_rng_states()
+    try:
+        yield
+    finally:
+        _set_all_rng_states(*states)
 
 
+# -- checkpointing -------------------------------------------------------------------------
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
-    """Megatron's positional checkpoint: reentrant, replaying every tracker stream."""
-    return _checkpoint(
-        function,
-        *args,
-        use_reentrant=True,
-        distribute_saved_activations=distribute_saved_activations,
-    )
+    """Megatron's positional checkpoint: reentrant, replaying every tracker stream.
+
+    With ``distribute_saved_activations`` the caller's ``args[0].data`` keeps only this
+    rank's 1/tp chunk until backward, as in Megatron.
+    """
+    return megatron_checkpoint(function, distribute_saved_activations, *args)
+
+
+class CheckpointFunction:
+    """Megatron's autograd Function name: ``CheckpointFunction.apply(function,
+    distribute_saved_activations, *args)`` is :func:`checkpoint`."""
+
+    @staticmethod
+    def apply(
+        run_function: Callable[..., Any], distribute_saved_activations: bool, *args: Any
+    ) -> Any:
+        """Checkpoint ``run_function(*args)`` (see :func:`checkpoint`)."""
+        return megatron_checkpoint(run_function, distribute_saved_activations, *args)
+
+
+def __getattr__(name: str) -> Any:
+    # Megatron's module-level flag, read live (a plain global here would never change).
+    if name == "IS_CHECKPOINTING":
+        return is_checkpointing()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -96,10 +96,19 @@ class RNGStatesTracker:
     Args:
         device: the device whose default generator the streams drive; None means the
             current accelerator device if one is available, else CPU.
+        generator_states: the form of the saved states (see :class:`DeviceRNG`). None:
+            graph-safe ``torch.Generator`` handles on CUDA, uint8 tensors elsewhere;
+            True: ``torch.Generator`` objects on every device; False: uint8 tensors on
+            every device. Forks draw the same values in every form.
     """
 
-    def __init__(self, device: torch.device | str | int | None = None) -> None:
-        self._rng: DeviceRNG = device_rng(device)
+    def __init__(
+        self,
+        device: torch.device | str | int | None = None,
+        *,
+        generator_states: bool | None = None,
+    ) -> None:
+        self._rng: DeviceRNG = device_rng(device, generator_states=generator_states)
         self._serial = next(_SERIALS)
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}
@@ -145,7 +154,7 @@ class RNGStatesTracker:
         return iter(list(self._states))
 
     def __repr__(self) -> str:
-        return f"RNGStatesTracker(device={self.device}, streams={self.names()})"
+        return f"{type(self).__name__}(device={self.device}, streams={self.names()})"
 
     # -- registration -----------------------------------------------------------------
     def add(self, name: str, seed: int) -> None:
@@ -231,16 +240,25 @@ class RNGStatesTracker:
         }
 
     def set_states(self, states: Mapping[str, RNGState]) -> None:
-        """Replace every stream with copies of ``states`` (as returned by ``get_states``)."""
+        """Replace every stream with copies of ``states``.
+
+        A state is what ``get_states`` returns, or any state of this device type in the
+        other form (a uint8 state tensor or a ``torch.Generator``, as Megatron's and
+        TransformerEngine's trackers hold them); it is converted to this tracker's form.
+        Nothing changes if a state is refused.
+        """
         rng = self._rng
-        for name, state in states.items():
-            self._check_state(name, state)
+        if not isinstance(states, Mapping):
+            raise TrackerDeviceError(
+                f"set_states() takes a mapping of stream name to state, got {type(states).__name__}"
+            )
+        converted = {name: self._converted(name, state) for name, state in states.items()}
         missing = [name for name in self._stack if name not in states]
         if missing:
             raise TrackerBusyError(
                 f"set_states() would drop the open fork(s) {missing}; close them first"
             )
-        self._states = {name: rng.copy(state) for name, state in states.items()}
+        self._states = converted
         self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
         if self._stack:
             rng.install(self._states[self._stack[-1]])
@@ -280,6 +298,11 @@ class RNGStatesTracker:
         states: dict[str, RNGState] = {}
         seeds: dict[str, int] = {}
         for name, entry in streams.items():
+            if not isinstance(name, str) or not name:
+                raise StateDictError(
+                    f"stream names must be non-empty str, got {name!r} "
+                    f"({type(name).__name__}); the state dict was not saved by state_dict()"
+                )
             data = entry.get("state") if isinstance(entry, Mapping) else None
             if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
                 raise StateDictError(f"stream {name!r}: 'state' must be a uint8 tensor")
@@ -304,25 +327,15 @@ class RNGStatesTracker:
         if self._stack:
             raise TrackerBusyError(f"{what} inside open fork(s) {self._stack}; call it outside")
 
-    def _check_state(self, name: str, state: object) -> None:
+    def _converted(self, name: object, state: object) -> RNGState:
         if not isinstance(name, str) or not name:
             raise StreamNameError(f"stream name must be a non-empty str, got {name!r}")
-        expected = torch.Generator if self._rng.graph_safe else torch.Tensor
-        if not isinstance(state, expected):
+        try:
+            return self._rng.convert(state)
+        except TrackerDeviceError as error:
             raise TrackerDeviceError(
-                f"state of stream {name!r} is a {type(state).__name__}, but the tracker of "
-                f"{self.device} holds {expected.__name__} states; pass states from "
-                "get_states() of a tracker of the same device"
-            )
-        if isinstance(state, torch.Tensor):
-            try:
-                self._rng.from_bytes(state)
-            except (RuntimeError, TypeError):
-                raise TrackerDeviceError(
-                    f"state of stream {name!r} is not a {self.device.type} generator state "
-                    f"(dtype {state.dtype}, {state.numel()} elements); pass a state from "
-                    "get_states() of a tracker of the same device type"
-                ) from None
+                f"state of stream {name!r} does not fit the tracker of {self.device}: {error}"
+            ) from None
 
 
 _TRACKERS: dict[torch.device, RNGStatesTracker] = {}
@@ -332,6 +345,11 @@ _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
     return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
+
+
+def _set_process_tracker(tracker: RNGStatesTracker) -> None:
+    """Make ``tracker`` what :func:`get_rng_tracker` returns for its device."""
+    _TRACKERS[tracker.device] = tracker
 
 
 def get_rng_tracker(device: torch.device | str | int | None = None) -> RNGStatesTracker:

@@ -195,7 +195,37 @@ def test_get_rng_tracker_is_one_per_device():
             ValueError,
             "generator state",
         ),
+        (
+            lambda t: t.set_states({"a": 1234}),
+            TrackerDeviceError,
+            ValueError,
+            "torch.Tensor or a torch.Generator",
+        ),
+        (lambda t: t.set_states([("a", 1)]), TrackerDeviceError, ValueError, "mapping"),
+        (lambda t: t.set_states({7: torch.get_rng_state()}), StreamNameError, TypeError, "str"),
         (lambda t: t.load_state_dict({"version": 99}), StateDictError, ValueError, "version 99"),
+        (
+            lambda t: t.load_state_dict(
+                {**t.state_dict(), "streams": {**t.state_dict()["streams"], 7: {"state": None}}}
+            ),
+            StateDictError,
+            ValueError,
+            "non-empty str, got 7",
+        ),
+        (
+            lambda t: t.load_state_dict(
+                {
+                    **t.state_dict(),
+                    "streams": {
+                        "b": {"seed": None, "state": torch.get_rng_state()},
+                        ("a",): t.state_dict()["streams"]["a"],
+                    },
+                }
+            ),
+            StateDictError,
+            ValueError,
+            "got ('a',)",
+        ),
         (
             lambda t: t.load_state_dict({**t.state_dict(), "device_type": "cuda"}),
             StateDictError,
@@ -227,6 +257,51 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(tracker, call, error
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
     assert words in str(info.value)
     assert full_state(tracker) == before
+
+
+@pytest.mark.parametrize("generator_states", [False, True])
+def test_both_state_forms_draw_the_same_streams(generator_states):
+    """generator_states picks the form of saved states (uint8 tensors or torch.Generator
+    objects); forks, nesting and snapshots draw bitwise the same values in either form."""
+    plain = RNGStatesTracker("cpu", generator_states=False)
+    other = RNGStatesTracker("cpu", generator_states=generator_states)
+    draws = []
+    for t in (plain, other):
+        t.add("a", 11)
+        t.add("b", 12)
+        torch.manual_seed(0)
+        with t.fork("a"):
+            x = torch.rand(4)
+            with t.fork("b"):
+                y = torch.rand(4)
+            snapshot = t.get_states()
+            z = torch.rand(4)
+        t.set_states(snapshot)
+        with t.fork("a"):
+            replay = torch.rand(4)
+        draws.append((x, y, z, replay, torch.rand(4)))
+    kind = torch.Generator if generator_states else torch.Tensor
+    assert all(isinstance(state, kind) for state in other.get_states().values())
+    for mine, theirs in zip(*draws, strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(draws[1][2], draws[1][3])
+
+
+@pytest.mark.parametrize("generator_states", [False, True])
+def test_set_states_converts_the_other_form(generator_states):
+    """set_states takes a state tensor or a torch.Generator (what Megatron's and TE's
+    trackers store) and keeps a copy in its own form: later draws do not touch the input."""
+    tracker = RNGStatesTracker("cpu", generator_states=generator_states)
+    source = torch.Generator().manual_seed(77)
+    given = source.get_state() if generator_states else source.clone_state()
+    tracker.set_states({"s": given})
+    kind = torch.Generator if generator_states else torch.Tensor
+    assert isinstance(tracker.get_states()["s"], kind)
+    with tracker.fork("s"):
+        drawn = torch.rand(5)
+    assert torch.equal(drawn, torch.rand(5, generator=torch.Generator().manual_seed(77)))
+    reread = given if isinstance(given, torch.Tensor) else given.get_state()
+    assert torch.equal(reread, torch.Generator().manual_seed(77).get_state())
 
 
 def test_reset_inside_a_fork_is_refused(tracker):
