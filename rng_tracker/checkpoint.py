@@ -319,8 +319,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise CheckpointUsageError(
                 "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or "
-                "passing an `inputs` parameter to .backward(): the reentrant recompute cannot "
-                "serve torch.autograd.grad or backward(inputs=...). Use "
+                "passing an `inputs` parameter to .backward(). The reentrant recompute cannot "
+                "serve torch.autograd.grad or backward(inputs=...): use "
                 "checkpoint(use_reentrant=False), or call .backward() without `inputs`"
             )
         saver: InputSaver = ctx.saver

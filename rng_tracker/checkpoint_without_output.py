@@ -1,29 +1,69 @@
 """Selective recompute of a cheap function whose output is freed once its consumer ran.
 
-Usage (Megatron's shape)::
+Usage (Megatron's shape and signature)::
 
     act = CheckpointWithoutOutput()
     h = act.checkpoint(gelu, x)          # h is a normal tensor
-    y = fc2(h)                           # the consumer saves h
+    y = fc2(h)                           # the consumer saves h (or views of it)
     act.discard_output_and_register_recompute(y)   # h's memory is freed now
 
 When backward reaches ``y`` the function is recomputed, with the forward's randomness,
-into ``h``'s storage before ``fc2``'s backward reads it.
+into ``h``'s storage before ``fc2``'s backward reads it (views of ``h`` see it too).
+
+Only storage that the outputs alone hold is freed: an output that shares storage with an
+input (Megatron's fused residual norm returns the residual) or with any other live tensor
+keeps its memory.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from rng_tracker.checkpoint import _backward_recomputed
-from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
+from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
-__all__ = ["CheckpointWithoutOutput"]
+__all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _refcount_of_an_unheld_base() -> int:
+    """``sys.getrefcount`` of a view's base that nothing but the view holds, fetched into
+    one local (measured, not assumed, since it differs across Python versions)."""
+    view = torch.empty(2).view(2)
+    base = view._base
+    return sys.getrefcount(base)
+
+
+_UNHELD_BASE = _refcount_of_an_unheld_base()
+
+
+def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
+    """Whether a tensor other than ``outputs`` (which share one storage) and the bases they
+    are views of holds that storage, or a Python object other than the views holds a base."""
+    if _use_count is None:  # no way to tell: keep it
+        return True
+    impls = {id(o) for o in outputs}
+    for output in outputs:
+        base = output._base
+        if base is not None and id(base) not in impls:
+            if sys.getrefcount(base) > _UNHELD_BASE:  # e.g. a parameter the output views
+                return True
+            impls.add(id(base))
+    storage = outputs[0].untyped_storage()
+    # One reference per TensorImpl on the storage, plus ``storage`` itself.
+    return _use_count(storage._cdata) - 1 > len(impls)
 
 
 class _RunWithoutSavingOutput(torch.autograd.Function):
@@ -33,6 +73,8 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
         ctx.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.non_tensors = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.slots))
+        owner._ctx = weakref.ref(ctx)
+        assert owner._function is not None
         with torch.no_grad():
             return owner._function(*args)
 
@@ -40,7 +82,8 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         owner: CheckpointWithoutOutput = ctx.owner
         if owner._recomputed is None:
-            owner._recompute()
+            owner._recompute(None)
+        assert owner._recomputed is not None
         inputs, outputs = owner._recomputed
         owner._recomputed = None
         _backward_recomputed(outputs, grad_outputs)
@@ -49,19 +92,52 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
 
 
 class CheckpointWithoutOutput:
-    """Runs a function whose output can be dropped after use and rebuilt for backward."""
+    """Runs a function whose output can be dropped after use and rebuilt for backward.
+
+    Megatron-LM's ``CheckpointWithoutOutput(fp8=False, ckpt_manager=None,
+    retain_input_tensors=False)``, replaying the CPU and input-device generators and every
+    tracker stream (or those of ``tracker``).
+
+    Args:
+        fp8: accepted for Megatron's signature and kept as ``self.fp8``; it has no effect
+            here: Megatron uses it to replay TransformerEngine's FP8 autocast state, which
+            this library does not manage (run the recompute under your own FP8 context).
+        ckpt_manager: a :class:`CheckpointWithoutOutputManager`; ``checkpoint`` registers
+            with it, and discarding and the recompute hook are then the manager's job.
+        retain_input_tensors: accepted for Megatron's signature; outputs sharing storage
+            with an input (or with any other live tensor) are always retained here, since
+            freeing them would destroy the caller's data.
+        tracker: tracker(s) whose streams to replay; default every tracker of the process.
+    """
 
     def __init__(
-        self, *, tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None = None
+        self,
+        fp8: Any = False,
+        ckpt_manager: CheckpointWithoutOutputManager | None = None,
+        retain_input_tensors: bool = False,
+        *,
+        tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None = None,
     ) -> None:
+        if ckpt_manager is not None and not isinstance(
+            ckpt_manager, CheckpointWithoutOutputManager
+        ):
+            raise CheckpointTypeError(
+                "ckpt_manager must be a CheckpointWithoutOutputManager, got "
+                f"{type(ckpt_manager).__name__}"
+            )
+        self.fp8 = fp8
+        self.ckpt_manager = ckpt_manager
+        self.retain_input_tensors = retain_input_tensors
         self._trackers = (
             None
             if tracker is None
             else ([tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker))
         )
+        self.outputs: tuple[torch.Tensor, ...] | None = None
         self._function: Callable[..., Any] | None = None
-        self._outputs: tuple[torch.Tensor, ...] = ()
-        self._sizes: list[int] = []
+        self._ctx: weakref.ref[Any] | None = None
+        self._freeable: list[tuple[int, list[torch.Tensor]]] = []  # (nbytes, outputs on it)
+        self._discarded = False
         self._snapshot: RNGSnapshot | None = None
         self._devices: list[torch.device] = []
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
@@ -78,55 +154,121 @@ class CheckpointWithoutOutput:
         self._replayed = self._trackers if self._trackers is not None else all_trackers()
         self._snapshot = RNGSnapshot.capture(self._devices, self._replayed)
         self._recomputed = None
+        self._discarded = False
         outputs = _RunWithoutSavingOutput.apply(self, *args)
-        self._outputs = tuple(
+        self.outputs = tuple(
             o
             for o in (outputs if isinstance(outputs, tuple) else (outputs,))
             if isinstance(o, torch.Tensor)
         )
+        self._freeable = self._storage_only_outputs_hold(args)
+        if self.ckpt_manager is not None:
+            self.ckpt_manager.add_checkpoint(self)
         return outputs
 
+    def _storage_only_outputs_hold(
+        self, args: Sequence[Any]
+    ) -> list[tuple[int, list[torch.Tensor]]]:
+        inputs = {_storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        assert self.outputs is not None
+        for output in self.outputs:
+            by_storage.setdefault(_storage_key(output), []).append(output)
+        return [
+            (outs[0].untyped_storage().nbytes(), outs)
+            for key, outs in by_storage.items()
+            if key != 0 and key not in inputs and not _held_elsewhere(outs)
+        ]
+
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
-        """Free the output's memory now; refill it when backward reaches ``hook_tensor``."""
-        if self._snapshot is None:
+        """Free the outputs' memory now; refill it when backward reaches ``hook_tensor``.
+
+        With a ``ckpt_manager`` this does nothing (the manager discards and hooks), as in
+        Megatron; a ``hook_tensor`` that needs no grad (e.g. under ``torch.no_grad``) gets
+        no hook, since no backward will come.
+        """
+        if self.outputs is None:
             raise CheckpointUsageError(
                 "call checkpoint(...) before discard_output_and_register_recompute()"
             )
-        if not hook_tensor.requires_grad:
+        if self.ckpt_manager is not None:
+            return
+        self._discard_outputs()
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute)
+
+    def _discard_outputs(self) -> None:
+        """Release the storage only the outputs hold (their metadata stays)."""
+        for _, outputs in self._freeable:
+            outputs[0].untyped_storage().resize_(0)
+        self._discarded = True
+
+    def _recompute(self, _: Any) -> None:
+        """Rebuild the outputs (a tensor hook; Megatron's manager calls it too)."""
+        if self._recomputed is not None:
+            return
+        if not torch.autograd._is_checkpoint_valid():
             raise CheckpointUsageError(
-                "hook_tensor does not require grad, so backward would never refill the output"
+                "Checkpointing is not compatible with .grad(), please use .backward() if "
+                "possible: CheckpointWithoutOutput recomputes from a backward hook, which "
+                "torch.autograd.grad and backward(inputs=...) cannot drive"
             )
-        self._sizes = [o.untyped_storage().nbytes() for o in self._outputs]
-        for output in self._outputs:
-            output.untyped_storage().resize_(0)
-        hook_tensor.register_hook(self._on_consumer_grad)
-
-    def _on_consumer_grad(self, grad: torch.Tensor) -> None:
-        if self._recomputed is None:
-            self._recompute()
-
-    def _recompute(self) -> None:
         assert self._snapshot is not None and self._function is not None
-        ctx = self._find_ctx()
+        ctx = self._ctx() if self._ctx is not None else None
+        if ctx is None:
+            raise CheckpointUsageError(
+                "no output of checkpoint() requires grad: nothing to recompute for backward"
+            )
         args = list(ctx.non_tensors)
         for slot, tensor in zip(ctx.slots, ctx.saved_tensors, strict=True):
             args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
         with replaying(self._snapshot, self._devices, self._replayed), torch.enable_grad():
             outputs = self._function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        if self._sizes:  # the outputs were discarded: refill their storage in place
-            fresh = [o for o in outputs if isinstance(o, torch.Tensor)]
-            for output, size, new in zip(self._outputs, self._sizes, fresh, strict=True):
-                output.untyped_storage().resize_(size)
-                output.data.copy_(
-                    new.detach()
-                )  # .data: no version bump for the consumer's saved copy
-            self._sizes = []
+        if self._discarded:
+            self._refill([o for o in outputs if isinstance(o, torch.Tensor)])
         self._recomputed = (args, outputs)
 
-    def _find_ctx(self) -> Any:
-        # The autograd ctx of our Function is the grad_fn node of any of its outputs.
-        for output in self._outputs:
-            if output.grad_fn is not None:
-                return output.grad_fn
-        raise CheckpointUsageError("no output requires grad: nothing to recompute for backward")
+    def _refill(self, fresh: list[torch.Tensor]) -> None:
+        assert self.outputs is not None
+        recomputed = {id(old): new for old, new in zip(self.outputs, fresh, strict=True)}
+        for nbytes, outputs in self._freeable:
+            outputs[0].untyped_storage().resize_(nbytes)
+            for output in outputs:
+                # .data: no version bump, so the consumer's saved references stay valid.
+                output.data.copy_(recomputed[id(output)].detach())
+        self._discarded = False
+
+
+class CheckpointWithoutOutputManager:
+    """Discards several :class:`CheckpointWithoutOutput` outputs at once and recomputes them
+    all, in forward order, from one hook (Megatron's manager, for chains of checkpoints)."""
+
+    def __init__(self) -> None:
+        self.checkpoints: list[CheckpointWithoutOutput] = []
+        # Megatron's TransformerBlock flag: keep the block-boundary output uncheckpointed.
+        self.is_last_layer_in_recompute_block = False
+
+    def add_checkpoint(self, ckpt: CheckpointWithoutOutput) -> None:
+        """Register a checkpoint that already ran (``CheckpointWithoutOutput.checkpoint``)."""
+        if not isinstance(ckpt, CheckpointWithoutOutput):
+            raise CheckpointTypeError(
+                f"expected a CheckpointWithoutOutput, got {type(ckpt).__name__}"
+            )
+        if ckpt.outputs is None:
+            raise CheckpointConfigError(
+                "CheckpointWithoutOutput must call checkpoint() before it is added"
+            )
+        self.checkpoints.append(ckpt)
+
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free every registered output now; recompute them all when backward reaches
+        ``hook_tensor``."""
+        for ckpt in self.checkpoints:
+            ckpt._discard_outputs()
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._unified_recompute_hook)
+
+    def _unified_recompute_hook(self, grad: torch.Tensor) -> None:
+        for ckpt in self.checkpoints:
+            ckpt._recompute(None)
