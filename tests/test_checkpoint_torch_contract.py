@@ -417,3 +417,36 @@ def test_reentrant_backward_raises_where_torch_raises_in_torchs_words(how):
     with pytest.raises(CheckpointUsageError):
         x = torch.randn(3, requires_grad=True)
         torch.autograd.grad(checkpoint(torch.sin, x, use_reentrant=True).sum(), x)
+
+
+def _mixed(x, scale, tag, tracker):
+    with tracker.fork(STREAM):
+        y = F.dropout(x * scale, 0.5)
+    return y.exp(), tag, None, y.sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_non_tensor_inputs_and_outputs_pass_through(reentrant):
+    """As torch's tests of non-tensor inputs and outputs: they pass through unchanged, and the
+    tensor outputs' grads equal the plain run's bitwise."""
+
+    def go(ckpt: bool):
+        tracker, x, _ = start(8)
+        args = (x, 3.0, "tag", tracker)
+        if ckpt:
+            out = checkpoint(_mixed, *args, use_reentrant=reentrant, tracker=tracker)
+        else:
+            out = _mixed(*args)
+        assert out[1:3] == ("tag", None)
+        (out[0].sum() + out[3]).backward()
+        return [x.grad, *end_state(tracker)]
+
+    assert same(go(False), go(True))
+
+
+def test_check_rng_with_early_stop_is_refused_before_anything_runs():
+    tracker = make_tracker()
+    before = end_state(tracker)
+    with pytest.raises(CheckpointConfigError, match="early_stop"):
+        checkpoint(torch.sin, torch.ones(2, requires_grad=True), check_rng=True, early_stop=True)
+    assert same(before, end_state(tracker))
