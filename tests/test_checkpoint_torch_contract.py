@@ -181,10 +181,12 @@ NESTINGS = {
 
 @pytest.mark.parametrize("nesting", NESTINGS)
 def test_nested_checkpoints_replay_every_stream(nesting):
-    """Nested non-reentrant checkpoints (ours and torch's, either way round; double backward
-    included): grads and second-order grads equal the plain run's bitwise, every mask drawn in
-    any recompute is the forward's, and the RNG states end where the plain run's do."""
+    """Nested checkpoints (ours and torch's, either way round), backward twice and, where
+    every level is non-reentrant, grad of grad: grads equal the plain run's bitwise, every
+    mask drawn in any recompute is one of the forward's, and the RNG states end where the
+    plain run's do."""
     outer_wrap, inner_wrap = NESTINGS[nesting]
+    double = inner_wrap is not ours_reentrant
 
     def go(outer: Wrap, inner: Wrap):
         tracker, x, w = start(3)
@@ -192,7 +194,12 @@ def test_nested_checkpoints_replay_every_stream(nesting):
         loss = (outer(_outer(inner), x, w, tracker, masks) * WEIGHTS).sum()
         loss.backward(retain_graph=True)
         grads = [x.grad.clone(), w.grad.clone()]
-        loss.backward()
+        if double:
+            gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+            (gx.square().sum() + gw.square().sum()).backward()
+            grads += [gx.detach(), gw.detach()]
+        else:
+            loss.backward()
         return masks, [*grads, x.grad, w.grad], end_state(tracker)
 
     ref_masks, ref_grads, ref_end = go(plain, plain)
