@@ -451,9 +451,15 @@ def test_non_tensor_inputs_and_outputs_pass_through(reentrant):
     assert same(go(False), go(True))
 
 
-def test_check_rng_with_early_stop_is_refused_before_anything_runs():
+@pytest.mark.parametrize(
+    "options",
+    [{"early_stop": True}, {"preserve_rng_state": False}],
+    ids=["early_stop", "preserve_rng_state"],
+)
+def test_check_rng_with_options_that_defeat_it_is_refused_before_anything_runs(options):
     tracker = make_tracker()
     before = end_state(tracker)
-    with pytest.raises(CheckpointConfigError, match="early_stop"):
-        checkpoint(torch.sin, torch.ones(2, requires_grad=True), check_rng=True, early_stop=True)
-    assert same(before, end_state(tracker))
+    calls: list[int] = []
+    with pytest.raises(CheckpointConfigError, match=next(iter(options))):
+        checkpoint(lambda t: calls.append(1), torch.ones(2), check_rng=True, **options)
+    assert same(before, end_state(tracker)) and not calls
