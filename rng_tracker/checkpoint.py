@@ -400,7 +400,12 @@ def checkpoint(
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     if use_reentrant:
         _refuse_non_reentrant_options(context_fn, debug, kwargs)
-    if check_rng and early_stop:
+    if check_rng and not preserve_rng_state:
+        raise CheckpointConfigError(
+            "check_rng=True proves that the recompute replays the forward's randomness, but "
+            "preserve_rng_state=False replays none; drop one of them"
+        )
+    if check_rng and early_stop and not use_reentrant:
         raise CheckpointConfigError(
             "check_rng=True compares the whole recompute with the forward, but early_stop=True "
             "stops the recompute early; drop one of them"

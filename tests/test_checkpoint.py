@@ -354,3 +354,20 @@ def test_is_checkpointing_inside_forward_and_recompute_only(mode):
     assert seen == [True] and not is_checkpointing()
     out.sum().backward()
     assert seen == [True, True] and not is_checkpointing()
+
+
+def test_megatron_checkpoint_refuses_what_it_cannot_split_without_touching_x():
+    """distribute_saved_activations needs a viewless tensor first and an initialised parallel
+    state (never a silent rank 0); refused before the function runs, x and RNG unchanged."""
+    tracker = make_tracker()
+    x = torch.randn(4, 4, requires_grad=True)
+    before = (torch.get_rng_state(), tracker.get_states())
+    calls: list[int] = []
+    with pytest.raises(CheckpointConfigError, match="parallel state"):
+        megatron_checkpoint(lambda t: calls.append(1), True, x)
+    with pytest.raises(CheckpointConfigError, match="view"):
+        megatron_checkpoint(lambda t: calls.append(1), True, x[1:])
+    with pytest.raises(CheckpointConfigError, match="tensor as the first argument"):
+        megatron_checkpoint(lambda *a: calls.append(1), True, 3, x)
+    assert not calls and x.shape == (4, 4)
+    assert_same_end_states(before, (torch.get_rng_state(), tracker.get_states()))

@@ -181,10 +181,12 @@ NESTINGS = {
 
 @pytest.mark.parametrize("nesting", NESTINGS)
 def test_nested_checkpoints_replay_every_stream(nesting):
-    """Nested non-reentrant checkpoints (ours and torch's, either way round; double backward
-    included): grads and second-order grads equal the plain run's bitwise, every mask drawn in
-    any recompute is the forward's, and the RNG states end where the plain run's do."""
+    """Nested checkpoints (ours and torch's, either way round), backward twice and, where
+    every level is non-reentrant, grad of grad: grads equal the plain run's bitwise, every
+    mask drawn in any recompute is one of the forward's, and the RNG states end where the
+    plain run's do."""
     outer_wrap, inner_wrap = NESTINGS[nesting]
+    double = inner_wrap is not ours_reentrant
 
     def go(outer: Wrap, inner: Wrap):
         tracker, x, w = start(3)
@@ -192,7 +194,12 @@ def test_nested_checkpoints_replay_every_stream(nesting):
         loss = (outer(_outer(inner), x, w, tracker, masks) * WEIGHTS).sum()
         loss.backward(retain_graph=True)
         grads = [x.grad.clone(), w.grad.clone()]
-        loss.backward()
+        if double:
+            gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+            (gx.square().sum() + gw.square().sum()).backward()
+            grads += [gx.detach(), gw.detach()]
+        else:
+            loss.backward()
         return masks, [*grads, x.grad, w.grad], end_state(tracker)
 
     ref_masks, ref_grads, ref_end = go(plain, plain)
@@ -417,3 +424,42 @@ def test_reentrant_backward_raises_where_torch_raises_in_torchs_words(how):
     with pytest.raises(CheckpointUsageError):
         x = torch.randn(3, requires_grad=True)
         torch.autograd.grad(checkpoint(torch.sin, x, use_reentrant=True).sum(), x)
+
+
+def _mixed(x, scale, tag, tracker):
+    with tracker.fork(STREAM):
+        y = F.dropout(x * scale, 0.5)
+    return y.exp(), tag, None, y.sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_non_tensor_inputs_and_outputs_pass_through(reentrant):
+    """As torch's tests of non-tensor inputs and outputs: they pass through unchanged, and the
+    tensor outputs' grads equal the plain run's bitwise."""
+
+    def go(ckpt: bool):
+        tracker, x, _ = start(8)
+        args = (x, 3.0, "tag", tracker)
+        if ckpt:
+            out = checkpoint(_mixed, *args, use_reentrant=reentrant, tracker=tracker)
+        else:
+            out = _mixed(*args)
+        assert out[1:3] == ("tag", None)
+        (out[0].sum() + out[3]).backward()
+        return [x.grad, *end_state(tracker)]
+
+    assert same(go(False), go(True))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"early_stop": True}, {"preserve_rng_state": False}],
+    ids=["early_stop", "preserve_rng_state"],
+)
+def test_check_rng_with_options_that_defeat_it_is_refused_before_anything_runs(options):
+    tracker = make_tracker()
+    before = end_state(tracker)
+    calls: list[int] = []
+    with pytest.raises(CheckpointConfigError, match=next(iter(options))):
+        checkpoint(lambda t: calls.append(1), torch.ones(2), check_rng=True, **options)
+    assert same(before, end_state(tracker)) and not calls
