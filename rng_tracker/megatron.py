@@ -10,6 +10,7 @@ differs from Megatron's, ``docs/migrating.md`` says how and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -424,7 +425,19 @@ def model_parallel_cuda_manual_seed(
     )
     for name, value in extra.items():
         tracker.add(name, value)
-    return plan
+    return _placed_on_mesh(plan)
+
+
+def _placed_on_mesh(plan: SeedPlan) -> SeedPlan:
+    """The plan with the mesh's pp/dp/cp coordinates: Megatron folds them into ``seed`` before
+    the call, so the plan records where the rank really is and verifies against the mesh."""
+    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+
+    state = get_parallel_state_or_none()
+    if state is None:
+        return plan
+    placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}
+    return dataclasses.replace(plan, coordinates={**plan.coordinates, **placed})
 
 
 # -- whole-process RNG snapshots (Megatron's private helpers) ---------------------------------

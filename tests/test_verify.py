@@ -130,3 +130,22 @@ def test_verifier_runs_without_numpy(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verified [True, True]" in done.stdout
+
+
+def _megatron_seeding_on_tp2_pp2() -> tuple:
+    from rng_tracker import megatron as mg
+
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2, pipeline=2)
+    plan = mg.model_parallel_cuda_manual_seed(1234 + 100 * state.rank("pp"))  # Megatron's call
+    report = verify_rng_consistency(plan=plan)
+    destroy_model_parallel()
+    return plan.coordinates["pp"], state.rank("pp"), report.ok, report.problems
+
+
+def test_megatron_seeding_plan_verifies_against_the_mesh():
+    """Megatron folds the pipeline offset into the seed it passes; the plan still records the
+    mesh's pp rank, so verifying it reports no misplaced rank."""
+    for claimed_pp, pp, ok, problems in run_distributed(_megatron_seeding_on_tp2_pp2, world_size=4):
+        assert claimed_pp == pp
+        assert ok, problems
