@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,7 +33,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker.checkpoint import checkpoint
 from rng_tracker.device_rng import default_generator
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
 from rng_tracker.kernels import Shard, bias_dropout_add, dropout
 from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.collectives import scatter_to_tp
@@ -54,6 +54,7 @@ __all__ = [
     "Recompute",
     "TinyGPT",
     "batch_position",
+    "place_masks",
     "record_masks",
 ]
 
@@ -194,6 +195,34 @@ def record_masks() -> Iterator[list[MaskRecord]]:
         _PROBE = previous
 
 
+def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
+    """Each site's recorded masks placed in its logical tensor over the whole global batch.
+
+    Returns int8 CPU tensors: 1 kept, 0 dropped, -1 where no record covers the element.
+    Records of one site that overlap (TP replicas, recompute) must agree, else
+    :class:`RNGConsistencyError`. Gather the records of all ranks first to see the whole batch.
+    """
+    placed: dict[str, torch.Tensor] = {}
+    for record in records:
+        region = record.region
+        if region is None:
+            raise ParallelConfigError(f"the record of {record.site!r} carries no region")
+        logical = placed.get(record.site)
+        if logical is None:
+            logical = placed[record.site] = torch.full(region.global_shape, -1, dtype=torch.int8)
+        box = logical[
+            tuple(slice(o, o + n) for o, n in zip(region.offset, record.mask.shape, strict=True))
+        ]
+        mask = record.mask.to(device="cpu", dtype=torch.int8)
+        if bool(((box != -1) & (box != mask)).any()):
+            raise RNGConsistencyError(
+                f"two records of site {record.site!r} draw different masks for the same elements "
+                f"(box at {region.offset})"
+            )
+        box.copy_(mask)
+    return placed
+
+
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
@@ -219,15 +248,21 @@ def _site(
     p: float,
     *,
     sharded_dim: int | None,
-    batch_dim: int,
-    position: BatchPosition,
     group: dist.ProcessGroup | None,
     rng_mode: RNGMode,
     training: bool,
+    batch_dim: int = 1,
+    position: BatchPosition | None = None,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One dropout site, run in the RNG region its sharding and ``rng_mode`` call for."""
+    """One dropout site, run in the RNG region its sharding and ``rng_mode`` call for.
+
+    ``batch_dim`` is x's batch dim; ``position`` the microbatch's place in the global batch
+    (default: the current :func:`batch_position`).
+    """
+    if position is None:
+        position = _position(x.shape[batch_dim])
     tp_rank, tp = _tp(group)
     sharded = sharded_dim is not None and tp > 1
     shard = Shard(sharded_dim, tp_rank, tp) if sharded else None
