@@ -158,10 +158,11 @@ class MaskRecord(tuple):
 
     ``region`` places the mask in the site's logical tensor over the whole global batch
     (TP/SP shard and batch position), in every rng mode, so masks can be gathered per
-    sample across layouts.
+    sample across layouts; ``batch_dim`` is that tensor's sample dim.
     """
 
     region: Any
+    batch_dim: int
 
     @property
     def site(self) -> str:
@@ -279,6 +280,7 @@ def _site(
             record = MaskRecord(
                 (name, dropout(torch.ones_like(x), p, shard=shard, generator=twin) != 0, shard)
             )
+            record.batch_dim = batch_dim
             record.region = _region(
                 x.shape, Shard(sharded_dim, tp_rank, tp) if sharded else None, batch_dim, position
             )
@@ -314,7 +316,7 @@ def _keyed_site(
         record = MaskRecord(
             (name, dropout(torch.ones_like(x), p, shard=region, seed=seed) != 0, shard)
         )
-        record.region = region
+        record.region, record.batch_dim = region, batch_dim
         _PROBE.append(record)
     if residual is None:
         return dropout(x, p, shard=region, seed=seed)
