@@ -22,12 +22,14 @@ __all__ = [
     "RNGConsistencyError",
     "RNGTrackerError",
     "RankError",
+    "ResumeRefusedError",
     "SeedReuseError",
     "SeedSchemeError",
     "StateDictError",
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
+    "TrainingCheckpointError",
     "UnknownStreamError",
 ]
 
@@ -124,3 +126,11 @@ class KernelUnavailableError(RNGTrackerError, RuntimeError):
 
 class RNGConsistencyError(RNGTrackerError, RuntimeError):
     """Ranks hold RNG states that break the declared equal/distinct policy."""
+
+
+class TrainingCheckpointError(RNGTrackerError, RuntimeError):
+    """A training checkpoint is uncommitted, corrupt, or mixes pieces of different saves."""
+
+
+class ResumeRefusedError(RNGTrackerError, ValueError):
+    """A checkpoint cannot continue this run exactly: another rng mode, seed, batch or layout."""

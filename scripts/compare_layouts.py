@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.trainer import TrainConfig, train
 from rng_tracker.parallel.transformer import GPTConfig
 
 LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
@@ -56,7 +56,7 @@ def main() -> None:
                 sp=sp,
                 rng_mode=mode,
                 steps=args.steps,
-                batch=4,
+                global_batch=4,
                 model=MODEL,
                 probe_masks=True,
                 verify=False,
