@@ -24,6 +24,7 @@ __all__ = [
     "RNGConsistencyError",
     "RNGTrackerError",
     "RankError",
+    "ResumeRefusedError",
     "SeedReuseError",
     "SeedSchemeError",
     "SiteCollisionError",
@@ -33,6 +34,7 @@ __all__ = [
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
+    "TrainingCheckpointError",
     "UnknownSiteError",
     "UnknownStreamError",
 ]
@@ -157,3 +159,11 @@ class KeyedTypeError(RNGTrackerError, TypeError):
 
 class KeyedUnseededError(RNGTrackerError, RuntimeError):
     """Keyed randomness was used before a seed was set."""
+
+
+class TrainingCheckpointError(RNGTrackerError, RuntimeError):
+    """A training checkpoint is uncommitted, corrupt, or mixes pieces of different saves."""
+
+
+class ResumeRefusedError(RNGTrackerError, ValueError):
+    """A checkpoint cannot continue this run exactly: another rng mode, seed, batch or layout."""

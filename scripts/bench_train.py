@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import PeakHeap, heap_bytes
 
-from rng_tracker.parallel.corpus import Corpus
+from rng_tracker.parallel.demo.corpus import Corpus
+from rng_tracker.parallel.demo.trainer import TrainConfig, build, train_step
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.trainer import TrainConfig, build, train_step
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.tracker import RNGStatesTracker
 
@@ -68,23 +68,28 @@ def _measure(steps: int, model: GPTConfig, batch: int) -> dict:
     results = {}
     for rng_mode, recompute in CONFIGS:
         cfg = TrainConfig(
-            tp=2, rng_mode=rng_mode, recompute=recompute, model=model, batch=batch, quiet=True
+            tp=2,
+            rng_mode=rng_mode,
+            recompute=recompute,
+            model=model,
+            global_batch=batch,
+            quiet=True,
         )
-        state, gpt, optimizer = build(cfg)
+        job = build(cfg)
         corpus = Corpus(vocab=model.vocab)
         batches = [
-            corpus.batch(s, 0, 1, batch=batch, seq_len=model.seq_len) for s in range(steps + 2)
+            corpus.global_batch(s, batch=batch, seq_len=model.seq_len) for s in range(steps + 2)
         ]
         for inputs, targets in batches[:2]:  # warm-up
-            train_step(gpt, optimizer, state, inputs, targets)
+            train_step(job, inputs, targets)
         base = heap_bytes()
         with PeakHeap() as peak:
-            train_step(gpt, optimizer, state, *batches[2])
+            train_step(job, *batches[2])
         times = []
         with _ForkClock() as clock:
             for inputs, targets in batches[3:]:
                 start = time.perf_counter()
-                train_step(gpt, optimizer, state, inputs, targets)
+                train_step(job, inputs, targets)
                 times.append(time.perf_counter() - start)
         results[(rng_mode, recompute)] = {
             "time": statistics.median(times),

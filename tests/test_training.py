@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from rng_tracker import RNGConsistencyError, get_rng_tracker, model_parallel_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
-from rng_tracker.parallel.trainer import TrainConfig, train
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.parallel.verify import verify_rng_consistency
 
@@ -23,7 +23,7 @@ LAYOUT_LOSS_TOLERANCE = 1e-4
 
 
 def config(**kw) -> TrainConfig:
-    return TrainConfig(**{"batch": 4, "model": SMALL, "quiet": True, **kw})
+    return TrainConfig(**{"global_batch": 4, "model": SMALL, "quiet": True, **kw})
 
 
 def _megatron_grid(steps: int) -> dict:
