@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
@@ -489,7 +490,7 @@ def load_checkpoint(
                 dcp.load(
                     state, storage_reader=dcp.FileSystemReader(manifest.directory), no_dist=True
                 )
-        except Exception as exc:  # DCP wraps storage and planner failures in several types
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
             raise TrainingCheckpointError(
                 f"{manifest.directory} could not be loaded ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); it was written "
