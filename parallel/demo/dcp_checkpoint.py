@@ -109,13 +109,13 @@ class RNGCheckpoint(Stateful):
 
     ``per_rank`` maps a global rank to its states (``cpu``, optional ``device``, and
     ``streams``: name -> {state, seed} as uint8 tensors); each lands under ``rank<r>``. The
-    keyed state (seed, step, sites) is the same on every rank and is stored once.
+    keyed state (seed, step, sites, as JSON) is the same on every rank and is stored once.
     """
 
     def __init__(
         self,
         per_rank: dict[int, dict[str, Any]] | None = None,
-        keyed: dict[str, Any] | None = None,
+        keyed: str | None = None,
     ) -> None:
         self.per_rank = per_rank or {}
         self.keyed = keyed
@@ -317,7 +317,7 @@ def save_checkpoint(
     specs: list[LogicalTensor],
     local: Mapping[str, torch.Tensor],
     rng: dict[str, Any],
-    keyed: dict[str, Any] | None,
+    keyed: str | None,
     manifest: Manifest,
     coords: Mapping[str, int],
     tp_group: dist.ProcessGroup | None,
@@ -465,7 +465,7 @@ def load_checkpoint(
     stage: int,
     rng_ranks: list[int],
     rng_template: Callable[[], dict[str, Any]] | None,
-    keyed_template: dict[str, Any] | None,
+    keyed_template: str | None,
 ) -> tuple[dict[str, torch.Tensor], RNGCheckpoint]:
     """Stage this rank's logical tensors and the RNG states of ``rng_ranks`` from ``manifest``.
 
