@@ -38,18 +38,21 @@ def _resume(cfg: TrainConfig) -> tuple:
 
 
 def test_megatron_resume_on_the_same_pipeline_layout_is_bitwise(tmp_path):
-    """pp=2 with 2 microbatches, megatron mode: 4 steps straight == 2 steps, save, new
+    """tp=2 + SP, pp=2, 2 microbatches, megatron mode: 4 steps straight == 2 steps, save, new
     processes, resume 2; every loss and parameter bitwise, RNG verified after the resume."""
     ckpt = str(tmp_path / "ckpt")
-    common = {"pp": 2, "microbatches": 2, "recompute": "selective"}
+    common = {"tp": 2, "sp": True, "pp": 2, "microbatches": 2, "recompute": "selective"}
     straight = run_distributed(
         _straight_and_half,
-        world_size=2,
+        world_size=4,
         args=(config(steps=4, **common), config(steps=2, save=ckpt, **common)),
-        timeout=120,
+        timeout=180,
     )
     resumed = run_distributed(
-        _resume, world_size=2, args=(config(steps=4, resume=ckpt, verify=True, **common),)
+        _resume,
+        world_size=4,
+        args=(config(steps=4, resume=ckpt, verify=True, **common),),
+        timeout=180,
     )
     for (losses, params), (got_losses, got_params, ok) in zip(straight, resumed, strict=True):
         assert ok and got_losses == losses
