@@ -151,9 +151,10 @@ def _steps_of(path: str) -> int:
 
 
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    """pp=2: a rank SIGKILLed while gathering (rank 1), while rank 0 writes, or just before the
-    commit pointer is replaced leaves the step-2 checkpoint committed and intact (never step 4,
-    never a mix); killed after the commit, the step-4 checkpoint is complete. A kill in a fresh
+    """pp=2, saving over a step-2 checkpoint: rank 1 SIGKILLed while the pieces are gathered, or
+    rank 0 killed with the new checkpoint fully written but the commit pointer not yet replaced,
+    leaves the step-2 checkpoint committed and intact (never step 4, never a mix); killed after
+    the commit, the step-4 checkpoint is complete and resumes. Rank 0 killed mid-write in a fresh
     directory leaves nothing loadable, and the loader says so."""
     ckpt, fresh = str(tmp_path / "ckpt"), str(tmp_path / "fresh")
     common = {"pp": 2, "microbatches": 2}
@@ -162,9 +163,8 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, mon
     assert first.step == 2
     for fault, target in (
         ("1:gather", ckpt),
-        ("0:write", ckpt),
-        ("0:commit", ckpt),
         ("0:write", fresh),
+        ("0:commit", ckpt),
     ):
         monkeypatch.setenv(FAULT_ENV, fault)
         cfg = config(steps=4, resume=ckpt, save=target, **common)
