@@ -41,12 +41,17 @@ from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
 __all__ = [
     "FAULT_ENV",
     "Layout",
+    "LogicalTensor",
     "Manifest",
     "RNGCheckpoint",
+    "check_resume",
     "load_checkpoint",
+    "local_shard",
     "new_run_id",
+    "rank_rng_states",
     "read_manifest",
     "save_checkpoint",
+    "tracker_state_of",
 ]
 
 FORMAT = 2
@@ -449,12 +454,17 @@ def check_resume(
         layout.microbatches,
     ):
         return
-    allowed = "tp and sp only" if rng_mode == "invariant" else "nothing"
+    changed = ", ".join(
+        axis
+        for axis in ("tp", "dp", "pp", "microbatches", "sp")
+        if getattr(old, axis) != getattr(layout, axis)
+    )
+    may = "tp and sp only" if rng_mode == "invariant" else "no axis"
     raise ResumeRefusedError(
-        f"the checkpoint was written on {old} and this run is {layout}; in rng_mode="
-        f"{rng_mode!r} the masks depend on the layout, so a change of {allowed.replace('nothing', 'any axis')} "
-        f"cannot continue the run exactly (rng_mode={rng_mode!r} may change {allowed}); resume on the "
-        "saved layout, or train with --rng-mode keyed, whose masks do not depend on the layout"
+        f"the checkpoint was written on {old}, this run is {layout}: rng_mode={rng_mode!r} draws "
+        f"layout-dependent masks, so changing {changed} cannot continue the run exactly (this "
+        f"mode may change {may}); resume on the saved layout, or train with --rng-mode keyed, "
+        "whose masks do not depend on the layout"
     )
 
 
