@@ -34,7 +34,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from rng_tracker.checkpoint import checkpoint
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
-from rng_tracker.kernels import Shard, bias_dropout_add, dropout
+from rng_tracker.kernels import Region, Shard, bias_dropout_add, dropout
 from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.collectives import scatter_to_tp
 from rng_tracker.parallel.layers import (
@@ -228,13 +228,10 @@ def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
-def _region(shape: torch.Size, shard: Shard | None, batch_dim: int, position: BatchPosition) -> Any:
+def _region(
+    shape: torch.Size, shard: Shard | None, batch_dim: int, position: BatchPosition
+) -> Region:
     """The box a local activation of ``shape`` holds in its site's logical tensor."""
-    try:  # Region arrives with the kernels branch; until then records carry no region
-        from rng_tracker.kernels import Region
-    except ImportError:
-        return None
-
     global_shape, offset = list(shape), [0] * len(shape)
     if shard is not None:
         global_shape[shard.dim] *= shard.count
@@ -265,12 +262,13 @@ def _site(
     if position is None:
         position = _position(x.shape[batch_dim])
     tp_rank, tp = _tp(group)
-    sharded = sharded_dim is not None and tp > 1
-    shard = Shard(sharded_dim, tp_rank, tp) if sharded else None
+    placement = None  # the TP/SP shard of x (an even split)
+    if sharded_dim is not None and tp > 1:
+        placement = Shard(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
     if rng_mode == "keyed":
-        return _keyed_site(name, x, p, shard, batch_dim, position, training, bias, residual)
-    region = contextlib.nullcontext()
-    if sharded and rng_mode == "megatron":
+        return _keyed_site(name, x, p, placement, batch_dim, position, training, bias, residual)
+    region, shard = contextlib.nullcontext(), placement
+    if placement is not None and rng_mode == "megatron":
         region = get_rng_tracker(x.device).fork(MODEL_PARALLEL_RNG)
         shard = None  # megatron mode draws local indices from a per-rank stream
     with region:
@@ -280,10 +278,8 @@ def _site(
             record = MaskRecord(
                 (name, dropout(torch.ones_like(x), p, shard=shard, generator=twin) != 0, shard)
             )
+            record.region = _region(x.shape, placement, batch_dim, position)
             record.batch_dim = batch_dim
-            record.region = _region(
-                x.shape, Shard(sharded_dim, tp_rank, tp) if sharded else None, batch_dim, position
-            )
             _PROBE.append(record)
         if residual is None:
             return dropout(x, p, training=training, shard=shard)
