@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job: a 4-rank CPU training demo of TinyGPT (tp=2 x dp=2, sequence parallel,
-# selective recompute, layout-invariant dropout), then an exact resume from its checkpoint.
+# The main job: TinyGPT on 4 CPU ranks with keyed dropout. 20 steps at tp=2 x dp=2 (sequence
+# parallel, selective recompute), a DCP checkpoint, then a resume in fresh processes on
+# another layout (tp=2 x pp=2, 2 microbatches per step) for 20 more steps.
 # Creates or reuses .venv and installs what it needs (CPU torch 2.13.0 if no torch).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,8 +9,10 @@ source scripts/_venv.sh
 python -m pip install --quiet -e .
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-common=(--tp 2 --dp 2 --sp --recompute selective --rng-mode invariant --seed 1234)
-torchrun --standalone --nproc-per-node 4 scripts/train.py "${common[@]}" --steps 40 --save "$out/ckpt" --log-every 2 "$@"
+common=(--rng-mode keyed --recompute selective --global-batch 16 --seed 1234)
+torchrun --standalone --nproc-per-node 4 scripts/train.py "${common[@]}" \
+    --tp 2 --dp 2 --sp --steps 20 --save "$out/ckpt" "$@"
 echo
-echo "== resuming from the checkpoint in fresh processes for 20 more steps =="
-torchrun --standalone --nproc-per-node 4 scripts/train.py "${common[@]}" --steps 60 --resume "$out/ckpt" --log-every 2 "$@"
+echo "== resuming from the checkpoint in fresh processes on tp=2 x pp=2 for 20 more steps =="
+torchrun --standalone --nproc-per-node 4 scripts/train.py "${common[@]}" \
+    --tp 2 --pp 2 --microbatches 2 --steps 40 --resume "$out/ckpt" "$@"

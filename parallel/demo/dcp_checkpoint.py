@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
@@ -40,12 +41,17 @@ from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
 __all__ = [
     "FAULT_ENV",
     "Layout",
+    "LogicalTensor",
     "Manifest",
     "RNGCheckpoint",
+    "check_resume",
     "load_checkpoint",
+    "local_shard",
     "new_run_id",
+    "rank_rng_states",
     "read_manifest",
     "save_checkpoint",
+    "tracker_state_of",
 ]
 
 FORMAT = 2
@@ -108,13 +114,13 @@ class RNGCheckpoint(Stateful):
 
     ``per_rank`` maps a global rank to its states (``cpu``, optional ``device``, and
     ``streams``: name -> {state, seed} as uint8 tensors); each lands under ``rank<r>``. The
-    keyed state (seed, step, sites) is the same on every rank and is stored once.
+    keyed state (seed, step, sites, as JSON) is the same on every rank and is stored once.
     """
 
     def __init__(
         self,
         per_rank: dict[int, dict[str, Any]] | None = None,
-        keyed: dict[str, Any] | None = None,
+        keyed: str | None = None,
     ) -> None:
         self.per_rank = per_rank or {}
         self.keyed = keyed
@@ -316,7 +322,7 @@ def save_checkpoint(
     specs: list[LogicalTensor],
     local: Mapping[str, torch.Tensor],
     rng: dict[str, Any],
-    keyed: dict[str, Any] | None,
+    keyed: str | None,
     manifest: Manifest,
     coords: Mapping[str, int],
     tp_group: dist.ProcessGroup | None,
@@ -448,12 +454,17 @@ def check_resume(
         layout.microbatches,
     ):
         return
-    allowed = "tp and sp only" if rng_mode == "invariant" else "nothing"
+    changed = ", ".join(
+        axis
+        for axis in ("tp", "dp", "pp", "microbatches", "sp")
+        if getattr(old, axis) != getattr(layout, axis)
+    )
+    may = "tp and sp only" if rng_mode == "invariant" else "no axis"
     raise ResumeRefusedError(
-        f"the checkpoint was written on {old} and this run is {layout}; in rng_mode="
-        f"{rng_mode!r} the masks depend on the layout, so a change of {allowed.replace('nothing', 'any axis')} "
-        f"cannot continue the run exactly (rng_mode={rng_mode!r} may change {allowed}); resume on the "
-        "saved layout, or train with --rng-mode keyed, whose masks do not depend on the layout"
+        f"the checkpoint was written on {old}, this run is {layout}: rng_mode={rng_mode!r} draws "
+        f"layout-dependent masks, so changing {changed} cannot continue the run exactly (this "
+        f"mode may change {may}); resume on the saved layout, or train with --rng-mode keyed, "
+        "whose masks do not depend on the layout"
     )
 
 
@@ -464,7 +475,7 @@ def load_checkpoint(
     stage: int,
     rng_ranks: list[int],
     rng_template: Callable[[], dict[str, Any]] | None,
-    keyed_template: dict[str, Any] | None,
+    keyed_template: str | None,
 ) -> tuple[dict[str, torch.Tensor], RNGCheckpoint]:
     """Stage this rank's logical tensors and the RNG states of ``rng_ranks`` from ``manifest``.
 
@@ -489,7 +500,7 @@ def load_checkpoint(
                 dcp.load(
                     state, storage_reader=dcp.FileSystemReader(manifest.directory), no_dist=True
                 )
-        except Exception as exc:  # DCP wraps storage and planner failures in several types
+        except (Exception, CheckpointException) as exc:  # the latter is a BaseException
             raise TrainingCheckpointError(
                 f"{manifest.directory} could not be loaded ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); it was written "

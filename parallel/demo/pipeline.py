@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from rng_tracker.errors import ParallelConfigError
-from rng_tracker.parallel.collectives import scatter_to_tp
-from rng_tracker.parallel.transformer import TinyGPT, _site, batch_position
+from rng_tracker.parallel.transformer import TinyGPT, batch_position
 
 __all__ = ["GPTStage", "Schedule", "build_schedule", "split_layers"]
 
@@ -79,30 +78,15 @@ class GPTStage(torch.nn.Module):
         offset = self._offsets[self._calls % len(self._offsets)]
         self._calls += 1
         with batch_position(offset, self._global_batch):
+            # TinyGPT's own embedding and head code, run on this stage's modules: the stage
+            # holds the attributes they use (config, group, embed, pos, ln_f, head).
             if self.is_first:
-                x = self._embed(x)
+                x = TinyGPT.embed_tokens(self, x)  # type: ignore[arg-type]
             for layer in self.layers.values():
                 x = layer(x)
             if not self.is_last:
                 return x
-            self.last_hidden = x.detach()
-            return self.head(self.ln_f(x))  # (s, b, vocab)
-
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        x = self.embed(tokens.t()) + self.pos[:s, None, :]  # (s, b, h) replicated
-        sp = self.config.sequence_parallel and self.group is not None
-        if sp:
-            x = scatter_to_tp(x, self.group, 0)  # (s/tp, b, h)
-        return _site(
-            "embedding",
-            x,
-            self.config.embedding_dropout,
-            sharded_dim=0 if sp else None,
-            group=self.group,
-            rng_mode=self.config.rng_mode,
-            training=self.training,
-        )
+            return TinyGPT.logits(self, x)  # type: ignore[arg-type]  # (s, b, vocab)
 
 
 def _tp_size(group: dist.ProcessGroup | None) -> int:

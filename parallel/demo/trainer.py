@@ -11,6 +11,7 @@ stages run under torch.distributed.pipelining; checkpoints go through DCP
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
 from rng_tracker.errors import ParallelConfigError
+from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.demo.corpus import Corpus
 from rng_tracker.parallel.demo.dcp_checkpoint import (
     Layout,
@@ -150,6 +152,8 @@ def build(cfg: TrainConfig) -> Job:
     device = _device()
     tracker = get_rng_tracker(device)
     plan = model_parallel_seed(cfg.seed, tracker=tracker)
+    if cfg.rng_mode == "keyed":
+        get_keyed_rng(device).manual_seed(cfg.seed)  # the same seed on every rank
     gpt = replace(
         cfg.model, rng_mode=cfg.rng_mode, recompute=cfg.recompute, sequence_parallel=cfg.sp
     )
@@ -265,8 +269,11 @@ def _saved_specs(job: Job, *, has_optimizer: bool) -> list[LogicalTensor]:
     return [s for s in job.specs if has_optimizer or s.key.startswith("model.")]
 
 
-def _keyed_state(job: Job) -> dict[str, Any] | None:
-    return None
+def _keyed_state(job: Job) -> str | None:
+    """The keyed RNG's logical state (seed, step, sites) as JSON: one entry, any layout."""
+    if job.cfg.rng_mode != "keyed":
+        return None
+    return json.dumps(get_keyed_rng(job.device).state_dict(), sort_keys=True)
 
 
 def _save(job: Job, path: str, step: int, losses: list[float], run_id: str) -> None:
@@ -322,6 +329,8 @@ def _load(job: Job, path: str) -> tuple[int, list[float], str]:
         rng_template=lambda: mine,
         keyed_template=_keyed_state(job),
     )
+    if rng.keyed:  # validates everything before it changes anything, so it goes first
+        get_keyed_rng(job.device).load_state_dict(json.loads(rng.keyed))
     tp, tp_rank = job.state.size("tp"), coords["tp"]
     shard_dims = {s.key: s.shard_dim for s in specs}
     with torch.no_grad():
@@ -378,6 +387,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     start = time.perf_counter()
     while step < cfg.steps:
         inputs, targets = corpus.global_batch(step, batch=cfg.global_batch, seq_len=gpt.seq_len)
+        if cfg.rng_mode == "keyed":
+            get_keyed_rng(job.device).set_step(step)
         probe = record_masks() if cfg.probe_masks and masks is None else None
         with probe if probe is not None else contextlib.nullcontext() as recorded:
             losses.append(train_step(job, inputs, targets))
