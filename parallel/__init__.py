@@ -1,5 +1,8 @@
-"""rng_tracker.parallel: the process mesh, tensor-parallel layers, the reference transformer,
-the cross-rank RNG verifier and the training loop of the end-to-end job.
+"""rng_tracker.parallel: the process mesh, tensor-parallel layers, the reference transformer
+and the cross-rank RNG verifier.
+
+The end-to-end training job (trainer, corpus, pipeline split, DCP checkpoints) lives apart in
+``rng_tracker.parallel.demo``: it serves scripts/train.py and is not part of this API.
 
 The mesh and collectives import eagerly; the layers, model and verifier load on first use
 (they pull in rng_tracker.kernels and so Triton, which the mesh alone does not need).

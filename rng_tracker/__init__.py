@@ -23,7 +23,7 @@ from rng_tracker.device_rng import (
 )
 
 # errors.py
-from rng_tracker.errors import (
+from rng_tracker.errors import (  # keyed.py's errors
     CheckpointConfigError,
     CheckpointRNGMismatchError,
     CheckpointTypeError,
@@ -34,6 +34,8 @@ from rng_tracker.errors import (
     KernelInputError,
     KernelInputTypeError,
     KernelUnavailableError,
+    KeyedTypeError,
+    KeyedUnseededError,
     ParallelConfigError,
     ParallelStateError,
     RankError,
@@ -41,13 +43,20 @@ from rng_tracker.errors import (
     RNGTrackerError,
     SeedReuseError,
     SeedSchemeError,
+    SiteCollisionError,
+    SiteIdError,
     StateDictError,
+    StepRangeError,
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
     TrackerNotInitializedError,
+    UnknownSiteError,
     UnknownStreamError,
 )
+
+# keyed.py
+from rng_tracker.keyed import KeyedRNG, get_keyed_rng
 
 # rng_snapshot.py
 from rng_tracker.rng_snapshot import RNGSnapshot
@@ -88,6 +97,9 @@ __all__ = [
     "KernelInputError",
     "KernelInputTypeError",
     "KernelUnavailableError",
+    "KeyedRNG",
+    "KeyedTypeError",
+    "KeyedUnseededError",
     "ParallelConfigError",
     "ParallelStateError",
     "RNGConsistencyError",
@@ -99,16 +111,21 @@ __all__ = [
     "SeedPlan",
     "SeedReuseError",
     "SeedSchemeError",
+    "SiteCollisionError",
+    "SiteIdError",
     "StateDictError",
+    "StepRangeError",
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
     "TrackerNotInitializedError",
+    "UnknownSiteError",
     "UnknownStreamError",
     "checkpoint",
     "default_device",
     "default_generator",
     "device_rng",
+    "get_keyed_rng",
     "get_rng_tracker",
     "model_parallel_seed",
     "plan_seeds",

@@ -17,18 +17,26 @@ __all__ = [
     "KernelInputError",
     "KernelInputTypeError",
     "KernelUnavailableError",
+    "KeyedTypeError",
+    "KeyedUnseededError",
     "ParallelConfigError",
     "ParallelStateError",
     "RNGConsistencyError",
     "RNGTrackerError",
     "RankError",
+    "ResumeRefusedError",
     "SeedReuseError",
     "SeedSchemeError",
+    "SiteCollisionError",
+    "SiteIdError",
     "StateDictError",
+    "StepRangeError",
     "StreamNameError",
     "TrackerBusyError",
     "TrackerDeviceError",
     "TrackerNotInitializedError",
+    "TrainingCheckpointError",
+    "UnknownSiteError",
     "UnknownStreamError",
 ]
 
@@ -129,3 +137,38 @@ class RNGConsistencyError(RNGTrackerError, RuntimeError):
 
 class TrackerNotInitializedError(RNGTrackerError, RuntimeError):
     """A Megatron-compatible call needs the process's RNG tracker, which was never created."""
+
+
+class SiteCollisionError(RNGTrackerError, ValueError):
+    """Two keyed sites would share a site id (and so their masks), or a name changes its id."""
+
+
+class SiteIdError(RNGTrackerError, ValueError):
+    """A keyed site name that is empty, or a site id outside [1, 2**32)."""
+
+
+class UnknownSiteError(RNGTrackerError, KeyError):
+    """No keyed site with that name is registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class StepRangeError(RNGTrackerError, ValueError):
+    """A keyed step outside [0, 2**32) (the step is one 32-bit Philox counter word)."""
+
+
+class KeyedTypeError(RNGTrackerError, TypeError):
+    """A keyed site name, site id or step of the wrong type."""
+
+
+class KeyedUnseededError(RNGTrackerError, RuntimeError):
+    """Keyed randomness was used before a seed was set."""
+
+
+class TrainingCheckpointError(RNGTrackerError, RuntimeError):
+    """A training checkpoint is uncommitted, corrupt, or mixes pieces of different saves."""
+
+
+class ResumeRefusedError(RNGTrackerError, ValueError):
+    """A checkpoint cannot continue this run exactly: another rng mode, seed, batch or layout."""

@@ -1,10 +1,13 @@
 """Training step time and peak memory per recompute mode and rng mode, on 2 gloo ranks (tp=2).
 
-For each (rng_mode, recompute) the script trains TinyGPT for a few steps and prints the
+For each recompute mode the script builds TinyGPT once per rng mode ("megatron",
+"invariant", "keyed") and times their training steps interleaved (one step of each mode in
+turn), so the modes see the same machine load and their ratios are fair. It prints the
 median step time and the peak live CPU heap of one step (glibc mallinfo2, above the level
-before the step) as ratios to recompute="none" of the same rng mode, and the share of step
-time spent entering and leaving tracker forks (measured by timing every fork in a step).
-It writes a PNG of memory and time per configuration.
+before the step) as ratios to recompute="none" of the same rng mode, the step time of each
+rng mode as ratios to megatron and invariant modes at the same recompute, and the share of
+step time spent entering and leaving tracker forks (measured by timing every fork in a
+step). It writes a PNG of memory and time per configuration.
 
     python scripts/bench_train.py [--steps 10] [--hidden 128] [--seq 64] [--png docs/bench_train.png]
 """
@@ -23,17 +26,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _memory import PeakHeap, heap_bytes
 
-from rng_tracker.parallel.corpus import Corpus
+from rng_tracker.keyed import get_keyed_rng
+from rng_tracker.parallel.demo.corpus import Corpus
+from rng_tracker.parallel.demo.trainer import TrainConfig, build, train_step
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.trainer import TrainConfig, build, train_step
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.tracker import RNGStatesTracker
 
-CONFIGS = [
-    (mode, recompute)
-    for mode in ("megatron", "invariant")
-    for recompute in ("none", "full", "selective")
-]
+MODES = ("megatron", "invariant", "keyed")
+RECOMPUTES = ("none", "full", "selective")
 
 
 class _ForkClock:
@@ -65,33 +66,50 @@ class _ForkClock:
 
 def _measure(steps: int, model: GPTConfig, batch: int) -> dict:
     torch.set_num_threads(1)
+    corpus = Corpus(vocab=model.vocab)
+    batches = [corpus.global_batch(s, batch=batch, seq_len=model.seq_len) for s in range(steps + 3)]
     results = {}
-    for rng_mode, recompute in CONFIGS:
-        cfg = TrainConfig(
-            tp=2, rng_mode=rng_mode, recompute=recompute, model=model, batch=batch, quiet=True
-        )
-        state, gpt, optimizer = build(cfg)
-        corpus = Corpus(vocab=model.vocab)
-        batches = [
-            corpus.batch(s, 0, 1, batch=batch, seq_len=model.seq_len) for s in range(steps + 2)
-        ]
-        for inputs, targets in batches[:2]:  # warm-up
-            train_step(gpt, optimizer, state, inputs, targets)
-        base = heap_bytes()
-        with PeakHeap() as peak:
-            train_step(gpt, optimizer, state, *batches[2])
-        times = []
+    for recompute in RECOMPUTES:
+        jobs = {}
+        for mode in MODES:
+            cfg = TrainConfig(
+                tp=2,
+                rng_mode=mode,
+                recompute=recompute,
+                model=model,
+                global_batch=batch,
+                quiet=True,
+            )
+            jobs[mode] = build(cfg)
+            if mode == "keyed":
+                get_keyed_rng(jobs[mode].device).manual_seed(cfg.seed)
+        peaks = {}
+        for mode, job in jobs.items():
+            for inputs, targets in batches[:2]:  # warm-up
+                train_step(job, inputs, targets)
+            base = heap_bytes()
+            with PeakHeap() as peak:
+                train_step(job, *batches[2])
+            peaks[mode] = peak.peak - base
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        fork_seconds = dict.fromkeys(MODES, 0.0)
+        fork_counts = dict.fromkeys(MODES, 0)
         with _ForkClock() as clock:
             for inputs, targets in batches[3:]:
-                start = time.perf_counter()
-                train_step(gpt, optimizer, state, inputs, targets)
-                times.append(time.perf_counter() - start)
-        results[(rng_mode, recompute)] = {
-            "time": statistics.median(times),
-            "peak": peak.peak - base,
-            "fork_share": clock.seconds / sum(times),
-            "forks_per_step": clock.count / 2 / len(times),
-        }
+                for mode, job in jobs.items():  # interleaved: the same load for every mode
+                    seconds, count = clock.seconds, clock.count
+                    start = time.perf_counter()
+                    train_step(job, inputs, targets)
+                    times[mode].append(time.perf_counter() - start)
+                    fork_seconds[mode] += clock.seconds - seconds
+                    fork_counts[mode] += clock.count - count
+        for mode in MODES:
+            results[(mode, recompute)] = {
+                "time": statistics.median(times[mode]),
+                "peak": peaks[mode],
+                "fork_share": fork_seconds[mode] / sum(times[mode]),
+                "forks_per_step": fork_counts[mode] / 2 / len(times[mode]),
+            }
     return results
 
 
@@ -123,13 +141,15 @@ def main() -> None:
     )
     print(
         f"{'rng_mode':<10}{'recompute':<11}{'step ms':>8}{'peak MB':>9}{'time/none':>10}{'mem/none':>9}"
-        f"{'forks/step':>11}{'fork share':>11}"
+        f"{'time/megatron':>14}{'time/invariant':>15}{'forks/step':>11}{'fork share':>11}"
     )
     for (mode, recompute), r in results.items():
         none = results[(mode, "none")]
+        megatron, invariant = results[("megatron", recompute)], results[("invariant", recompute)]
         print(
             f"{mode:<10}{recompute:<11}{r['time'] * 1e3:8.1f}{r['peak'] / 1e6:9.2f}{r['time'] / none['time']:10.2f}"
-            f"{r['peak'] / none['peak']:9.2f}{r['forks_per_step']:11.0f}{r['fork_share'] * 100:10.2f}%"
+            f"{r['peak'] / none['peak']:9.2f}{r['time'] / megatron['time']:14.2f}"
+            f"{r['time'] / invariant['time']:15.2f}{r['forks_per_step']:11.0f}{r['fork_share'] * 100:10.2f}%"
         )
     try:
         import matplotlib
@@ -141,7 +161,8 @@ def main() -> None:
         return
     labels = [f"{m}\n{r}" for m, r in results]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
-    colors = ["tab:blue" if m == "megatron" else "tab:orange" for m, _ in results]
+    palette = {"megatron": "tab:blue", "invariant": "tab:orange", "keyed": "tab:green"}
+    colors = [palette[m] for m, _ in results]
     ax_mem.bar(labels, [r["peak"] / 1e6 for r in results.values()], color=colors)
     ax_mem.set_ylabel("peak live heap per step (MB)")
     ax_time.bar(labels, [r["time"] * 1e3 for r in results.values()], color=colors)

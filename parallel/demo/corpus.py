@@ -33,7 +33,7 @@ _ENDS = [".", "!", " again.", " on every rank.", " in backward."]
 
 
 class Corpus:
-    """Character-level text from a fixed grammar; batches are a pure function of (step, dp rank)."""
+    """Character-level text from a fixed grammar; a step's global batch depends on the step alone."""
 
     def __init__(self, *, vocab: int = 64, chars: int = 200_000, seed: int = 0) -> None:
         rng = random.Random(seed)
@@ -56,11 +56,20 @@ class Corpus:
             torch.frombuffer(bytearray(text.encode("ascii")), dtype=torch.uint8).long()
         ]
 
-    def batch(
-        self, step: int, dp_rank: int, dp_size: int, *, batch: int, seq_len: int
+    def global_batch(
+        self, step: int, *, batch: int, seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each (batch, seq_len), for one data-parallel rank at ``step``."""
-        rng = torch.Generator().manual_seed(1_000_003 * step + dp_rank * 7919 + dp_size)
+        """(inputs, targets), each (batch, seq_len): the whole global batch of ``step``.
+
+        A pure function of (step, batch, seq_len), so which samples a step sees, and in which
+        order, does not depend on the parallel layout; ranks and microbatches take slices.
+        """
+        if batch < 1 or seq_len < 1 or seq_len + 1 > self.tokens.numel():
+            raise ParallelConfigError(
+                f"batch={batch} and seq_len={seq_len} must be positive and seq_len below "
+                f"the corpus length {self.tokens.numel()}"
+            )
+        rng = torch.Generator().manual_seed(1_000_003 * step + 7919)
         starts = torch.randint(0, self.tokens.numel() - seq_len - 1, (batch,), generator=rng)
         rows = torch.stack([self.tokens[s : s + seq_len + 1] for s in starts.tolist()])
-        return rows[:, :-1], rows[:, 1:]
+        return rows[:, :-1], rows[:, 1:]  # (batch, seq_len) each

@@ -1,0 +1,321 @@
+"""Keyed randomness: masks that are a pure function of (seed, step, site, global index).
+
+A keyed site draws nothing from a generator. Its Philox key is derived from the seed
+alone, and the counter of logical element g is (lo32(g // 4), hi32(g // 4), site id,
+step), so a site's mask depends on neither the parallel layout, the microbatch count,
+the schedule nor recompute, and the whole RNG state of a run is (seed, step, sites):
+it reshards to any layout. See docs/keyed.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rng_tracker.device_rng import _normalize
+from rng_tracker.errors import (
+    KeyedTypeError,
+    KeyedUnseededError,
+    SiteCollisionError,
+    SiteIdError,
+    StateDictError,
+    StepRangeError,
+    UnknownSiteError,
+)
+from rng_tracker.tracker import validate_seed
+
+__all__ = ["STEP_LIMIT", "KeyedRNG", "get_keyed_rng", "site_id_of"]
+
+STEP_LIMIT = 2**32  # the step is Philox counter word 3
+_SITE_LIMIT = 2**32  # the site id is counter word 2; 0 is left to generator-driven calls
+_STATE_DICT_VERSION = 1
+_STATE_KEYS = frozenset({"version", "seed", "step", "sites"})
+_MASK64 = 2**64 - 1
+# Mixed into the seed so a keyed key never equals the seed a torch generator was given.
+_KEY_DOMAIN = 0x6B65796564524E47  # b"keyedRNG"
+
+
+def _philox_key(seed: int) -> int:
+    """The 64-bit Philox key of ``seed``: a bijection (splitmix64's finaliser), so distinct
+    seeds never share a key."""
+    z = (seed ^ _KEY_DOMAIN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64  # xorshift and odd multiply: invertible
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _signed64(value: int) -> int:
+    return value - 2**64 if value >= 2**63 else value
+
+
+def site_id_of(name: str) -> int:
+    """The default 32-bit id of a site name: BLAKE2b of its UTF-8 bytes, mapped into [1, 2**32)."""
+    _check_name(name)
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=4, person=b"rng_tracker.site")
+    return int.from_bytes(digest.digest(), "little") % (_SITE_LIMIT - 1) + 1
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise KeyedTypeError(f"a keyed site name must be a str, got {type(name).__name__}")
+    if not name:
+        raise SiteIdError("a keyed site name must not be empty; use a stable global name")
+    return name
+
+
+def _check_int(what: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise KeyedTypeError(f"{what} must be an int, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KeyedTypeError(
+            f"{what} must be an int, got {type(value).__name__} {value!r}"
+        ) from None
+
+
+def _check_step(step: object) -> int:
+    value = _check_int("step", step)
+    if not 0 <= value < STEP_LIMIT:
+        raise StepRangeError(
+            f"step must be in [0, 2**32), got {value}: it is one 32-bit Philox counter word"
+        )
+    return value
+
+
+def _check_site_id(site_id: object) -> int:
+    value = _check_int("site_id", site_id)
+    if not 1 <= value < _SITE_LIMIT:
+        raise SiteIdError(
+            f"site_id must be in [1, 2**32), got {value} (0 is reserved for generator-driven draws)"
+        )
+    return value
+
+
+class KeyedRNG:
+    """The keyed randomness of one device: a seed, a step held in a device tensor, and named sites.
+
+    ``seed_tensor(name)`` gives the 4 words [key, 0, site id, step] a fused dropout call
+    takes as ``seed=``: element g of the site's logical tensor then uses the Philox
+    counter (lo32(g // 4), hi32(g // 4), site id, step). Nothing is read from or written
+    to any generator, so recompute needs no replay; the step lives on the device, so a
+    captured CUDA graph can advance it in place.
+
+    Args:
+        device: the device the words live on; None means the current accelerator, else CPU.
+        seed: the run's seed in [0, 2**64), the same on every rank; None leaves it unseeded.
+    """
+
+    def __init__(
+        self, device: torch.device | str | int | None = None, *, seed: int | None = None
+    ) -> None:
+        self._device = _normalize(device)
+        self._words = torch.zeros(4, dtype=torch.int64, device=self._device)  # [key, 0, 0, step]
+        self._seed: int | None = None
+        self._host_step = 0  # mirrors the device step for range checks without a sync
+        self._ids: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._site_words: dict[str, torch.Tensor] = {}  # name -> [0, 0, id, 0] on the device
+        if seed is not None:
+            self.manual_seed(seed)
+
+    # -- inspection -----------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device whose tensors hold the step and the seed words."""
+        return self._device
+
+    @property
+    def seed(self) -> int | None:
+        """The run's seed, or None before :meth:`manual_seed`."""
+        return self._seed
+
+    @property
+    def step(self) -> int:
+        """The current step, read from the device tensor (a sync on an accelerator)."""
+        self._host_step = int(self._words[3])
+        return self._host_step
+
+    @property
+    def step_tensor(self) -> torch.Tensor:
+        """The step as a 0-dim int64 view on the device; in-place writes move the step."""
+        return self._words[3]
+
+    @property
+    def sites(self) -> dict[str, int]:
+        """A copy of the registered sites: name -> 32-bit id."""
+        return dict(self._ids)
+
+    def site_id(self, name: str) -> int:
+        """The id of a registered site."""
+        site = self._ids.get(name)
+        if site is None:
+            raise self._unknown(name)
+        return site
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyedRNG(device={self._device}, seed={self._seed}, step={self._host_step}, "
+            f"sites={len(self._ids)})"
+        )
+
+    # -- configuration ----------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        """Set the seed and go back to step 0 (the state of a fresh run)."""
+        seed = validate_seed(seed)
+        words = torch.tensor([_signed64(_philox_key(seed)), 0, 0, 0], dtype=torch.int64)
+        self._words.copy_(words)
+        self._seed, self._host_step = seed, 0
+
+    def register(self, name: str, *, site_id: int | None = None) -> int:
+        """Register a site under a stable global name; returns its id.
+
+        Re-registering a name is a no-op. The id defaults to :func:`site_id_of` (name);
+        pass ``site_id=`` to resolve a hash collision. Two names never share an id.
+        """
+        known = self._ids.get(name) if isinstance(name, str) else None
+        if known is not None and (site_id is None or site_id == known):
+            return known
+        _check_name(name)
+        wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
+        if known is not None:
+            raise SiteCollisionError(
+                f"keyed site {name!r} already has id {known}; it cannot change to {wanted} "
+                "(its masks would change)"
+            )
+        other = self._names.get(wanted)
+        if other is not None:
+            raise SiteCollisionError(
+                f"keyed sites {other!r} and {name!r} both map to id {wanted}, so they would "
+                "draw the same masks; rename one or pass an unused site_id="
+            )
+        self._add(name, wanted)
+        return wanted
+
+    def _add(self, name: str, site_id: int) -> None:
+        self._ids[name], self._names[site_id] = site_id, name
+        self._site_words[name] = torch.tensor([0, 0, site_id, 0], dtype=torch.int64).to(
+            self._device
+        )
+
+    def set_step(self, step: int) -> None:
+        """Move to ``step`` (in [0, 2**32))."""
+        step = _check_step(step)
+        self._words[3].fill_(step)
+        self._host_step = step
+
+    def advance(self, steps: int = 1) -> None:
+        """Advance the step by ``steps`` in place on the device (no host sync, capturable)."""
+        steps = _check_int("steps", steps)
+        if steps < 0 or self._host_step + steps >= STEP_LIMIT:
+            raise StepRangeError(
+                f"advancing step {self._host_step} by {steps} leaves [0, 2**32); "
+                "a keyed step is one 32-bit Philox counter word"
+            )
+        self._words[3:].add_(steps)
+        self._host_step += steps
+
+    # -- drawing ----------------------------------------------------------------------
+    def seed_tensor(self, name: str) -> torch.Tensor:
+        """The 4 int64 words [key, 0, site id, step] of site ``name`` at the current step.
+
+        A fresh tensor (one device add, no host sync): a later :meth:`advance` does not
+        change it, so the backward of this step's call still regenerates this step's mask.
+        """
+        site_words = self._site_words.get(name)
+        if site_words is None:
+            raise self._unknown(name)
+        if self._seed is None:
+            raise KeyedUnseededError(
+                "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) "
+                "with the run's seed (the same on every rank) first"
+            )
+        return self._words + site_words  # (4,) int64 on the device
+
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The logical state {version, seed, step, sites}: equal on every rank of a run,
+        so it reshards to any layout (and a deduplicating checkpointer keeps the right copy)."""
+        step = self.step
+        if not 0 <= step < STEP_LIMIT:
+            raise StepRangeError(f"the device step {step} left [0, 2**32)")
+        return {
+            "version": _STATE_DICT_VERSION,
+            "seed": self._seed,
+            "step": step,
+            "sites": dict(sorted(self._ids.items())),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; validates all of it before changing anything.
+
+        Sites of the checkpoint are merged with those registered here; a name with
+        another id, or an id held by another name, is a :class:`SiteCollisionError`.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(
+                f"a keyed state dict must be a mapping, got {type(state_dict).__name__}"
+            )
+        if set(state_dict) != _STATE_KEYS:
+            raise StateDictError(
+                f"a keyed state dict has the keys {sorted(_STATE_KEYS)}, got {sorted(state_dict)}; "
+                "was it written by KeyedRNG.state_dict()?"
+            )
+        if state_dict["version"] != _STATE_DICT_VERSION:
+            raise StateDictError(
+                f"keyed state dict version {state_dict['version']!r} is not the supported "
+                f"version {_STATE_DICT_VERSION}"
+            )
+        seed = state_dict["seed"]
+        seed = None if seed is None else validate_seed(seed)
+        step = _check_step(state_dict["step"])
+        sites = state_dict["sites"]
+        if not isinstance(sites, Mapping):
+            raise StateDictError(f"'sites' must map names to ids, got {type(sites).__name__}")
+        merged_ids, merged_names = dict(self._ids), dict(self._names)
+        for name, site_id in sites.items():
+            _check_name(name)
+            site_id = _check_site_id(site_id)
+            if merged_ids.get(name, site_id) != site_id:
+                raise SiteCollisionError(
+                    f"the checkpoint gives keyed site {name!r} id {site_id} but it is registered "
+                    f"here with id {merged_ids[name]}"
+                )
+            if merged_names.get(site_id, name) != name:
+                raise SiteCollisionError(
+                    f"the checkpoint gives id {site_id} to {name!r} but {merged_names[site_id]!r} "
+                    "holds it here"
+                )
+            merged_ids[name], merged_names[site_id] = site_id, name
+        # Everything is valid: apply.
+        if seed is None:
+            self._words.zero_()
+            self._seed = None
+        else:
+            self.manual_seed(seed)
+        self.set_step(step)
+        for name, site_id in merged_ids.items():
+            if name not in self._ids:
+                self._add(name, site_id)
+
+    def _unknown(self, name: object) -> UnknownSiteError:
+        return UnknownSiteError(
+            f"no keyed site named {name!r}; register it first with register(name) "
+            f"(registered: {sorted(self._ids)})"
+        )
+
+
+_KEYED_RNGS: dict[torch.device, KeyedRNG] = {}
+
+
+def get_keyed_rng(device: torch.device | str | int | None = None) -> KeyedRNG:
+    """The process's :class:`KeyedRNG` of ``device`` (created unseeded on first use)."""
+    device = _normalize(device)
+    rng = _KEYED_RNGS.get(device)
+    if rng is None:
+        rng = _KEYED_RNGS[device] = KeyedRNG(device)
+    return rng

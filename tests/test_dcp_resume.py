@@ -1,0 +1,188 @@
+"""DCP checkpoints of the demo job: exact resume, refusals, and saves that a killed rank cannot break."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rng_tracker import get_rng_tracker
+from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
+from rng_tracker.parallel.demo import dcp_checkpoint
+from rng_tracker.parallel.demo.dcp_checkpoint import FAULT_ENV, read_manifest
+from rng_tracker.parallel.demo.trainer import TrainConfig, _load, build, train
+from rng_tracker.parallel.mesh import destroy_model_parallel
+from rng_tracker.parallel.testing import DistributedTestError, run_distributed
+from rng_tracker.parallel.transformer import GPTConfig
+
+SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
+
+
+def config(**kw) -> TrainConfig:
+    return TrainConfig(**{"global_batch": 4, "model": SMALL, "quiet": True, "verify": False, **kw})
+
+
+def _straight_and_half(straight: TrainConfig, half: TrainConfig) -> tuple:
+    full = train(straight)
+    train(half)
+    return full.losses, full.params
+
+
+def _resume(cfg: TrainConfig) -> tuple:
+    result = train(cfg)
+    return result.losses, result.params, result.report_start.ok and result.report_end.ok
+
+
+def test_megatron_resume_on_the_same_pipeline_layout_is_bitwise(tmp_path):
+    """tp=2 + SP, pp=2, 2 microbatches, megatron mode: 4 steps straight == 2 steps, save, new
+    processes, resume 2; every loss and parameter bitwise, RNG verified after the resume."""
+    ckpt = str(tmp_path / "ckpt")
+    common = {"tp": 2, "sp": True, "pp": 2, "microbatches": 2, "recompute": "selective"}
+    straight = run_distributed(
+        _straight_and_half,
+        world_size=4,
+        args=(config(steps=4, **common), config(steps=2, save=ckpt, **common)),
+        timeout=180,
+    )
+    resumed = run_distributed(
+        _resume,
+        world_size=4,
+        args=(config(steps=4, resume=ckpt, verify=True, **common),),
+        timeout=180,
+    )
+    for (losses, params), (got_losses, got_params, ok) in zip(straight, resumed, strict=True):
+        assert ok and got_losses == losses
+        assert params.keys() == got_params.keys()
+        assert all(torch.equal(params[n], got_params[n]) for n in params)
+
+
+def _state(job) -> dict:
+    tracker = get_rng_tracker(job.device)
+    return {
+        "params": {n: p.detach().clone() for n, p in job.stage.named_parameters()},
+        "optim": {
+            (n, k): v.clone()
+            for n, p in job.stage.named_parameters()
+            for k, v in job.optimizer.state[p].items()
+        },
+        "cpu": torch.get_rng_state(),
+        "streams": {n: s["state"] for n, s in tracker.state_dict()["streams"].items()},
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(
+        a[part].keys() == b[part].keys()
+        and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+        for part in ("params", "optim", "streams")
+    ) and torch.equal(a["cpu"], b["cpu"])
+
+
+def _refusals(good: str, megatron_pp2: str, bad: dict[str, str]) -> dict:
+    """One rank: each bad checkpoint raises its typed error and leaves the job untouched."""
+    train(config(rng_mode="invariant", steps=2, save=good))
+    for path in bad.values():
+        shutil.copytree(good, path)
+    os.remove(os.path.join(bad["uncommitted"], "COMMITTED"))
+    step_dir = os.path.basename(read_manifest(good).directory)
+    flipped = Path(bad["flipped"], step_dir, "__0_0.distcp")
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    # a truncated data file whose manifest was re-hashed: only DCP's own read can notice
+    truncated = Path(bad["truncated"], step_dir, "__0_0.distcp")
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 3])
+    record_path = truncated.parent / "manifest.json"
+    record = json.loads(record_path.read_text())
+    record["files"]["__0_0.distcp"] = dcp_checkpoint._sha256(str(truncated))
+    record_path.write_text(json.dumps(record))
+    pointer = Path(bad["mixed"], "COMMITTED")  # names step 1, but the directory holds step 2
+    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "step": 1}))
+
+    errors = {}
+    cases = [("invariant", path, name) for name, path in bad.items()]
+    cases += [("megatron", megatron_pp2, "other layout"), ("invariant", megatron_pp2, "other mode")]
+    for mode, path, name in cases:
+        job = build(config(rng_mode=mode, steps=3))
+        torch.manual_seed(7)  # some state that a partial load would change
+        before = _state(job)
+        try:
+            _load(job, path)
+            errors[name] = None
+        except (TrainingCheckpointError, ResumeRefusedError) as exc:
+            errors[name] = (type(exc).__name__, str(exc), _same(before, _state(job)))
+        destroy_model_parallel()
+    return errors
+
+
+def test_bad_checkpoints_raise_typed_errors_and_load_nothing(tmp_path):
+    """Uncommitted, bit-flipped, truncated, mixed-step checkpoints raise TrainingCheckpointError;
+    another rng mode or (megatron) another layout raise ResumeRefusedError; in every case the
+    parameters, optimizer state and RNG states are exactly as before the attempt."""
+    megatron_pp2 = str(tmp_path / "megatron")
+    run_distributed(
+        train, world_size=2, args=(config(pp=2, microbatches=2, steps=1, save=megatron_pp2),)
+    )
+    bad = {name: str(tmp_path / name) for name in ("uncommitted", "flipped", "truncated", "mixed")}
+    errors = run_distributed(
+        _refusals, world_size=1, args=(str(tmp_path / "good"), megatron_pp2, bad), timeout=120
+    )[0]
+    expected = {
+        "uncommitted": ("TrainingCheckpointError", "no committed checkpoint"),
+        "flipped": ("TrainingCheckpointError", "does not match its recorded hash"),
+        "truncated": ("TrainingCheckpointError", "could not be loaded"),
+        "mixed": ("TrainingCheckpointError", "mixes checkpoints"),
+        "other layout": ("ResumeRefusedError", "resume on the saved layout"),
+        "other mode": ("ResumeRefusedError", "rng_mode='megatron'"),
+    }
+    for name, (kind, words) in expected.items():
+        assert errors[name] is not None, name
+        got_kind, message, untouched = errors[name]
+        assert got_kind == kind and words in message, (name, message)
+        assert untouched, name
+
+
+def _steps_of(path: str) -> int:
+    return read_manifest(path).step
+
+
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """pp=2, saving over a step-2 checkpoint: rank 1 SIGKILLed while the pieces are gathered, or
+    rank 0 killed with the new checkpoint fully written but the commit pointer not yet replaced,
+    leaves the step-2 checkpoint committed and intact (never step 4, never a mix); killed after
+    the commit, the step-4 checkpoint is complete and resumes. Rank 0 killed mid-write in a fresh
+    directory leaves nothing loadable, and the loader says so."""
+    ckpt, fresh = str(tmp_path / "ckpt"), str(tmp_path / "fresh")
+    common = {"pp": 2, "microbatches": 2}
+    run_distributed(train, world_size=2, args=(config(steps=2, save=ckpt, **common),))
+    first = read_manifest(ckpt)
+    assert first.step == 2
+    for fault, target in (
+        ("1:gather", ckpt),
+        ("0:write", fresh),
+        ("0:commit", ckpt),
+    ):
+        monkeypatch.setenv(FAULT_ENV, fault)
+        cfg = config(steps=4, resume=ckpt, save=target, **common)
+        with pytest.raises(DistributedTestError, match="SIGKILL"):
+            run_distributed(train, world_size=2, args=(cfg,), timeout=60)
+        again = read_manifest(ckpt)
+        assert (again.step, again.run_id, again.files) == (2, first.run_id, first.files), fault
+    with pytest.raises(TrainingCheckpointError, match="no committed checkpoint"):
+        read_manifest(fresh)
+    monkeypatch.setenv(FAULT_ENV, "0:cleanup")
+    with pytest.raises(DistributedTestError, match="SIGKILL"):
+        run_distributed(
+            train, world_size=2, args=(config(steps=4, resume=ckpt, save=ckpt, **common),)
+        )
+    monkeypatch.delenv(FAULT_ENV)
+    after = read_manifest(ckpt)
+    assert after.step == 4 and after.run_id == first.run_id and len(after.losses) == 4
+    resumed = run_distributed(
+        _resume, world_size=2, args=(config(steps=5, resume=ckpt, verify=True, **common),)
+    )
+    assert resumed[0][0][:4] == after.losses and resumed[0][2]

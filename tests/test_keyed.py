@@ -1,0 +1,493 @@
+"""Keyed randomness: site ids, steps, seeds and logical state dicts (rng_tracker.keyed), and
+keyed dropout sites in TinyGPT that draw the same masks on every layout and under recompute."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rng_tracker.kernels.dropout as kernel_dropout
+from rng_tracker import (
+    DeviceRNG,
+    InvalidSeedError,
+    InvalidSeedTypeError,
+    KeyedRNG,
+    KeyedTypeError,
+    KeyedUnseededError,
+    ParallelConfigError,
+    RNGSnapshot,
+    RNGStatesTracker,
+    RNGTrackerError,
+    SiteCollisionError,
+    SiteIdError,
+    StateDictError,
+    StepRangeError,
+    UnknownSiteError,
+    get_keyed_rng,
+)
+from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of
+from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.demo.corpus import Corpus
+from rng_tracker.parallel.testing import run_distributed
+from rng_tracker.parallel.transformer import (
+    GPTConfig,
+    TinyGPT,
+    batch_position,
+    place_masks,
+    record_masks,
+)
+
+# Two names whose BLAKE2b-derived 32-bit ids collide (found by a birthday search; the test
+# below first checks that they really do).
+COLLIDING = ("layer.41911.attention", "layer.69264.attention")
+
+
+def _snapshot(rng: KeyedRNG) -> tuple:
+    """Everything observable of a keyed RNG, to check that a failed call changed nothing."""
+    words = {n: rng.seed_tensor(n).tolist() for n in rng.sites} if rng.seed is not None else {}
+    return rng.seed, rng.step, rng.sites, words
+
+
+def _seeded(*names: str, seed: int = 1234) -> KeyedRNG:
+    rng = KeyedRNG("cpu", seed=seed)
+    for name in names:
+        rng.register(name)
+    return rng
+
+
+# -- site ids ------------------------------------------------------------------------------
+def test_site_ids_are_stable_nonzero_and_registration_is_idempotent():
+    """A site's id is a pure function of its name (BLAKE2b), never 0 (reserved for
+    generator-driven draws), and registering the same name again returns the same id."""
+    rng = KeyedRNG("cpu")
+    first = rng.register("layer.3.attention")
+    assert first == site_id_of("layer.3.attention") == rng.register("layer.3.attention")
+    assert 1 <= first < 2**32
+    assert KeyedRNG("cpu").register("layer.3.attention") == first
+    assert rng.register("layer.4.attention") != first
+    assert rng.sites == {
+        "layer.3.attention": first,
+        "layer.4.attention": rng.sites["layer.4.attention"],
+    }
+
+
+def test_colliding_site_names_are_refused_and_an_explicit_id_resolves_them():
+    """Two names whose hashed ids collide: the second registration raises SiteCollisionError
+    naming both and registers nothing; an explicit unused site_id= resolves it."""
+    a, b = COLLIDING
+    assert site_id_of(a) == site_id_of(b)
+    rng = _seeded(a)
+    before = _snapshot(rng)
+    with pytest.raises(SiteCollisionError, match="both map to id") as info:
+        rng.register(b)
+    assert a in str(info.value) and b in str(info.value)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RNGTrackerError)
+    assert _snapshot(rng) == before
+    assert rng.register(b, site_id=7) == 7
+    assert rng.site_id(b) == 7
+
+
+def test_explicit_site_ids_collide_and_names_cannot_change_their_id():
+    rng = _seeded()
+    rng.register("a", site_id=5)
+    with pytest.raises(SiteCollisionError):
+        rng.register("b", site_id=5)
+    with pytest.raises(SiteCollisionError, match="cannot change"):
+        rng.register("a", site_id=6)
+    assert rng.register("a") == 5  # re-registering without an id keeps the id it has
+    assert rng.sites == {"a": 5}
+
+
+@pytest.mark.parametrize(
+    ("name", "site_id", "error"),
+    [
+        (3, None, KeyedTypeError),
+        ("", None, SiteIdError),
+        ("x", 0, SiteIdError),
+        ("x", 2**32, SiteIdError),
+        ("x", -1, SiteIdError),
+        ("x", True, KeyedTypeError),
+        ("x", 1.0, KeyedTypeError),
+    ],
+)
+def test_bad_site_names_and_ids_are_typed_errors(name, site_id, error):
+    rng = _seeded("kept")
+    before = _snapshot(rng)
+    with pytest.raises(error):
+        rng.register(name, site_id=site_id)
+    assert _snapshot(rng) == before
+
+
+def test_unknown_sites_and_unseeded_use_are_typed_errors():
+    rng = KeyedRNG("cpu")
+    rng.register("a")
+    with pytest.raises(KeyedUnseededError, match="manual_seed"):
+        rng.seed_tensor("a")
+    rng.manual_seed(1)
+    with pytest.raises(UnknownSiteError, match="register") as info:
+        rng.seed_tensor("b")
+    assert isinstance(info.value, KeyError)
+    with pytest.raises(UnknownSiteError):
+        rng.site_id("b")
+
+
+# -- the words, steps and seeds ----------------------------------------------------------
+def test_seed_tensor_words_are_key_zero_site_step_and_do_not_alias_the_step():
+    """seed_tensor = [key(seed), 0, site id, step]; advancing later does not change a tensor
+    already handed out (the backward of a call regenerates that call's mask)."""
+    rng = _seeded("a", seed=99)
+    rng.set_step(41)
+    words = rng.seed_tensor("a")
+    key = _philox_key(99)
+    assert words.dtype == torch.int64 and words.shape == (4,)
+    assert words.tolist() == [key - 2**64 if key >= 2**63 else key, 0, site_id_of("a"), 41]
+    rng.advance()
+    assert words[3] == 41 and rng.seed_tensor("a")[3] == 42 and rng.step == 42
+    rng.step_tensor.add_(3)  # the device tensor is the step (how a captured graph advances it)
+    assert rng.step == 45 and rng.seed_tensor("a")[3] == 45
+
+
+def test_distinct_site_step_pairs_never_share_counter_words():
+    """The counter words (site id, step) of distinct (site, step) pairs are distinct, so no
+    two keyed draws of one seed share a Philox counter; and the site word is never 0, so
+    none shares one with a generator-driven call (whose words 2, 3 are 0)."""
+    names = [f"layer.{i}.{s}" for i in range(64) for s in ("attention", "attention_out", "mlp_out")]
+    rng = _seeded(*names, "embedding")
+    seen = set()
+    for step in (0, 1, 2, STEP_LIMIT - 1):
+        rng.set_step(step)
+        for name in rng.sites:
+            words = tuple(rng.seed_tensor(name)[2:].tolist())
+            assert words[0] != 0
+            seen.add(words)
+    assert len(seen) == 4 * len(rng.sites)
+
+
+def test_keys_are_a_bijection_of_seeds_and_differ_from_the_seed():
+    seeds = sorted({0, 1, 2**32, 2**63, 2**64 - 1, *range(2, 2000)})
+    keys = [_philox_key(s) for s in seeds]
+    assert len(set(keys)) == len(seeds)
+    assert all(0 <= k < 2**64 and k != s for k, s in zip(keys, seeds, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("start", "call", "error"),
+    [
+        (5, lambda r: r.set_step(STEP_LIMIT), StepRangeError),
+        (5, lambda r: r.set_step(-1), StepRangeError),
+        (5, lambda r: r.set_step(True), KeyedTypeError),
+        (5, lambda r: r.set_step(2.0), KeyedTypeError),
+        (5, lambda r: r.advance(-1), StepRangeError),
+        (STEP_LIMIT - 1, lambda r: r.advance(), StepRangeError),
+        (5, lambda r: r.manual_seed(-1), InvalidSeedError),
+        (5, lambda r: r.manual_seed(2**64), InvalidSeedError),
+        (5, lambda r: r.manual_seed(1.5), InvalidSeedTypeError),
+        (5, lambda r: r.manual_seed(False), InvalidSeedTypeError),
+    ],
+)
+def test_steps_and_seeds_out_of_range_are_typed_errors(start, call, error):
+    """Out-of-range or mistyped steps and seeds raise their typed error and change nothing
+    (a step past 2**32 would wrap the counter word and repeat an earlier step's masks)."""
+    rng = _seeded("a")
+    rng.set_step(start)
+    before = _snapshot(rng)
+    with pytest.raises(error) as info:
+        call(rng)
+    assert isinstance(info.value, RNGTrackerError)
+    assert _snapshot(rng) == before
+
+
+def test_manual_seed_restarts_at_step_zero_and_keyed_rngs_are_per_device():
+    rng = _seeded("a", seed=3)
+    rng.advance(10)
+    rng.manual_seed(3)
+    assert rng.step == 0 and rng.seed == 3
+    assert get_keyed_rng("cpu") is get_keyed_rng(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_keyed_words_and_step_advance_inside_a_captured_cuda_graph():
+    """The seed words and the step are device tensors: a captured graph that reads the words
+    and advances the step does both on every replay, with no host involvement."""
+    rng = KeyedRNG("cuda", seed=5)
+    rng.register("a")
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        out.copy_(rng.seed_tensor("a"))
+        rng.advance()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(rng.seed_tensor("a"))
+        rng.advance()
+    for replay in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out[3].item() == 1 + replay and out[2].item() == site_id_of("a")
+    assert rng.step == 4
+
+
+# -- state dicts ---------------------------------------------------------------------------
+def test_state_dict_is_logical_and_round_trips():
+    """state_dict is {version, seed, step, sites} only (no device or rank), and loading it
+    into a fresh RNG gives the same words for every site."""
+    rng = _seeded("layer.0.attention", "embedding", seed=2**64 - 1)
+    rng.advance(17)
+    state = rng.state_dict()
+    assert state == {
+        "version": 1,
+        "seed": 2**64 - 1,
+        "step": 17,
+        "sites": {
+            "embedding": site_id_of("embedding"),
+            "layer.0.attention": site_id_of("layer.0.attention"),
+        },
+    }
+    fresh = KeyedRNG("cpu")
+    fresh.load_state_dict(state)
+    assert fresh.sites == rng.sites and fresh.step == 17 and fresh.seed == rng.seed
+    for name in rng.sites:
+        assert torch.equal(fresh.seed_tensor(name), rng.seed_tensor(name))
+
+
+def _bad_states() -> list[tuple[object, type]]:
+    good = _seeded("a", "b", seed=7).state_dict()
+    a, b = COLLIDING
+    return [
+        ([1, 2], StateDictError),
+        ({**good, "version": 2}, StateDictError),
+        ({k: v for k, v in good.items() if k != "step"}, StateDictError),
+        ({**good, "extra": 1}, StateDictError),
+        ({**good, "step": STEP_LIMIT}, StepRangeError),
+        ({**good, "step": "3"}, KeyedTypeError),
+        ({**good, "seed": -5}, InvalidSeedError),
+        ({**good, "seed": 2**64}, InvalidSeedError),
+        ({**good, "sites": ["a"]}, StateDictError),
+        ({**good, "sites": {"a": 0}}, SiteIdError),
+        ({**good, "sites": {"a": 9, "b": 9}}, SiteCollisionError),
+        ({**good, "sites": {"registered": 11}}, SiteCollisionError),  # another id than here
+        ({**good, "sites": {"other": site_id_of("registered")}}, SiteCollisionError),
+        (
+            {**good, "sites": {**good["sites"], b: site_id_of(a), a: site_id_of(a)}},
+            SiteCollisionError,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_states())))
+def test_bad_state_dicts_are_refused_and_nothing_is_half_loaded(index):
+    """Each malformed or conflicting state dict raises a typed error, and seed, step and
+    sites stay exactly as before (validation runs to the end before anything is applied)."""
+    state, error = _bad_states()[index]
+    rng = _seeded("registered", seed=11)
+    rng.advance(3)
+    before = _snapshot(rng)
+    with pytest.raises(error) as info:
+        rng.load_state_dict(state)
+    assert isinstance(info.value, RNGTrackerError)
+    assert _snapshot(rng) == before
+
+
+def test_loading_merges_sites_and_keeps_the_ones_registered_here():
+    rng = _seeded("here", seed=1)
+    rng.load_state_dict(_seeded("there", seed=2).state_dict())
+    assert set(rng.sites) == {"here", "there"} and rng.seed == 2 and rng.step == 0
+
+
+def test_no_generator_is_touched_by_keyed_calls():
+    """Registering, seeding, stepping and drawing seed words leaves the CPU generator as it
+    was: keyed randomness is stateless on the host."""
+    before = torch.get_rng_state()
+    rng = _seeded("a", "b")
+    for _ in range(3):
+        rng.seed_tensor("a"), rng.seed_tensor("b")
+        rng.advance()
+    rng.load_state_dict(rng.state_dict())
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- keyed sites in TinyGPT ----------------------------------------------------------------
+SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2, rng_mode="keyed")
+GLOBAL_BATCH = 4
+
+
+def _tokens() -> torch.Tensor:
+    return Corpus(vocab=SMALL.vocab).global_batch(0, batch=GLOBAL_BATCH, seq_len=SMALL.seq_len)
+
+
+def _keyed_model(recompute: str = "none", *, seed: int = 1234, group=None, **kw) -> TinyGPT:
+    get_keyed_rng("cpu").manual_seed(seed)
+    return TinyGPT(replace(SMALL, recompute=recompute, **kw), group=group)
+
+
+def _microbatched_masks(model: TinyGPT, order: list[int], size: int) -> dict[str, torch.Tensor]:
+    inputs, targets = _tokens()
+    with record_masks() as records:
+        for index in order:
+            rows = slice(index * size, (index + 1) * size)
+            with batch_position(index * size, GLOBAL_BATCH):
+                model.loss(inputs[rows], targets[rows]).backward()
+    return place_masks(records)
+
+
+def test_keyed_masks_do_not_depend_on_microbatches_or_their_order():
+    """The whole batch in one forward, 2 microbatches, and 4 microbatches run in a shuffled
+    order draw bitwise-identical logical masks at every site (each sample's mask depends on
+    its place in the global batch, not on which call computed it); every element is covered.
+    Another step draws other masks, and no two sites share a mask."""
+    model = _keyed_model()
+    whole = _microbatched_masks(model, [0], GLOBAL_BATCH)
+    assert list(whole) == list(model.sites)
+    for order, size in (([0, 1], 2), ([2, 0, 3, 1], 1)):
+        split = _microbatched_masks(model, order, size)
+        assert list(split) == list(whole)
+        for site, mask in whole.items():
+            assert bool((mask >= 0).all()) and torch.equal(split[site], mask), (order, site)
+    masks = list(whole.values())
+    assert not torch.equal(masks[1], masks[4])  # layer.0.attention vs layer.1.attention
+    get_keyed_rng("cpu").advance()
+    later = _microbatched_masks(model, [0], GLOBAL_BATCH)
+    assert all(not torch.equal(later[site], whole[site]) for site in whole)
+
+
+class _SeededOps(TorchDispatchMode):
+    """Counts ops tagged nondeterministic_seeded (every op that draws from a generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _count_rng_access(monkeypatch) -> list[str]:
+    """Wrap every way this library and torch's checkpoint read or write a generator or a
+    tracker stream, recording each call's name."""
+    calls: list[str] = []
+
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    capture = RNGSnapshot.capture
+    monkeypatch.setattr(
+        RNGSnapshot,
+        "capture",
+        classmethod(lambda cls, *a, **k: (calls.append("capture"), capture(*a, **k))[1]),
+    )
+    fork_rng = torch.random.fork_rng
+
+    def counted_fork_rng(devices=None, enabled=True, *args, **kwargs):
+        if enabled:  # torch's checkpoint enters fork_rng(enabled=False), which touches nothing
+            calls.append("fork_rng")
+        return fork_rng(devices, enabled, *args, **kwargs)
+
+    monkeypatch.setattr(torch.random, "fork_rng", counted_fork_rng)
+    for owner, names in (
+        (DeviceRNG, ("snapshot", "install", "live", "fresh", "swap_in", "swap_out")),
+        (RNGStatesTracker, ("_enter", "_exit", "get_states", "set_states")),
+        (torch, ("get_rng_state", "set_rng_state")),
+        (torch.random, ("get_rng_state", "set_rng_state")),
+        (torch.utils.checkpoint, ("get_device_states", "set_device_states")),
+        (kernel_dropout, ("draw_key_and_base", "default_generator")),
+    ):
+        for name in names:
+            if hasattr(owner, name):
+                monkeypatch.setattr(owner, name, counted(name, getattr(owner, name)))
+    return calls
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_keyed_recompute_draws_the_forward_masks_without_touching_any_generator(
+    recompute, monkeypatch
+):
+    """Under full and selective recompute, keyed sites recompute exactly the forward's masks
+    (recorded per call, compared bitwise) and the gradients equal the no-recompute run's
+    bitwise, while not one generator state or tracker stream is read or written and no
+    seeded-random op runs - even with the CPU generator reseeded between forward and
+    backward. The same counters see the snapshots of invariant mode (they are not blind)."""
+    inputs, targets = _tokens()
+    reference = _keyed_model()
+    reference.loss(inputs, targets).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+
+    model = _keyed_model(recompute)
+    calls = _count_rng_access(monkeypatch)
+    with _SeededOps() as seeded, record_masks() as records:
+        loss = model.loss(inputs, targets)
+        forward = {r.site: r for r in records}
+        torch.manual_seed(999)  # a recompute that replayed a generator would now diverge
+        calls.clear()
+        loss.backward()
+    recomputed = records[len(forward) :]
+    assert calls == [] and seeded.ops == []
+    sites = {"full": 3, "selective": 1}[recompute] * SMALL.layers
+    assert len(recomputed) == sites
+    for record in recomputed:
+        first = forward[record.site]
+        assert record.region == first.region and torch.equal(record.mask, first.mask), record.site
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, expected[name]), name
+
+    control = TinyGPT(replace(SMALL, rng_mode="invariant", recompute=recompute))
+    with _SeededOps() as seeded:
+        control.loss(inputs, targets).backward()
+    assert calls and seeded.ops  # the counters do see generator use
+
+
+def test_batch_position_is_checked():
+    model = _keyed_model()
+    inputs, targets = _tokens()
+    with pytest.raises(ParallelConfigError, match="does not fit"), batch_position(3, GLOBAL_BATCH):
+        model.loss(inputs[:2], targets[:2])
+    for args in ((-1, 4), (4, 4), (0, 0), (True, 4), (0, 2.0)):
+        with pytest.raises(ParallelConfigError), batch_position(*args):
+            pass
+
+
+def _layouts_on_two_ranks() -> dict:
+    """On 2 ranks: TP=2 with SP over the whole batch, and DP=2 (each rank half the batch at
+    its offset); every rank also runs TP=1 on the whole batch as the reference."""
+    rank = dist.get_rank()
+    inputs, targets = _tokens()
+
+    def gathered(model: TinyGPT, rows: slice, offset: int) -> dict[str, torch.Tensor]:
+        with record_masks() as records, batch_position(offset, GLOBAL_BATCH):
+            model.loss(inputs[rows], targets[rows]).backward()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(records))
+        return place_masks(r for rank_records in everyone for r in rank_records)
+
+    state = init_model_parallel(tensor=2)
+    tp_sp = gathered(_keyed_model(sequence_parallel=True, group=state.group("tp")), slice(None), 0)
+    destroy_model_parallel()
+    half = GLOBAL_BATCH // 2
+    dp = gathered(_keyed_model(), slice(rank * half, (rank + 1) * half), rank * half)
+    with record_masks() as records:
+        _keyed_model().loss(inputs, targets).backward()
+    return {"reference": place_masks(records), "tp2+sp": tp_sp, "dp2": dp}
+
+
+def test_keyed_masks_are_equal_across_tp_sp_and_dp_ranks():
+    """Gathered per sample from both ranks, TP=2 with sequence parallelism and DP=2 draw
+    bitwise the TP=1 whole-batch masks at every site (every element covered)."""
+    for result in run_distributed(_layouts_on_two_ranks, world_size=2, timeout=180):
+        reference = result["reference"]
+        for layout in ("tp2+sp", "dp2"):
+            assert list(result[layout]) == list(reference), layout
+            for site, mask in reference.items():
+                got = result[layout][site]
+                assert bool((got >= 0).all()) and torch.equal(got, mask), (layout, site)
