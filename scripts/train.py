@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rng_tracker.errors import RNGTrackerError
 from rng_tracker.parallel.demo.trainer import TrainConfig, train
 
 
@@ -95,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             f"steps={args.steps} seed={args.seed}",
             flush=True,
         )
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except RNGTrackerError as exc:  # a refused resume or a bad checkpoint: the same on every rank
+        if dist.get_rank() == 0:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
     if dist.get_rank() == 0:
         ok = all(r is None or r.ok for r in (result.report_start, result.report_end))
         print("\nsummary")

@@ -38,21 +38,18 @@ def _resume(cfg: TrainConfig) -> tuple:
 
 
 def test_megatron_resume_on_the_same_pipeline_layout_is_bitwise(tmp_path):
-    """tp=2 + SP, pp=2, 2 microbatches, megatron mode: 4 steps straight == 2 steps, save, new
-    processes, resume 2; every loss and parameter bitwise, RNG verified after the resume."""
+    """pp=2, 2 microbatches, megatron mode: 4 steps straight == 2 steps, save, new processes,
+    resume 2; every loss and parameter bitwise, RNG verified after the resume."""
     ckpt = str(tmp_path / "ckpt")
-    common = {"tp": 2, "sp": True, "pp": 2, "microbatches": 2, "recompute": "selective"}
+    common = {"pp": 2, "microbatches": 2, "recompute": "selective"}
     straight = run_distributed(
         _straight_and_half,
-        world_size=4,
+        world_size=2,
         args=(config(steps=4, **common), config(steps=2, save=ckpt, **common)),
-        timeout=180,
+        timeout=120,
     )
     resumed = run_distributed(
-        _resume,
-        world_size=4,
-        args=(config(steps=4, resume=ckpt, verify=True, **common),),
-        timeout=180,
+        _resume, world_size=2, args=(config(steps=4, resume=ckpt, verify=True, **common),)
     )
     for (losses, params), (got_losses, got_params, ok) in zip(straight, resumed, strict=True):
         assert ok and got_losses == losses
@@ -153,36 +150,20 @@ def _steps_of(path: str) -> int:
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     """pp=2, saving over a step-2 checkpoint: rank 1 SIGKILLed while the pieces are gathered, or
     rank 0 killed with the new checkpoint fully written but the commit pointer not yet replaced,
-    leaves the step-2 checkpoint committed and intact (never step 4, never a mix); killed after
-    the commit, the step-4 checkpoint is complete and resumes. Rank 0 killed mid-write in a fresh
-    directory leaves nothing loadable, and the loader says so."""
-    ckpt, fresh = str(tmp_path / "ckpt"), str(tmp_path / "fresh")
+    leaves the step-2 checkpoint committed and intact (never step 4, never a mix); killed just
+    after the commit, the step-4 checkpoint is committed and complete."""
+    ckpt = str(tmp_path / "ckpt")
     common = {"pp": 2, "microbatches": 2}
     run_distributed(train, world_size=2, args=(config(steps=2, save=ckpt, **common),))
     first = read_manifest(ckpt)
     assert first.step == 2
-    for fault, target in (
-        ("1:gather", ckpt),
-        ("0:write", fresh),
-        ("0:commit", ckpt),
-    ):
+    cfg = config(steps=4, resume=ckpt, save=ckpt, **common)
+    for fault in ("1:gather", "0:commit", "0:cleanup"):
         monkeypatch.setenv(FAULT_ENV, fault)
-        cfg = config(steps=4, resume=ckpt, save=target, **common)
         with pytest.raises(DistributedTestError, match="SIGKILL"):
-            run_distributed(train, world_size=2, args=(cfg,), timeout=60)
-        again = read_manifest(ckpt)
-        assert (again.step, again.run_id, again.files) == (2, first.run_id, first.files), fault
-    with pytest.raises(TrainingCheckpointError, match="no committed checkpoint"):
-        read_manifest(fresh)
-    monkeypatch.setenv(FAULT_ENV, "0:cleanup")
-    with pytest.raises(DistributedTestError, match="SIGKILL"):
-        run_distributed(
-            train, world_size=2, args=(config(steps=4, resume=ckpt, save=ckpt, **common),)
-        )
-    monkeypatch.delenv(FAULT_ENV)
-    after = read_manifest(ckpt)
-    assert after.step == 4 and after.run_id == first.run_id and len(after.losses) == 4
-    resumed = run_distributed(
-        _resume, world_size=2, args=(config(steps=5, resume=ckpt, verify=True, **common),)
-    )
-    assert resumed[0][0][:4] == after.losses and resumed[0][2]
+            run_distributed(train, world_size=2, args=(cfg,))
+        now = read_manifest(ckpt)  # checks every file against its hash
+        if fault != "0:cleanup":
+            assert (now.step, now.run_id, now.files) == (2, first.run_id, first.files), fault
+    assert now.step == 4 and now.run_id == first.run_id and now.losses[:2] == first.losses
+    assert len(now.losses) == 4

@@ -86,9 +86,10 @@ def _logical_masks(cfg: TrainConfig) -> dict:
 @pytest.mark.parametrize("mode", ["invariant", "megatron"])
 def test_masks_and_losses_across_layouts(mode):
     """Invariant mode: TP=1, 2, 4 and SP draw bitwise-identical logical masks at every site and
-    losses agree within LAYOUT_LOSS_TOLERANCE over 20 steps. Megatron mode: masks differ."""
+    losses agree within LAYOUT_LOSS_TOLERANCE over 20 steps. Megatron mode: TP=2 masks differ."""
     runs = {}
-    for tp, sp in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+    layouts = ((1, False), (2, False), (4, False), (2, True), (4, True))
+    for tp, sp in layouts if mode == "invariant" else layouts[:2]:
         cfg = config(
             tp=tp,
             sp=sp,

@@ -301,7 +301,7 @@ def _save(job: Job, path: str, step: int, losses: list[float], run_id: str) -> N
     )
 
 
-def _load(job: Job, path: str) -> tuple[int, list[float], str]:
+def _load(job: Job, path: str) -> Manifest:
     """Restore model, optimizer and RNG from the committed checkpoint in ``path``."""
     cfg = job.cfg
     manifest = read_manifest(path)
@@ -357,7 +357,7 @@ def _load(job: Job, path: str) -> tuple[int, list[float], str]:
             get_rng_tracker(job.device).load_state_dict(
                 tracker_state_of(states, version=STATE_DICT_VERSION, device_type=job.device.type)
             )
-    return manifest.step, list(manifest.losses), manifest.run_id
+    return manifest
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -366,11 +366,19 @@ def train(cfg: TrainConfig) -> TrainResult:
     tracker = get_rng_tracker(job.device)
     gpt = job.stage.config
     step, losses = 0, []
+    talk = dist.get_rank() == 0 and not cfg.quiet
     if cfg.resume:
-        step, losses, run_id = _load(job, cfg.resume)
+        manifest = _load(job, cfg.resume)
+        step, losses, run_id = manifest.step, list(manifest.losses), manifest.run_id
+        if talk:
+            old = manifest.layout
+            print(
+                f"resumed step {step} of run {run_id[:8]} from {cfg.resume}, saved on tp={old.tp} "
+                f"dp={old.dp} pp={old.pp} microbatches={old.microbatches} sp={old.sp}",
+                flush=True,
+            )
     else:
         run_id = new_run_id()
-    talk = dist.get_rank() == 0 and not cfg.quiet
 
     def report() -> RNGReport | None:
         if not cfg.verify:
