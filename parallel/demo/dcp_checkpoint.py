@@ -40,6 +40,7 @@ from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
 
 __all__ = [
     "FAULT_ENV",
+    "FORMAT",
     "Layout",
     "LogicalTensor",
     "Manifest",
