@@ -161,7 +161,7 @@ class MaskRecord(tuple):
     sample across layouts; ``batch_dim`` is that tensor's sample dim.
     """
 
-    region: Any
+    region: Region
     batch_dim: int
 
     @property

@@ -3,15 +3,25 @@ keyed dropout sites in TinyGPT that draw the same masks on every layout and unde
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import rng_tracker.kernels.dropout as kernel_dropout
 from rng_tracker import (
+    DeviceRNG,
     InvalidSeedError,
     InvalidSeedTypeError,
     KeyedRNG,
     KeyedTypeError,
     KeyedUnseededError,
+    ParallelConfigError,
+    RNGSnapshot,
+    RNGStatesTracker,
     RNGTrackerError,
     SiteCollisionError,
     SiteIdError,
@@ -21,6 +31,16 @@ from rng_tracker import (
     get_keyed_rng,
 )
 from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of
+from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.demo.corpus import Corpus
+from rng_tracker.parallel.testing import run_distributed
+from rng_tracker.parallel.transformer import (
+    GPTConfig,
+    TinyGPT,
+    batch_position,
+    place_masks,
+    record_masks,
+)
 
 # Two names whose BLAKE2b-derived 32-bit ids collide (found by a birthday search; the test
 # below first checks that they really do).
@@ -190,6 +210,30 @@ def test_manual_seed_restarts_at_step_zero_and_keyed_rngs_are_per_device():
     assert get_keyed_rng("cpu") is get_keyed_rng(torch.device("cpu"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_keyed_words_and_step_advance_inside_a_captured_cuda_graph():
+    """The seed words and the step are device tensors: a captured graph that reads the words
+    and advances the step does both on every replay, with no host involvement."""
+    rng = KeyedRNG("cuda", seed=5)
+    rng.register("a")
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture
+        out.copy_(rng.seed_tensor("a"))
+        rng.advance()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(rng.seed_tensor("a"))
+        rng.advance()
+    for replay in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out[3].item() == 1 + replay and out[2].item() == site_id_of("a")
+    assert rng.step == 4
+
+
 # -- state dicts ---------------------------------------------------------------------------
 def test_state_dict_is_logical_and_round_trips():
     """state_dict is {version, seed, step, sites} only (no device or rank), and loading it
@@ -267,3 +311,183 @@ def test_no_generator_is_touched_by_keyed_calls():
         rng.advance()
     rng.load_state_dict(rng.state_dict())
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- keyed sites in TinyGPT ----------------------------------------------------------------
+SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2, rng_mode="keyed")
+GLOBAL_BATCH = 4
+
+
+def _tokens() -> torch.Tensor:
+    return Corpus(vocab=SMALL.vocab).global_batch(0, batch=GLOBAL_BATCH, seq_len=SMALL.seq_len)
+
+
+def _keyed_model(recompute: str = "none", *, seed: int = 1234, group=None, **kw) -> TinyGPT:
+    get_keyed_rng("cpu").manual_seed(seed)
+    return TinyGPT(replace(SMALL, recompute=recompute, **kw), group=group)
+
+
+def _microbatched_masks(model: TinyGPT, order: list[int], size: int) -> dict[str, torch.Tensor]:
+    inputs, targets = _tokens()
+    with record_masks() as records:
+        for index in order:
+            rows = slice(index * size, (index + 1) * size)
+            with batch_position(index * size, GLOBAL_BATCH):
+                model.loss(inputs[rows], targets[rows]).backward()
+    return place_masks(records)
+
+
+def test_keyed_masks_do_not_depend_on_microbatches_or_their_order():
+    """The whole batch in one forward, 2 microbatches, and 4 microbatches run in a shuffled
+    order draw bitwise-identical logical masks at every site (each sample's mask depends on
+    its place in the global batch, not on which call computed it); every element is covered.
+    Another step draws other masks, and no two sites share a mask."""
+    model = _keyed_model()
+    whole = _microbatched_masks(model, [0], GLOBAL_BATCH)
+    assert list(whole) == list(model.sites)
+    for order, size in (([0, 1], 2), ([2, 0, 3, 1], 1)):
+        split = _microbatched_masks(model, order, size)
+        assert list(split) == list(whole)
+        for site, mask in whole.items():
+            assert bool((mask >= 0).all()) and torch.equal(split[site], mask), (order, site)
+    masks = list(whole.values())
+    assert not torch.equal(masks[1], masks[4])  # layer.0.attention vs layer.1.attention
+    get_keyed_rng("cpu").advance()
+    later = _microbatched_masks(model, [0], GLOBAL_BATCH)
+    assert all(not torch.equal(later[site], whole[site]) for site in whole)
+
+
+class _SeededOps(TorchDispatchMode):
+    """Counts ops tagged nondeterministic_seeded (every op that draws from a generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _count_rng_access(monkeypatch) -> list[str]:
+    """Wrap every way this library and torch's checkpoint read or write a generator or a
+    tracker stream, recording each call's name."""
+    calls: list[str] = []
+
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    capture = RNGSnapshot.capture
+    monkeypatch.setattr(
+        RNGSnapshot,
+        "capture",
+        classmethod(lambda cls, *a, **k: (calls.append("capture"), capture(*a, **k))[1]),
+    )
+    fork_rng = torch.random.fork_rng
+
+    def counted_fork_rng(devices=None, enabled=True, *args, **kwargs):
+        if enabled:  # torch's checkpoint enters fork_rng(enabled=False), which touches nothing
+            calls.append("fork_rng")
+        return fork_rng(devices, enabled, *args, **kwargs)
+
+    monkeypatch.setattr(torch.random, "fork_rng", counted_fork_rng)
+    for owner, names in (
+        (DeviceRNG, ("snapshot", "install", "live", "fresh", "swap_in", "swap_out")),
+        (RNGStatesTracker, ("_enter", "_exit", "get_states", "set_states")),
+        (torch, ("get_rng_state", "set_rng_state")),
+        (torch.random, ("get_rng_state", "set_rng_state")),
+        (torch.utils.checkpoint, ("get_device_states", "set_device_states")),
+        (kernel_dropout, ("draw_key_and_base", "default_generator")),
+    ):
+        for name in names:
+            if hasattr(owner, name):
+                monkeypatch.setattr(owner, name, counted(name, getattr(owner, name)))
+    return calls
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_keyed_recompute_draws_the_forward_masks_without_touching_any_generator(
+    recompute, monkeypatch
+):
+    """Under full and selective recompute, keyed sites recompute exactly the forward's masks
+    (recorded per call, compared bitwise) and the gradients equal the no-recompute run's
+    bitwise, while not one generator state or tracker stream is read or written and no
+    seeded-random op runs - even with the CPU generator reseeded between forward and
+    backward. The same counters see the snapshots of invariant mode (they are not blind)."""
+    inputs, targets = _tokens()
+    reference = _keyed_model()
+    reference.loss(inputs, targets).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+
+    model = _keyed_model(recompute)
+    calls = _count_rng_access(monkeypatch)
+    with _SeededOps() as seeded, record_masks() as records:
+        loss = model.loss(inputs, targets)
+        forward = {r.site: r for r in records}
+        torch.manual_seed(999)  # a recompute that replayed a generator would now diverge
+        calls.clear()
+        loss.backward()
+    recomputed = records[len(forward) :]
+    assert calls == [] and seeded.ops == []
+    sites = {"full": 3, "selective": 1}[recompute] * SMALL.layers
+    assert len(recomputed) == sites
+    for record in recomputed:
+        first = forward[record.site]
+        assert record.region == first.region and torch.equal(record.mask, first.mask), record.site
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, expected[name]), name
+
+    control = TinyGPT(replace(SMALL, rng_mode="invariant", recompute=recompute))
+    with _SeededOps() as seeded:
+        control.loss(inputs, targets).backward()
+    assert calls and seeded.ops  # the counters do see generator use
+
+
+def test_batch_position_is_checked():
+    model = _keyed_model()
+    inputs, targets = _tokens()
+    with pytest.raises(ParallelConfigError, match="does not fit"), batch_position(3, GLOBAL_BATCH):
+        model.loss(inputs[:2], targets[:2])
+    for args in ((-1, 4), (4, 4), (0, 0), (True, 4), (0, 2.0)):
+        with pytest.raises(ParallelConfigError), batch_position(*args):
+            pass
+
+
+def _layouts_on_two_ranks() -> dict:
+    """On 2 ranks: TP=2 with SP over the whole batch, and DP=2 (each rank half the batch at
+    its offset); every rank also runs TP=1 on the whole batch as the reference."""
+    rank = dist.get_rank()
+    inputs, targets = _tokens()
+
+    def gathered(model: TinyGPT, rows: slice, offset: int) -> dict[str, torch.Tensor]:
+        with record_masks() as records, batch_position(offset, GLOBAL_BATCH):
+            model.loss(inputs[rows], targets[rows]).backward()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(records))
+        return place_masks(r for rank_records in everyone for r in rank_records)
+
+    state = init_model_parallel(tensor=2)
+    tp_sp = gathered(_keyed_model(sequence_parallel=True, group=state.group("tp")), slice(None), 0)
+    destroy_model_parallel()
+    half = GLOBAL_BATCH // 2
+    dp = gathered(_keyed_model(), slice(rank * half, (rank + 1) * half), rank * half)
+    with record_masks() as records:
+        _keyed_model().loss(inputs, targets).backward()
+    return {"reference": place_masks(records), "tp2+sp": tp_sp, "dp2": dp}
+
+
+def test_keyed_masks_are_equal_across_tp_sp_and_dp_ranks():
+    """Gathered per sample from both ranks, TP=2 with sequence parallelism and DP=2 draw
+    bitwise the TP=1 whole-batch masks at every site (every element covered)."""
+    for result in run_distributed(_layouts_on_two_ranks, world_size=2, timeout=180):
+        reference = result["reference"]
+        for layout in ("tp2+sp", "dp2"):
+            assert list(result[layout]) == list(reference), layout
+            for site, mask in reference.items():
+                got = result[layout][site]
+                assert bool((got >= 0).all()) and torch.equal(got, mask), (layout, site)
