@@ -32,14 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
 from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
 
 __all__ = [
     "FAULT_ENV",
+    "FORMAT",
     "Layout",
     "LogicalTensor",
     "Manifest",
@@ -109,8 +107,10 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class RNGCheckpoint(Stateful):
+class RNGCheckpoint:
     """The RNG part of a checkpoint: exact per-rank states, and the keyed state logically.
+
+    A DCP ``Stateful`` (the protocol: ``state_dict`` and ``load_state_dict``).
 
     ``per_rank`` maps a global rank to its states (``cpu``, optional ``device``, and
     ``streams``: name -> {state, seed} as uint8 tensors); each lands under ``rank<r>``. The
@@ -354,6 +354,8 @@ def _commit(
         "rng": rng,
         "meta": {"run_id": manifest.run_id, "step": manifest.step, "rng_mode": manifest.rng_mode},
     }
+    import torch.distributed.checkpoint as dcp  # only on save/load: it takes seconds to import
+
     with _single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
     _fault("write")
@@ -482,6 +484,9 @@ def load_checkpoint(
     Collective: every rank stages its part, and all raise if any rank failed, so no rank goes
     on half-loaded. Nothing here touches the model, optimizer or generators.
     """
+    import torch.distributed.checkpoint as dcp  # only on save/load: it takes seconds to import
+    from torch.distributed.checkpoint.api import CheckpointException
+
     error: Exception | None = None
     tensors: dict[str, torch.Tensor] = {}
     rng = RNGCheckpoint(

@@ -8,17 +8,17 @@ names (``layers.3.fc1.weight``) and dropout sites do not depend on the pipeline 
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel.transformer import TinyGPT, batch_position
 
-__all__ = ["GPTStage", "Schedule", "build_schedule", "split_layers"]
+__all__ = ["GPTStage", "Schedule", "SingleStage", "build_schedule", "split_layers"]
 
 Schedule = Literal["gpipe", "1f1b"]
 
@@ -89,6 +89,37 @@ class GPTStage(torch.nn.Module):
             return TinyGPT.logits(self, x)  # type: ignore[arg-type]  # (s, b, vocab)
 
 
+class SingleStage:
+    """A one-stage "schedule": each microbatch's forward, loss and backward in turn.
+
+    What a pipeline schedule does with one stage (and what Megatron runs without pipeline
+    parallelism), without importing torch.distributed.pipelining. Same ``step`` call.
+    """
+
+    def __init__(
+        self,
+        module: GPTStage,
+        microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.module, self.microbatches, self.loss_fn = module, microbatches, loss_fn
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        *,
+        target: torch.Tensor,
+        losses: list[torch.Tensor],
+        return_outputs: bool = False,
+    ) -> None:
+        for x, y in zip(
+            inputs.chunk(self.microbatches), target.chunk(self.microbatches), strict=True
+        ):
+            loss = self.loss_fn(self.module(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+
+
 def _tp_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -104,13 +135,14 @@ def build_schedule(
     group: dist.ProcessGroup,
     device: torch.device,
     schedule: Schedule = "1f1b",
-) -> ScheduleGPipe | Schedule1F1B:
+) -> Any:
     """The schedule running ``module`` as stage ``stage``; its loss sums to the global-batch mean.
 
     Stage input and output shapes are given up front, so no metadata is exchanged between
-    stages (this is what lets the pipeline run on CPU/gloo). Each microbatch's loss is its
-    summed token cross-entropy over the number of tokens in the *global* batch, and gradients
-    are not rescaled: the microbatches of all DP ranks add up to the global mean.
+    stages (this is what lets the pipeline run on CPU/gloo); one stage runs as a
+    :class:`SingleStage`. Each microbatch's loss is its summed token cross-entropy over the
+    number of tokens in the *global* batch, and gradients are not rescaled: the microbatches
+    of all DP ranks add up to the global mean.
     """
     if schedule == "1f1b" and microbatches < stages:
         raise ParallelConfigError(
@@ -119,6 +151,20 @@ def build_schedule(
         )
     cfg = module.config
     s = cfg.seq_len
+    tokens_in_batch = global_batch * s
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # logits (s, mb, vocab), targets (mb, s)
+        summed = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.t().reshape(-1), reduction="sum"
+        )
+        return summed / tokens_in_batch
+
+    if stages == 1:
+        return SingleStage(module, microbatches, loss_fn)
+    # imported only here: it takes seconds, and a one-stage run does not need it
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     s_local = s // _tp_size(module.group) if cfg.sequence_parallel else s
     hidden = torch.empty(s_local, microbatch_size, cfg.hidden, device=device, requires_grad=True)
     tokens = torch.empty(microbatch_size, s, dtype=torch.long, device=device)
@@ -132,14 +178,5 @@ def build_schedule(
         output_args=logits if module.is_last else hidden,
         group=group,
     )
-    tokens_in_batch = global_batch * s
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # logits (s, mb, vocab), targets (mb, s)
-        summed = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), targets.t().reshape(-1), reduction="sum"
-        )
-        return summed / tokens_in_batch
-
     kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     return kind(pipe_stage, microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -24,6 +24,7 @@ from rng_tracker.errors import ParallelConfigError
 from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.demo.corpus import Corpus
 from rng_tracker.parallel.demo.dcp_checkpoint import (
+    FORMAT,
     Layout,
     LogicalTensor,
     Manifest,
@@ -279,7 +280,7 @@ def _keyed_state(job: Job) -> str | None:
 def _save(job: Job, path: str, step: int, losses: list[float], run_id: str) -> None:
     cfg = job.cfg
     manifest = Manifest(
-        format=2,
+        format=FORMAT,
         run_id=run_id,
         step=step,
         rng_mode=cfg.rng_mode,
