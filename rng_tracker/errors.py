@@ -11,9 +11,12 @@ __all__ = [
     "CheckpointRNGMismatchError",
     "CheckpointTypeError",
     "CheckpointUsageError",
+    "DTensorInputTypeError",
+    "DTensorPlacementError",
     "DuplicateStreamError",
     "InvalidSeedError",
     "InvalidSeedTypeError",
+    "InvariantRandomModeError",
     "KernelInputError",
     "KernelInputTypeError",
     "KernelUnavailableError",
@@ -124,3 +127,15 @@ class KernelUnavailableError(RNGTrackerError, RuntimeError):
 
 class RNGConsistencyError(RNGTrackerError, RuntimeError):
     """Ranks hold RNG states that break the declared equal/distinct policy."""
+
+
+class DTensorPlacementError(RNGTrackerError, ValueError):
+    """A DTensor whose placements the invariant random ops cannot place exactly in its logical tensor."""
+
+
+class DTensorInputTypeError(RNGTrackerError, TypeError):
+    """A DTensor random op given something that is not a DTensor where one is needed."""
+
+
+class InvariantRandomModeError(RNGTrackerError, RuntimeError):
+    """invariant_random() enabled or disabled out of order with other torch function modes."""
