@@ -14,13 +14,16 @@ for the torch internals this relies on.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
@@ -30,6 +33,7 @@ from rng_tracker.errors import (
     DTensorInputTypeError,
     DTensorPlacementError,
     InvariantRandomModeError,
+    RNGConsistencyError,
 )
 from rng_tracker.kernels import Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
@@ -38,6 +42,7 @@ from rng_tracker.kernels.dropout import _check_p
 from rng_tracker.parallel._placement import Box, LocalIndex, local_index_of
 
 __all__ = [
+    "assert_same_generator_state",
     "bias_dropout_add",
     "disable_invariant_random",
     "dropout",
@@ -269,6 +274,30 @@ def normal_(
 ) -> DTensor:
     """Fill ``t`` in place from N(mean, std²): its full tensor is what ``full.normal_(mean, std)`` draws."""
     return _init_(t, lambda full: full.normal_(mean, std, generator=generator))
+
+
+def assert_same_generator_state(
+    mesh: DeviceMesh, *, generator: torch.Generator | None = None
+) -> None:
+    """Raise RNGConsistencyError unless every rank of ``mesh`` holds the same generator state.
+
+    The ops above need it (a replicated stream); this costs one small all-gather per mesh
+    axis, so call it at start-up or after suspect code, not per op. ``generator`` defaults
+    to the default generator of the mesh's device type.
+    """
+    if generator is None:
+        generator = default_generator(mesh.device_type)
+    digest = hashlib.blake2b(bytes(generator.get_state().tolist()), digest_size=8).hexdigest()
+    for axis in range(mesh.ndim):
+        digests: list[str | None] = [None] * mesh.size(axis)
+        dist.all_gather_object(digests, digest, group=mesh.get_group(axis))
+        if len(set(digests)) > 1:
+            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[axis] or f"axis {axis}"
+            raise RNGConsistencyError(
+                f"the generator state differs across mesh {name} (coordinate "
+                f"{mesh.get_coordinate()}): {digests}; seed every rank alike (torch.manual_seed "
+                "on all ranks) and draw the same randomness on each before DTensor random ops"
+            )
 
 
 # --- routing torch's own calls -------------------------------------------------------

@@ -392,6 +392,13 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
 
     from rng_tracker.errors import DTensorPlacementError
 
+    from rng_tracker.errors import RNGConsistencyError
+
+    dt.assert_same_generator_state(mesh)
+    torch.manual_seed(rank)
+    with pytest.raises(RNGConsistencyError, match="differs across mesh"):
+        dt.assert_same_generator_state(mesh)
+
     state = torch.get_rng_state()
     avg = DTensor.from_local(torch.zeros(2, 2), mesh, [Partial("avg")])
     with pytest.raises(DTensorPlacementError, match="Partial"):
