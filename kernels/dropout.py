@@ -16,8 +16,8 @@ from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
-from rng_tracker.kernels.shard import Shard, layout_of
-from rng_tracker.kernels.triton_dropout import TRITON_IMPORT_ERROR, triton_runs_on
+from rng_tracker.kernels.shard import Layout, Placement, layout_of
+from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
 
@@ -49,7 +49,7 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     return t
 
 
-def _use_triton(x: torch.Tensor, impl: object) -> bool:
+def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise KernelInputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "torch":
@@ -61,9 +61,16 @@ def _use_triton(x: torch.Tensor, impl: object) -> bool:
             f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
             "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
         )
+    placeable = len(layout.dims) <= MAX_DIVISIONS + 1
     if impl == "triton":
+        if not placeable:
+            raise KernelUnavailableError(
+                f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
+                f"shard has {len(layout.dims)} ({layout.dims}); use impl='torch' or 'auto'"
+            )
         return True
-    return runs and x.device.type == "cuda"  # auto: Triton on a GPU, the reference elsewhere
+    # auto: Triton on a GPU, the reference elsewhere (and for maps the kernel cannot place).
+    return runs and x.device.type == "cuda" and placeable
 
 
 def _fused(
@@ -71,12 +78,11 @@ def _fused(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     p: float,
-    shard: Shard | None,
+    layout: Layout,
     generator: torch.Generator | None,
     impl: Impl,
 ) -> torch.Tensor:
-    use_triton = _use_triton(x, impl)
-    layout = layout_of(x.shape, shard)
+    use_triton = _use_triton(x, impl, layout)
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
             "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
@@ -94,9 +100,8 @@ def _fused(
             )
         key, base = draw_key_and_base(generator, layout.logical_numel)
     seed = seed_tensor(key, base, x.device if use_triton else torch.device("cpu"))
-    dim, index, count = (0, 0, 1) if shard is None else (shard.dim, shard.index, shard.count)
     op = fused_dropout_triton_op if use_triton else fused_dropout_op
-    return op(x, bias, residual, seed, p, dim, index, count)
+    return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
 
 
 def dropout(
@@ -104,21 +109,22 @@ def dropout(
     p: float,
     *,
     training: bool = True,
-    shard: Shard | None = None,
+    shard: Placement | None = None,
     generator: torch.Generator | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Dropout whose mask is a pure function of (key, counter base, global index).
 
-    ``shard`` places x in the logical tensor, so the shards of all ranks draw exactly
-    the unsharded tensor's mask. p == 0 or ``training=False`` returns x and draws nothing.
+    ``shard`` places x in the logical tensor (``Shard``, ``Region`` or a general
+    ``Layout``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
+    the generator advances by the logical element count on every rank. p == 0 or ``training=False`` returns x and draws nothing.
     """
     _check_tensor("x", x)
     p = _check_p(p)
-    layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    layout = layout_of(x.shape, shard)  # validates the shard before anything is drawn
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, shard, generator, impl)
+    return _fused(x, None, None, p, layout, generator, impl)
 
 
 def bias_dropout_add(
@@ -128,7 +134,7 @@ def bias_dropout_add(
     p: float,
     *,
     training: bool = True,
-    shard: Shard | None = None,
+    shard: Placement | None = None,
     generator: torch.Generator | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
@@ -146,7 +152,7 @@ def bias_dropout_add(
                 f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"
             )
     p = _check_p(p)
-    layout_of(x.shape, shard)
+    layout = layout_of(x.shape, shard)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, shard, generator, impl)
+    return _fused(x, bias, residual, p, layout, generator, impl)

@@ -3,9 +3,11 @@
 Each program handles ``BLOCK`` groups of 4 consecutive elements. When the layout is
 aligned (the usual case) one Philox4x32-10 call feeds a whole group with its four
 output words; otherwise every element computes its own counter and picks its word.
-Index arithmetic that the common layouts don't need is compiled out: no division for
-unsharded or contiguous-block shards, one bias column per group instead of a modulo
-per element, and a mask per group (vector loads) whenever numel % 4 == 0.
+The global index follows the layout's division form (``Layout.divisions``) with the number
+of divisions a compile-time constant (0 to 3: up to 4 merged dims). Index arithmetic that
+the common layouts don't need is compiled out: no division for unsharded or contiguous-block
+shards, one for an equal-chunk shard, one bias column per group instead of a modulo per
+element, and a mask per group (vector loads) whenever numel % 4 == 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 import torch
 
+from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels.reference import keep_threshold
 from rng_tracker.kernels.shard import Layout
 
@@ -26,10 +29,17 @@ except ImportError as error:  # pragma: no cover - exercised only where triton i
     tl = None
     TRITON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["HAS_TRITON", "TRITON_IMPORT_ERROR", "fused_dropout_triton", "triton_runs_on"]
+__all__ = [
+    "HAS_TRITON",
+    "MAX_DIVISIONS",
+    "TRITON_IMPORT_ERROR",
+    "fused_dropout_triton",
+    "triton_runs_on",
+]
 
 HAS_TRITON = triton is not None
 _GROUPS_PER_PROGRAM = 256  # 1024 elements per program
+MAX_DIVISIONS = 3  # index maps of up to 4 merged dims (one division per dim but the last)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -66,12 +76,17 @@ if HAS_TRITON:
         bias_numel,
         threshold,
         scale,
-        row,
-        gap,
         offset,
+        last_stride,
+        inner1,
+        gap1,
+        inner2,
+        gap2,
+        inner3,
+        gap3,
         HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
-        HAS_GAP: tl.constexpr,
+        DIVISIONS: tl.constexpr,
         ALIGNED: tl.constexpr,
         WHOLE_GROUPS: tl.constexpr,
         BIAS_BY_GROUP: tl.constexpr,
@@ -90,18 +105,26 @@ if HAS_TRITON:
             inside = local < numel
         zero = tl.zeros_like(groups).to(tl.uint32)
         if ALIGNED:
-            first = groups * 4
-            if HAS_GAP:
-                first += (first // row) * gap
+            first = groups * 4  # last_stride is 1 when aligned
+            if DIVISIONS >= 1:
+                first += (groups * 4 // inner1) * gap1
+            if DIVISIONS >= 2:
+                first += (groups * 4 // inner2) * gap2
+            if DIVISIONS >= 3:
+                first += (groups * 4 // inner3) * gap3
             counter = base + (first + offset) // 4
             w0, w1, w2, w3 = tl.philox(
                 key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero, zero
             )
             word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
         else:
-            g = local + offset
-            if HAS_GAP:
-                g += (local // row) * gap
+            g = local * last_stride + offset
+            if DIVISIONS >= 1:
+                g += (local // inner1) * gap1
+            if DIVISIONS >= 2:
+                g += (local // inner2) * gap2
+            if DIVISIONS >= 3:
+                g += (local // inner3) * gap3
             counter = base + g // 4
             zeros = tl.zeros_like(counter).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
@@ -137,6 +160,15 @@ def fused_dropout_triton(
     launch=None,
 ) -> torch.Tensor:
     """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
+    last_stride, terms = layout.divisions()
+    if len(terms) > MAX_DIVISIONS:
+        raise KernelUnavailableError(
+            f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this layout has "
+            f"{len(terms) + 1} ({layout.dims}); use impl='torch' (impl='auto' does)"
+        )
+    (inner1, gap1), (inner2, gap2), (inner3, gap3) = terms + ((1, 0),) * (
+        MAX_DIVISIONS - len(terms)
+    )
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel() == 0:
@@ -153,12 +185,17 @@ def fused_dropout_triton(
         1 if bias is None else bias.numel(),
         keep_threshold(p),
         1.0 / (1.0 - p) if p < 1 else 0.0,
-        layout.row,
-        layout.gap,
         layout.offset,
+        last_stride,
+        inner1,
+        gap1,
+        inner2,
+        gap2,
+        inner3,
+        gap3,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
-        HAS_GAP=layout.gap != 0,
+        DIVISIONS=len(terms),
         ALIGNED=layout.aligned,
         WHOLE_GROUPS=x.numel() % 4 == 0,
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,

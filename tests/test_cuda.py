@@ -52,7 +52,13 @@ def test_cpu_draw_inside_a_device_fork_warns_once_per_site():
 def test_kernel_key_is_the_seed_and_offset_advances_by_the_logical_count():
     g = torch.Generator("cuda").manual_seed(77)
     g.set_offset(8)
-    dropout(torch.ones(10, device="cuda"), 0.5, generator=g, shard=Shard(0, 1, 3), impl="triton")
+    dropout(
+        torch.ones(10, device="cuda"),
+        0.5,
+        generator=g,
+        shard=Shard(0, 1, 3, extent=30),
+        impl="triton",
+    )
     assert g.get_offset() == 8 + 4 * ((30 + 3) // 4)
 
 

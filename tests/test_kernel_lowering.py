@@ -28,7 +28,7 @@ from rng_tracker.kernels.lowering import Variant, compile_variant, sass_opcodes
 report = []
 for dtype in ("fp32", "fp16", "bf16"):
     for aligned, gap in ((True, False), (True, True), (False, True)):
-        assembly = compile_variant(Variant(dtype, has_gap=gap, aligned=aligned))
+        assembly = compile_variant(Variant(dtype, divisions=int(gap), aligned=aligned))
         ptx = assembly["ptx"]
         sass, registers = sass_opcodes(assembly["cubin"])
         loads = re.findall(r"\bld\.global[\w.]*", ptx)

@@ -106,7 +106,13 @@ def test_shards_assemble_to_the_unsharded_output(impl, dim, count):
     for index, chunk in enumerate(x.chunk(count, dim=dim)):
         g = gen(7)
         parts.append(
-            dropout(chunk.contiguous(), 0.4, shard=Shard(dim, index, count), generator=g, impl=impl)
+            dropout(
+                chunk.contiguous(),
+                0.4,
+                shard=Shard(dim, index, count, extent=x.shape[dim]),
+                generator=g,
+                impl=impl,
+            )
         )
         assert torch.equal(g.get_state(), whole_gen.get_state())
     assert torch.equal(torch.cat(parts, dim=dim), whole)
@@ -126,7 +132,7 @@ def test_contiguous_block_shards_at_unaligned_offsets_assemble(impl, shape, dim,
             bias,
             rs.contiguous(),
             0.3,
-            shard=Shard(dim, index, count),
+            shard=Shard(dim, index, count, extent=shape[dim]),
             generator=gen(5),
             impl=impl,
         )
@@ -311,7 +317,7 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
             "impl",
         ),
         (
-            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2), generator=g),
+            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2, extent=8), generator=g),
             KernelInputError,
             ValueError,
             "out of range",
@@ -375,7 +381,7 @@ def test_ops_trace_under_torch_compile_with_the_seed_as_an_input():
         return gm.forward
 
     def step(x, seed):
-        return torch.ops.rng_tracker.fused_dropout(x, None, None, seed, 0.5, 0, 0, 1) * 2
+        return torch.ops.rng_tracker.fused_dropout(x, None, None, seed, 0.5, 0, [64, 1], 64) * 2
 
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     x = torch.randn(64)
