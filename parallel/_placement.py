@@ -13,6 +13,7 @@ tensor per combination of runs (one box in the common case).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,28 @@ class LocalIndex:
             else:
                 runs.append([pos, 1, idx[pos]])
         return [tuple(run) for run in runs]
+
+    def affine(self) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """The map local flat -> global flat as (offset, ((extent, stride), ...)), or None.
+
+        Exists when every dim's indices are runs of one length at one step (even strided
+        shards): each such dim is two dims, (runs, step) and (run length, 1), in units of
+        the dim's stride in the logical tensor.
+        """
+        strides = [math.prod(self.global_shape[d + 1 :]) for d in range(len(self.global_shape))]
+        offset, dims = 0, []
+        for d, stride in enumerate(strides):
+            runs = self.runs(d)
+            if len({length for _, length, _ in runs}) != 1:
+                return None
+            steps = {b[2] - a[2] for a, b in itertools.pairwise(runs)}
+            if len(steps) > 1:
+                return None
+            offset += runs[0][2] * stride
+            if steps:
+                dims.append((len(runs), steps.pop() * stride))
+            dims.append((runs[0][1], stride))
+        return offset, tuple(dims)
 
     def boxes(self) -> list[Box]:
         """The local tensor as boxes of the logical tensor, in row-major order of the runs."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,7 +35,7 @@ from rng_tracker.errors import (
     InvariantRandomModeError,
     RNGConsistencyError,
 )
-from rng_tracker.kernels import Region
+from rng_tracker.kernels import Layout, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels.dropout import _check_p
@@ -98,26 +98,36 @@ def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> to
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=dim)
 
 
-def _over_boxes(
-    local: torch.Tensor,
-    index: LocalIndex,
-    op: Callable[[Box, Region, torch.Generator | None], torch.Tensor],
-) -> torch.Tensor:
-    """Run a kernel call per box of the local tensor, all from one generator state.
+# op(part of the local tensor, global last-dim indices of that part, shard=, generator=)
+_KernelCall = Callable[
+    [tuple[slice, ...], Sequence[int], Region | Layout, torch.Generator | None], torch.Tensor
+]
 
-    One box (every Shard/Replicate layout) is one call on the real generator. Several
-    boxes (strided shards) each draw from a clone of the same state, and the generator
-    then takes the state the clones end in: what one call over the logical tensor leaves.
+
+def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torch.Tensor:
+    """The kernel over this rank's part of the logical tensor, from one generator state.
+
+    A box (every Shard/Replicate layout) is one call with a Region; an even strided shard
+    one call with its affine Layout. Otherwise (uneven strided shards) one call per box,
+    each from a clone of the generator, which then takes the state the clones end in:
+    what one call over the logical tensor leaves.
     """
     boxes = index.boxes()
     shape = index.global_shape
+    whole = (slice(None),) * local.dim()
     if len(boxes) == 1:
-        return op(boxes[0], Region(shape, boxes[0].offset), None)
+        last = range(boxes[0].offset[-1], boxes[0].offset[-1] + boxes[0].extent[-1])
+        return op(whole, last, Region(shape, boxes[0].offset), None)
+    affine = index.affine()
+    if affine is not None:
+        layout = Layout(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
+        return op(whole, index.indices[-1], layout, None)
     generator = default_generator(local.device)
     pieces, end = [], None
     for box in boxes:
         clone = _clone(generator)
-        pieces.append(op(box, Region(shape, box.offset), clone))
+        last = range(box.offset[-1], box.offset[-1] + box.extent[-1])
+        pieces.append(op(_slices(box), last, Region(shape, box.offset), clone))
         end = clone.get_state()
     generator.set_state(end)
     return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])
@@ -148,12 +158,15 @@ def dropout(x: DTensor, p: float, *, training: bool = True) -> DTensor:
     index = local_index_of(x)
     local = x.to_local()  # (local shape of x)
 
-    def call(box: Box, region: Region, generator: torch.Generator | None) -> torch.Tensor:
-        return _kernel_dropout(
-            local[_slices(box)], p, training=training, shard=region, generator=generator
-        )
+    def call(
+        part: tuple[slice, ...],
+        last: Sequence[int],
+        shard: Region | Layout,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        return _kernel_dropout(local[part], p, training=training, shard=shard, generator=generator)
 
-    return _wrap(_over_boxes(local, index, call), x)
+    return _wrap(_run_kernel(local, index, call), x)
 
 
 def _gathered_bias(bias: DTensor, x: DTensor) -> torch.Tensor:
@@ -199,24 +212,30 @@ def bias_dropout_add(
         )
     full_bias = None if bias is None else _gathered_bias(bias, x)  # (hidden,)
 
-    def call(box: Box, region: Region, generator: torch.Generator | None) -> torch.Tensor:
-        piece_bias = None
-        if full_bias is not None:
-            if x.ndim == 0 or full_bias.shape != x.shape[-1:]:
-                piece_bias = full_bias  # the kernel names the shape mismatch
+    def call(
+        part: tuple[slice, ...],
+        last: Sequence[int],
+        shard: Region | Layout,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        part_bias = full_bias
+        if full_bias is not None and x.ndim > 0 and full_bias.shape == x.shape[-1:]:
+            if isinstance(last, range):  # (else the kernel names the shape mismatch)
+                part_bias = full_bias.narrow(0, last.start, len(last))
             else:
-                piece_bias = full_bias.narrow(0, box.offset[-1], box.extent[-1])
+                keep = torch.tensor(last, dtype=torch.int64, device=full_bias.device)
+                part_bias = full_bias.index_select(0, keep)
         return _kernel_bias_dropout_add(
-            local[_slices(box)],
-            piece_bias,
-            local_residual[_slices(box)],
+            local[part],
+            part_bias,
+            local_residual[part],
             p,
             training=training,
-            shard=region,
+            shard=shard,
             generator=generator,
         )
 
-    return _wrap(_over_boxes(local, index, call), x)
+    return _wrap(_run_kernel(local, index, call), x)
 
 
 def _partial_fill(t: DTensor) -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from rng_tracker.errors import DTensorPlacementError
+from rng_tracker.kernels import Layout
 from rng_tracker.parallel._placement import local_index
 
 # --- pure part: placements + mesh + global shape -> this rank's index lists -----------
@@ -48,6 +49,10 @@ def test_local_index_matches_torch_split(mesh_shape, global_shape) -> None:
             ]
             assert index.local_shape == tuple(expected.shape), (placements, coordinate)
             assert torch.equal(got, expected), (placements, coordinate)
+            affine = index.affine()  # full holds global flat indices: got is the map itself
+            if affine is not None and got.numel():
+                layout = Layout(offset=affine[0], dims=affine[1], logical_numel=full.numel())
+                assert torch.equal(layout.global_index(torch.arange(got.numel())), got.flatten())
             # the boxes tile the local tensor: each box is a contiguous block of the logical one
             for box in index.boxes():
                 block = full[tuple(slice(o, o + e) for o, e in zip(box.offset, box.extent))]
@@ -55,6 +60,17 @@ def test_local_index_matches_torch_split(mesh_shape, global_shape) -> None:
                     tuple(slice(s, s + e) for s, e in zip(box.local_start, box.extent))
                 ]
                 assert torch.equal(block, local)
+
+
+def test_strided_shards_take_the_affine_map_or_boxes() -> None:
+    """Even strided shards are one affine map; uneven ones (runs of two lengths) are boxes."""
+    even = local_index((8, 3), (4,), (1,), [_StridedShard(0, split_factor=2)])
+    assert even.indices[0] == (1, 5)
+    assert even.affine() == (3, ((2, 12), (1, 3), (3, 1)))
+    uneven = local_index((7, 3), (2,), (1,), [_StridedShard(0, split_factor=2)])
+    assert uneven.indices[0] == (2, 3, 6)
+    assert uneven.affine() is None
+    assert [(b.offset, b.extent) for b in uneven.boxes()] == [((2, 0), (2, 3)), ((6, 0), (1, 3))]
 
 
 def test_local_index_refuses_unknown_placements() -> None:
@@ -83,6 +99,7 @@ def _layouts() -> list[tuple[tuple[int, ...], tuple]]:
         *itertools.product(basic, repeat=2),
         (_StridedShard(0, split_factor=2), Shard(0)),  # FSDP2 (dp) + TP (tp) on one dim
         (_StridedShard(1, split_factor=2), Shard(1)),
+        (_StridedShard(0, split_factor=2), Replicate()),  # uneven: runs of 2 and 1 rows
     ]
     return [((4,), p) for p in one_d] + [((2, 2), p) for p in two_d]
 
@@ -390,9 +407,7 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
     # What cannot be placed exactly is a typed error, and draws nothing.
     from torch.distributed.tensor import DTensor
 
-    from rng_tracker.errors import DTensorPlacementError
-
-    from rng_tracker.errors import RNGConsistencyError
+    from rng_tracker.errors import DTensorPlacementError, RNGConsistencyError
 
     dt.assert_same_generator_state(mesh)
     torch.manual_seed(rank)
