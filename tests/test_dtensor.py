@@ -403,6 +403,15 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
     with dt.invariant_random():
         ours_out = torch.nn.functional.dropout(y, _P)
     assert not torch.equal(ours_out.full_tensor(), torch_out.full_tensor())
+    torch.manual_seed(13)
+    z = y.clone()
+    with dt.invariant_random():
+        same = torch.nn.functional.dropout(z, _P, inplace=True)
+        state = torch.get_rng_state()
+        assert torch.nn.Dropout(_P).eval()(y) is y  # eval draws nothing, returns x
+        assert torch.equal(torch.get_rng_state(), state)
+    assert same is z
+    assert torch.equal(z.full_tensor(), ours_out.full_tensor())
 
     # What cannot be placed exactly is a typed error, and draws nothing.
     from torch.distributed.tensor import DTensor
