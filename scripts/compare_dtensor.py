@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,7 +132,9 @@ def parallelize(model: TinyLM, mesh, sp: bool) -> None:
         return RowwiseParallel(output_layouts=stream, use_local_output=False)
 
     plan = {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream, use_local_output=False),
+        "embed": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=False
+        ),
         "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
     for i in range(len(model.blocks)):
@@ -235,7 +237,9 @@ def report(steps: int) -> str:
         "`RowwiseParallel`/`SequenceParallel` (activations kept as DTensors), then initialised "
         "with `nn.init` on its DTensor parameters and trained with AdamW. A dropout site's mask "
         "is its gathered output's nonzeros in the first step; init compares every gathered "
-        "parameter after `init_weights()`.",
+        "parameter after `init_weights()`. The 10 LayerNorm tensors are ones and zeros (no "
+        "draw). `scripts/compare_layouts.py` rewrites this file above this section: rerun "
+        "this script after it.",
         "",
     ]
     for invariant in (False, True):
@@ -271,14 +275,14 @@ def main() -> None:
     if not args.write:
         print(section, end="")
         return
-    text = open(args.write).read() if os.path.exists(args.write) else ""
+    path = Path(args.write)
+    text = path.read_text() if path.exists() else ""
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END) + "\n?", re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text)
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    with open(args.write, "w") as f:
-        f.write(text)
+    path.write_text(text)
 
 
 if __name__ == "__main__":
