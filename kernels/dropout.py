@@ -2,7 +2,8 @@
 
 The Philox key and counter base come from the default generator of x's device (or
 ``generator``), so tracker forks, checkpoint replays and ``torch.manual_seed`` govern
-these kernels exactly as they govern ``torch.nn.functional.dropout``.
+these kernels exactly as they govern ``torch.nn.functional.dropout``. Or they come from an
+explicit ``seed`` tensor [key, base, c2, c3] (keyed randomness), and nothing is drawn.
 """
 
 from __future__ import annotations
@@ -73,6 +74,36 @@ def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
     return runs and x.device.type == "cuda" and placeable
 
 
+def _check_seed(
+    seed: object, generator: torch.Generator | None, x: torch.Tensor
+) -> torch.Tensor | None:
+    """Validate an explicit seed tensor without reading a device tensor (no host sync)."""
+    if seed is None:
+        return None
+    if not isinstance(seed, torch.Tensor):
+        raise KernelInputTypeError(
+            f"seed must be an int64 tensor or None, got {type(seed).__name__}"
+        )
+    if generator is not None:
+        raise KernelInputError(
+            "pass seed= or generator=, not both: with a seed tensor nothing is drawn from a generator"
+        )
+    if seed.dtype != torch.int64 or seed.shape != (4,):
+        raise KernelInputError(
+            f"seed must be an int64 tensor of 4 words [key, base, c2, c3], got {seed.dtype} of "
+            f"shape {tuple(seed.shape)}"
+        )
+    if seed.device.type == "meta" and x.device.type != "meta":
+        raise KernelInputError("seed is on the meta device; it must hold real values")
+    if seed.device.type == "cpu":  # free to read: no device sync
+        words = seed.tolist()
+        if not all(0 <= w < 2**32 for w in words[2:]):
+            raise KernelInputError(
+                f"seed words c2 and c3 must be in [0, 2**32), got {words[2]} and {words[3]}"
+            )
+    return seed
+
+
 def _fused(
     x: torch.Tensor,
     bias: torch.Tensor | None,
@@ -80,9 +111,14 @@ def _fused(
     p: float,
     layout: Layout,
     generator: torch.Generator | None,
+    seed: torch.Tensor | None,
     impl: Impl,
 ) -> torch.Tensor:
     use_triton = _use_triton(x, impl, layout)
+    if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
+        seed = seed.to(x.device, non_blocking=True)
+        op = fused_dropout_triton_op if use_triton else fused_dropout_op
+        return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
             "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
@@ -111,20 +147,31 @@ def dropout(
     training: bool = True,
     shard: Placement | None = None,
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Dropout whose mask is a pure function of (key, counter base, global index).
 
     ``shard`` places x in the logical tensor (``Shard``, ``Region`` or a general
     ``Layout``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
-    the generator advances by the logical element count on every rank. p == 0 or ``training=False`` returns x and draws nothing.
+    the generator advances by the logical element count on every rank. p == 0 or
+    ``training=False`` returns x and draws nothing.
+
+    ``seed`` (keyed randomness): an int64 tensor [key, base, c2, c3] on any device; then
+    nothing is drawn from any generator (``generator`` must be None) and element g uses
+    Philox key (lo32, hi32 of key) at counter (lo32(c), hi32(c), c2, c3), c = base + g // 4
+    (mod 2**64). c2 and c3 must be in [0, 2**32): checked for a CPU seed; a seed on a device
+    is not read on the host (no sync), and there only their low 32 bits count. A seed on x's
+    device is used in place, so a CUDA graph may capture the call. Backward saves the seed
+    tensor itself: modify it in place before backward and autograd reports it.
     """
     _check_tensor("x", x)
     p = _check_p(p)
     layout = layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, layout, generator, impl)
+    return _fused(x, None, None, p, layout, generator, seed, impl)
 
 
 def bias_dropout_add(
@@ -136,6 +183,7 @@ def bias_dropout_add(
     training: bool = True,
     shard: Placement | None = None,
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None."""
@@ -153,6 +201,7 @@ def bias_dropout_add(
             )
     p = _check_p(p)
     layout = layout_of(x.shape, shard)
+    seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, layout, generator, impl)
+    return _fused(x, bias, residual, p, layout, generator, seed, impl)

@@ -1,10 +1,10 @@
 """torch.library registration of fused dropout: reference and Triton ops, fakes, autograd.
 
 Both ops compute ``residual + keep * (x + bias) / (1 - p)`` (bias and residual optional)
-with the mask of the seed tensor [key, base] and the index map (offset, dims flattened as
+with the mask of the seed tensor [key, base, c2, c3] and the index map (offset, dims flattened as
 [extent0, stride0, ...], logical numel) of ``shard.Layout``. Backward applies the same op to the
 incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the
-only thing saved is the 16-byte seed tensor.
+only thing saved is the 32-byte seed tensor.
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ def keep_threshold(p: float) -> int:
 def _words(seed: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Philox4x32-10 output (…, 4) for the counters of global indices ``g`` (int64, …)."""
     seed = seed.to(device=g.device, dtype=torch.int64, non_blocking=True)
-    key, base = seed[0], seed[1]
-    c2, c3 = (seed[2], seed[3]) if seed.numel() == 4 else (base * 0, base * 0)
+    key, base, c2, c3 = seed.unbind(0)
     philox_key = torch.stack((key & _MASK32, (key >> 32) & _MASK32))  # (2,)
     c = base + torch.div(g, 4, rounding_mode="floor")  # wraps mod 2**64 like uint64
     counters = torch.stack(

@@ -95,6 +95,8 @@ if HAS_TRITON:
     ):
         key = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
         base = tl.load(seed_ptr + 1)
+        word2 = tl.load(seed_ptr + 2).to(tl.uint32)  # counter words 2 and 3: their low 32 bits
+        word3 = tl.load(seed_ptr + 3).to(tl.uint32)
         groups = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
         lane = tl.arange(0, 4)
         local = groups[:, None] * 4 + lane[None, :]  # (BLOCK, 4) local flat indices
@@ -103,7 +105,6 @@ if HAS_TRITON:
             inside = tl.broadcast_to((groups < numel // 4)[:, None], (BLOCK, 4))
         else:
             inside = local < numel
-        zero = tl.zeros_like(groups).to(tl.uint32)
         if ALIGNED:
             first = groups * 4  # last_stride is 1 when aligned
             if DIVISIONS >= 1:
@@ -113,8 +114,13 @@ if HAS_TRITON:
             if DIVISIONS >= 3:
                 first += (groups * 4 // inner3) * gap3
             counter = base + (first + offset) // 4
+            zero = tl.zeros_like(groups).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
-                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero, zero
+                key,
+                counter.to(tl.uint32),
+                (counter >> 32).to(tl.uint32),
+                zero + word2,
+                zero + word3,
             )
             word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
         else:
@@ -128,7 +134,11 @@ if HAS_TRITON:
             counter = base + g // 4
             zeros = tl.zeros_like(counter).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
-                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zeros, zeros
+                key,
+                counter.to(tl.uint32),
+                (counter >> 32).to(tl.uint32),
+                zeros + word2,
+                zeros + word3,
             )
             word = _pick(g % 4, w0, w1, w2, w3)
         keep = word.to(tl.int64) >= threshold
