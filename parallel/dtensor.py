@@ -7,7 +7,8 @@ placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as
 every rank of the mesh starts from the same generator state (the replicated stream).
 
 ``invariant_random()`` routes ``F.dropout``/``nn.Dropout``, ``nn.init.uniform_``/
-``normal_`` and ``Tensor.uniform_``/``normal_`` on DTensors through these ops, so a model
+``normal_``/``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` on DTensors through
+these ops, so a model
 parallelized with ``parallelize_module`` gets them without an edit. See docs/dtensor.md
 for the torch internals this relies on.
 """
@@ -364,11 +365,18 @@ def _method_normal(
     return normal_(self, mean, std, generator=generator)
 
 
+def _init_kaiming_uniform(tensor: DTensor, *args: Any, **kwargs: Any) -> DTensor:
+    # It dispatches as itself, so its inner Tensor.uniform_ would run with the mode off:
+    # run the whole init on a full tensor instead (its fan is the global shape's).
+    return _init_(tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs))
+
+
 _ROUTES: dict[Any, Callable[..., DTensor]] = {
     F.dropout: _f_dropout,
     torch.dropout: _torch_dropout,
     torch.nn.init.uniform_: _init_uniform,
     torch.nn.init.normal_: _init_normal,
+    torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
     torch.Tensor.uniform_: _method_uniform,
     torch.Tensor.normal_: _method_normal,
 }
@@ -393,8 +401,9 @@ class _InvariantRandomMode(TorchFunctionMode):
 def invariant_random() -> Iterator[None]:
     """Within the block, dropout and init on DTensors draw layout-invariant randomness.
 
-    Routes ``F.dropout``/``nn.Dropout``/``torch.dropout``, ``nn.init.uniform_``/``normal_``
-    and ``Tensor.uniform_``/``normal_`` whose tensor is a DTensor; every other call, and
+    Routes ``F.dropout``/``nn.Dropout``/``torch.dropout``, ``nn.init.uniform_``/``normal_``/
+    ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` whose tensor is a DTensor (so
+    ``xavier_*``, ``kaiming_normal_`` and ``trunc_normal_`` too); every other call, and
     every call on a plain tensor, runs torch's own code. Per thread (torch function modes are).
     """
     with _InvariantRandomMode():

@@ -223,6 +223,7 @@ def test_mode_sees_every_routed_function_and_leaves_plain_tensors_alone() -> Non
             torch.dropout(x, 0.5, True),
             torch.nn.init.uniform_(torch.empty(64), -1.0, 1.0),
             torch.nn.init.normal_(torch.empty(64), 0.0, 2.0),
+            torch.nn.init.kaiming_uniform_(torch.empty(8, 8), a=0.5),
             torch.empty(64).uniform_(-1.0, 1.0),
             torch.empty(64).normal_(0.0, 2.0),
         ]
@@ -302,13 +303,11 @@ class _Block(torch.nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                torch.nn.init.uniform_(param, -0.1, 0.1)
-            elif name.startswith("norm"):
-                param.normal_(1.0, 0.1)  # Tensor.normal_ directly
-            else:
-                torch.nn.init.normal_(param, 0.0, 0.5)
+        self.up.reset_parameters()  # nn.init.kaiming_uniform_ and nn.init.uniform_
+        torch.nn.init.xavier_normal_(self.down.weight)  # Tensor.normal_ inside
+        torch.nn.init.trunc_normal_(self.down.bias, std=0.5)  # Tensor.uniform_, then pointwise
+        self.norm.weight.normal_(1.0, 0.1)  # Tensor.normal_ directly
+        torch.nn.init.normal_(self.norm.bias, 0.0, 0.5)
 
 
 class _KernelDropout(torch.nn.Module):
