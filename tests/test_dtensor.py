@@ -341,7 +341,7 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
     """Under invariant_random() a parallelize_module TP+SP block inits and drops exactly as the
     unsharded block with the fused kernel; outside it, torch's own DTensor randomness runs."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -412,9 +412,20 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
     assert same is z
     assert torch.equal(z.full_tensor(), ours_out.full_tensor())
 
-    # What cannot be placed exactly is a typed error, and draws nothing.
-    from torch.distributed.tensor import DTensor
+    # bias None; a Partial("max") init (every rank holds the draw)
+    from rng_tracker import kernels
 
+    torch.manual_seed(14)
+    got = dt.bias_dropout_add(y, None, y, _P).full_tensor()
+    torch.manual_seed(14)
+    assert torch.equal(got, kernels.bias_dropout_add(torch.ones(4, 8), None, torch.ones(4, 8), _P))
+    peak = DTensor.from_local(torch.zeros(3, 5), mesh, [Partial("max")])
+    torch.manual_seed(15)
+    dt.normal_(peak)
+    torch.manual_seed(15)
+    assert torch.equal(peak.full_tensor(), torch.empty(3, 5).normal_())
+
+    # What cannot be placed exactly is a typed error, and draws nothing.
     from rng_tracker.errors import DTensorPlacementError, RNGConsistencyError
 
     dt.assert_same_generator_state(mesh)
