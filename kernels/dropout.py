@@ -17,7 +17,7 @@ from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
-from rng_tracker.kernels.shard import Layout, Placement, layout_of
+from rng_tracker.kernels.shard import Layout, ShardSpec, layout_of
 from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
@@ -145,7 +145,7 @@ def dropout(
     p: float,
     *,
     training: bool = True,
-    shard: Placement | None = None,
+    shard: ShardSpec | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
@@ -181,7 +181,7 @@ def bias_dropout_add(
     p: float,
     *,
     training: bool = True,
-    shard: Placement | None = None,
+    shard: ShardSpec | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",

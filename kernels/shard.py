@@ -21,7 +21,7 @@ import torch
 
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["Layout", "Placement", "Region", "Shard", "layout_of"]
+__all__ = ["Layout", "Region", "Shard", "ShardSpec", "layout_of"]
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
@@ -222,7 +222,7 @@ def _merge(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-Placement = Shard | Region | Layout
+ShardSpec = Shard | Region | Layout
 
 
 def _row_major_strides(shape: Sequence[int]) -> list[int]:
@@ -242,7 +242,7 @@ def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) 
     )
 
 
-def layout_of(shape: torch.Size, shard: Placement | None) -> Layout:
+def layout_of(shape: torch.Size, shard: ShardSpec | None) -> Layout:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
     shape = torch.Size(shape)
     if shard is None:
