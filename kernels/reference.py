@@ -26,12 +26,12 @@ def keep_threshold(p: float) -> int:
     return math.ceil(p * 4294967296.0)
 
 
-def _words(seed: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Philox4x32-10 output (…, 4) for the counters of global indices ``g`` (int64, …)."""
-    seed = seed.to(device=g.device, dtype=torch.int64, non_blocking=True)
+def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Philox4x32-10 output (…, 4) for the global groups ``group`` = g // 4 (int64, …)."""
+    seed = seed.to(device=group.device, dtype=torch.int64, non_blocking=True)
     key, base, c2, c3 = seed.unbind(0)
     philox_key = torch.stack((key & _MASK32, (key >> 32) & _MASK32))  # (2,)
-    c = base + torch.div(g, 4, rounding_mode="floor")  # wraps mod 2**64 like uint64
+    c = base + group  # wraps mod 2**64 like uint64
     counters = torch.stack(
         (
             c & _MASK32,
@@ -50,10 +50,17 @@ def keep_mask(seed: torch.Tensor, p: float, layout: Layout, device: torch.device
         return torch.zeros(0, dtype=torch.bool, device=device)
     if layout.aligned:  # one Philox call per group of 4 local elements
         groups = torch.arange(0, layout.numel, 4, dtype=torch.int64, device=device)
-        words = _words(seed, layout.global_index(groups)).reshape(-1)[: layout.numel]
+        words = _words(seed, layout.global_index(groups) // 4).reshape(-1)[: layout.numel]
+    elif device.type == "cpu":
+        # Runs of local elements share a global group (a row of a box is contiguous): one
+        # Philox call per distinct group in a run, not one per element. (A host-side size,
+        # so CPU only: elsewhere it would sync.)
+        g = layout.global_indices(device)
+        group, run = torch.unique_consecutive(g // 4, return_inverse=True)
+        words = _words(seed, group)[run, g % 4]
     else:
         g = layout.global_indices(device)
-        words = _words(seed, g).gather(-1, (g % 4).unsqueeze(-1)).squeeze(-1)
+        words = _words(seed, g // 4).gather(-1, (g % 4).unsqueeze(-1)).squeeze(-1)
     return words >= keep_threshold(p)
 
 

@@ -11,9 +11,12 @@ __all__ = [
     "CheckpointRNGMismatchError",
     "CheckpointTypeError",
     "CheckpointUsageError",
+    "DTensorInputTypeError",
+    "DTensorPlacementError",
     "DuplicateStreamError",
     "InvalidSeedError",
     "InvalidSeedTypeError",
+    "InvariantRandomModeError",
     "KernelInputError",
     "KernelInputTypeError",
     "KernelUnavailableError",
@@ -172,3 +175,15 @@ class TrainingCheckpointError(RNGTrackerError, RuntimeError):
 
 class ResumeRefusedError(RNGTrackerError, ValueError):
     """A checkpoint cannot continue this run exactly: another rng mode, seed, batch or layout."""
+
+
+class DTensorPlacementError(RNGTrackerError, ValueError):
+    """A DTensor whose placements the invariant random ops cannot place exactly in its logical tensor."""
+
+
+class DTensorInputTypeError(RNGTrackerError, TypeError):
+    """A DTensor random op given something that is not a DTensor where one is needed."""
+
+
+class InvariantRandomModeError(RNGTrackerError, RuntimeError):
+    """invariant_random() enabled or disabled out of order with other torch function modes."""

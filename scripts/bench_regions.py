@@ -7,7 +7,7 @@ call measured in the same run. With ``--baseline REV`` it also loads that commit
 philox/shard/reference modules into this process and times them on the placements they
 support, interleaved call by call with today's, so machine load hits both alike.
 
-    python scripts/bench_regions.py [--baseline main] [--log2 16 18 20] [--reps 15]
+    python scripts/bench_regions.py [--baseline main] [--log2 16 18 20] [--reps 15] [--threads N]
 """
 
 from __future__ import annotations
@@ -68,7 +68,10 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="git revision to compare against")
     parser.add_argument("--log2", type=int, nargs="+", default=[16, 18, 20])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
     load = os.getloadavg()[0]
     print(
@@ -84,20 +87,21 @@ def main() -> None:
     for log2 in args.log2:
         rows = 2**log2 // _HIDDEN
         full = torch.randn(rows, _HIDDEN)
-        # name -> (local tensor, today's placement, the baseline's equivalent or None)
+        # name -> (local tensor, today's placement, the baseline's equivalent or None); every
+        # local tensor has the same 2**log2 elements.
         cases = {
             "unsharded": (full, None, lambda m: None),
             "Shard rows (block)": (
-                full[: rows // 4],
-                Shard(0, 0, 4, extent=rows),
-                lambda m: m.Shard(0, 0, 4),
+                full,
+                Shard(0, 1, 4, extent=rows * 4),
+                lambda m: m.Shard(0, 1, 4),
             ),
             "Shard columns (gap)": (
-                full[:, : _HIDDEN // 4],
-                Shard(1, 1, 4, extent=_HIDDEN),
+                full,
+                Shard(1, 1, 4, extent=_HIDDEN * 4),
                 lambda m: m.Shard(1, 1, 4),
             ),
-            "Region unaligned box": (full[:, 3:], Region((rows, _HIDDEN), (0, 3)), None),
+            "Region unaligned box": (full, Region((rows, _HIDDEN + 3), (0, 3)), None),
             "Region 4-d box": (
                 full.reshape(2, rows // 2, 2, _HIDDEN // 2),
                 Region((4, rows, 4, _HIDDEN), (1, 0, 1, 4)),

@@ -1,4 +1,5 @@
-"""On 4 gloo ranks: with a replicated stream, the ranks' shard masks assemble to the unsharded mask."""
+"""On 4 gloo ranks: with a replicated stream, the ranks' shard masks assemble to the unsharded mask
+(equal chunks along one dim, and a 2 x 2 grid of torch.chunk's uneven splits placed by Region)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker import DATA_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
-from rng_tracker.kernels import Shard, dropout
+from rng_tracker.kernels import Region, Shard, dropout
 
 SHAPE = (8, 8, 20)  # every dim divides by the 4 ranks
+UNEVEN = (5, 7, 3)  # a 2 x 2 grid over dims 0 and 1: rows 3 + 2, columns 4 + 3
 
 
 def _shard_masks(dim: int, impl: str) -> dict:
@@ -39,3 +41,35 @@ def test_rank_shards_assemble_to_the_unsharded_mask():
     for dim, impl in ((0, "torch"), (-1, "torch"), (1, "triton")):
         for result in run_distributed(_shard_masks, world_size=4, args=(dim, impl)):
             assert torch.equal(result["assembled"], result["whole"]), (dim, impl)
+
+
+def _grid_masks(impl: str) -> dict:
+    rank = dist.get_rank()
+    row, column = divmod(rank, 2)
+    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0)
+    tracker = get_rng_tracker("cpu")
+    rows = torch.ones(UNEVEN).chunk(2, dim=0)
+    local = rows[row].chunk(2, dim=1)[column]
+    offset = (row * rows[0].shape[0], column * rows[0].chunk(2, dim=1)[0].shape[1], 0)
+    with tracker.fork(DATA_PARALLEL_RNG):
+        mask = dropout(local, 0.5, shard=Region(UNEVEN, offset), impl=impl) != 0
+    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0)
+    with tracker.fork(DATA_PARALLEL_RNG):
+        whole = dropout(torch.ones(UNEVEN), 0.5, impl=impl) != 0
+    return {"offset": offset, "mask": mask, "whole": whole}
+
+
+def test_uneven_grid_regions_assemble_to_the_unsharded_mask():
+    from rng_tracker.parallel.testing import run_distributed
+
+    results = run_distributed(_grid_masks, world_size=4, args=("torch",))
+    assembled = torch.zeros(UNEVEN, dtype=torch.bool)
+    covered = torch.zeros(UNEVEN, dtype=torch.int64)
+    for result in results:
+        (r0, c0, _), mask = result["offset"], result["mask"]
+        box = (slice(r0, r0 + mask.shape[0]), slice(c0, c0 + mask.shape[1]))
+        assembled[box] = mask
+        covered[box] += 1
+        assert torch.equal(result["whole"], results[0]["whole"])
+    assert torch.equal(covered, torch.ones_like(covered))  # the 4 boxes tile the tensor
+    assert torch.equal(assembled, results[0]["whole"])

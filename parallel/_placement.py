@@ -1,0 +1,187 @@
+"""Which elements of a DTensor's logical tensor this rank holds: placements + mesh → index lists.
+
+DTensor shards act on one tensor dim each, so the local tensor is always the logical
+tensor indexed by one list of global indices per dim (in local order). ``Shard`` splits
+the current piece of a dim by torch.chunk's rule (the last chunks may be short or
+empty); ``_StridedShard(dim, split_factor=s)`` (FSDP2 + TP) first chunks the piece into
+``s`` parts, chunks each part over the mesh axis and concatenates this rank's chunk of
+every part. Mesh axes apply left to right, unless the spec carries an explicit
+``shard_order``. The lists are then cut into contiguous runs: a box of the logical
+tensor per combination of runs (one box in the common case).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+from rng_tracker.errors import DTensorPlacementError
+
+__all__ = ["Box", "LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
+
+_SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
+
+
+def split_by_chunk(items: Sequence[int], count: int, index: int) -> list[int]:
+    """Chunk ``index`` of ``items`` split into ``count`` parts by torch.chunk's rule."""
+    size = -(-len(items) // count) if items else 0
+    return list(items[index * size : (index + 1) * size]) if size else []
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A box of the logical tensor: ``local_start``/``extent`` in the local tensor, ``offset`` in the logical one."""
+
+    local_start: tuple[int, ...]
+    extent: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalIndex:
+    """The global indices this rank holds along each dim of a logical tensor of ``global_shape``."""
+
+    global_shape: tuple[int, ...]
+    indices: tuple[tuple[int, ...], ...]
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(len(idx) for idx in self.indices)
+
+    def runs(self, dim: int) -> list[tuple[int, int, int]]:
+        """Maximal runs (local start, length, global start) of consecutive global indices along ``dim``."""
+        idx = self.indices[dim]
+        if not idx:
+            return [(0, 0, 0)]
+        runs = [[0, 1, idx[0]]]
+        for pos in range(1, len(idx)):
+            if idx[pos] == idx[pos - 1] + 1:
+                runs[-1][1] += 1
+            else:
+                runs.append([pos, 1, idx[pos]])
+        return [tuple(run) for run in runs]
+
+    def affine(self) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+        """The map local flat -> global flat as (offset, ((extent, stride), ...)), or None.
+
+        Exists when every dim's indices are runs of one length at one step (even strided
+        shards): each such dim is two dims, (runs, step) and (run length, 1), in units of
+        the dim's stride in the logical tensor.
+        """
+        strides = [math.prod(self.global_shape[d + 1 :]) for d in range(len(self.global_shape))]
+        offset, dims = 0, []
+        for d, stride in enumerate(strides):
+            runs = self.runs(d)
+            if len({length for _, length, _ in runs}) != 1:
+                return None
+            steps = {b[2] - a[2] for a, b in itertools.pairwise(runs)}
+            if len(steps) > 1:
+                return None
+            offset += runs[0][2] * stride
+            if steps:
+                dims.append((len(runs), steps.pop() * stride))
+            dims.append((runs[0][1], stride))
+        return offset, tuple(dims)
+
+    def boxes(self) -> list[Box]:
+        """The local tensor as boxes of the logical tensor, in row-major order of the runs."""
+        per_dim = [self.runs(d) for d in range(len(self.global_shape))]
+        return [
+            Box(
+                local_start=tuple(r[0] for r in combo),
+                extent=tuple(r[1] for r in combo),
+                offset=tuple(r[2] for r in combo),
+            )
+            for combo in itertools.product(*per_dim)
+        ]
+
+
+def _shard_steps(placements: Sequence[object], shard_order: object) -> list[tuple[int, int]]:
+    """(mesh axis, tensor dim) of every shard placement, in the order they apply."""
+    if shard_order is not None:
+        return [(axis, entry.tensor_dim) for entry in shard_order for axis in entry.mesh_dims]
+    steps = []
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, _SHARD_LIKE):
+            steps.append((axis, placement.dim))
+    return steps
+
+
+def local_index(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[object],
+    *,
+    shard_order: object = None,
+) -> LocalIndex:
+    """The index lists of the rank at ``coordinate`` of a mesh of ``mesh_shape``.
+
+    Raises DTensorPlacementError for a placement that is not Shard, _StridedShard,
+    Replicate or Partial (the library cannot place it exactly).
+    """
+    ndim = len(global_shape)
+    if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
+        raise DTensorPlacementError(
+            f"{len(placements)} placements for a {len(mesh_shape)}-axis mesh "
+            f"(coordinate {tuple(coordinate)}); give one placement per mesh axis"
+        )
+    for placement in placements:
+        if not isinstance(placement, (*_SHARD_LIKE, Replicate, Partial)):
+            raise DTensorPlacementError(
+                f"placement {placement!r} is not Shard, _StridedShard, Replicate or Partial; "
+                "redistribute the DTensor to one of those before a random op"
+            )
+        if isinstance(placement, _SHARD_LIKE) and not -ndim <= placement.dim < max(ndim, 1):
+            raise DTensorPlacementError(
+                f"{placement!r} shards dim {placement.dim} of a {ndim}-dim tensor"
+            )
+    indices = [list(range(size)) for size in global_shape]
+    for axis, dim in _shard_steps(placements, shard_order):
+        placement = placements[axis]
+        dim %= ndim
+        count, index = mesh_shape[axis], coordinate[axis]
+        if isinstance(placement, _StridedShard):
+            split = int(placement.split_factor)
+            parts = [split_by_chunk(indices[dim], split, j) for j in range(split)]
+            indices[dim] = [g for part in parts for g in split_by_chunk(part, count, index)]
+        else:
+            indices[dim] = split_by_chunk(indices[dim], count, index)
+    return LocalIndex(
+        global_shape=tuple(global_shape), indices=tuple(tuple(idx) for idx in indices)
+    )
+
+
+def local_index_of(x: DTensor) -> LocalIndex:
+    """The index lists of this rank's local tensor of ``x``, checked against its actual shape."""
+    mesh = x.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise DTensorPlacementError(
+            "this rank is not part of the DTensor's mesh; call random ops on mesh ranks only"
+        )
+    spec = x._spec
+    shard_order = None
+    if not getattr(spec, "use_strided_shard_as_shard_order", True):
+        order = getattr(spec, "shard_order", None)
+        if order is not None and order != spec.compute_default_shard_order(spec.placements):
+            shard_order = order
+    found = local_index(
+        tuple(x.shape), tuple(mesh.shape), coordinate, x.placements, shard_order=shard_order
+    )
+    with torch.no_grad():
+        actual = tuple(x.to_local().shape)
+    if found.local_shape != actual:
+        raise DTensorPlacementError(
+            f"the local tensor has shape {actual} but placements {x.placements} on mesh "
+            f"{tuple(mesh.shape)} give {found.local_shape} at coordinate {tuple(coordinate)}; "
+            "the DTensor's metadata does not describe its shards (from_local with a wrong "
+            "shape?), so its place in the logical tensor is unknown"
+        )
+    return found

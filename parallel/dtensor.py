@@ -1,0 +1,434 @@
+"""Layout-invariant random ops on DTensors: dropout, bias_dropout_add, uniform_, normal_.
+
+Each op computes, on every rank, exactly its part of the op on the full logical tensor,
+with the generator state the full op would see, and leaves the generator where the full
+op leaves it. So ``result.full_tensor()`` is bitwise the same for any mesh and any
+placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as long as
+every rank of the mesh starts from the same generator state (the replicated stream).
+
+``invariant_random()`` routes ``F.dropout``/``nn.Dropout``, ``nn.init.uniform_``/
+``normal_``/``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` on DTensors through
+these ops, so a model
+parallelized with ``parallelize_module`` gets them without an edit. See docs/dtensor.md
+for the torch internals this relies on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.overrides import TorchFunctionMode, _get_current_function_mode
+
+from rng_tracker.device_rng import default_generator
+from rng_tracker.errors import (
+    DTensorInputTypeError,
+    DTensorPlacementError,
+    InvariantRandomModeError,
+    RNGConsistencyError,
+)
+from rng_tracker.kernels import Layout, Region
+from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
+from rng_tracker.kernels import dropout as _kernel_dropout
+from rng_tracker.kernels.dropout import _check_p
+from rng_tracker.parallel._placement import Box, LocalIndex, local_index_of
+
+__all__ = [
+    "assert_same_generator_state",
+    "bias_dropout_add",
+    "disable_invariant_random",
+    "dropout",
+    "enable_invariant_random",
+    "invariant_random",
+    "normal_",
+    "uniform_",
+]
+
+_MIN_TORCH = (2, 5)  # public torch.distributed.tensor, _StridedShard
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < _MIN_TORCH:
+    raise ImportError(
+        f"rng_tracker.parallel.dtensor needs torch >= {'.'.join(map(str, _MIN_TORCH))}, "
+        f"found {torch.__version__}"
+    )
+
+
+def _require_dtensor(name: str, x: object) -> DTensor:
+    if not isinstance(x, DTensor):
+        raise DTensorInputTypeError(
+            f"{name} must be a DTensor, got {type(x).__name__}; for a plain local shard use "
+            "rng_tracker.kernels.dropout(x, p, shard=Region(...))"
+        )
+    return x
+
+
+def _without_partial(x: DTensor) -> DTensor:
+    """x with every Partial axis reduced (dropout is not linear: reduce, then drop)."""
+    if not any(isinstance(p, Partial) for p in x.placements):
+        return x
+    placements = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+    return x.redistribute(x.device_mesh, placements)
+
+
+def _clone(generator: torch.Generator) -> torch.Generator:
+    clone = torch.Generator(device=generator.device)
+    clone.set_state(generator.get_state())
+    return clone
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(s, s + e) for s, e in zip(box.local_start, box.extent, strict=True))
+
+
+def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> torch.Tensor:
+    """Concatenate row-major pieces of a grid with ``counts`` pieces per dim."""
+    if dim == len(counts):
+        return pieces[0]
+    step = math.prod(counts[dim + 1 :])
+    rows = [
+        _assemble(pieces[i * step : (i + 1) * step], counts, dim + 1) for i in range(counts[dim])
+    ]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=dim)
+
+
+# op(part of the local tensor, global last-dim indices of that part, shard=, generator=)
+_KernelCall = Callable[
+    [tuple[slice, ...], Sequence[int], Region | Layout, torch.Generator | None], torch.Tensor
+]
+
+
+def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torch.Tensor:
+    """The kernel over this rank's part of the logical tensor, from one generator state.
+
+    A box (every Shard/Replicate layout) is one call with a Region; an even strided shard
+    one call with its affine Layout. Otherwise (uneven strided shards) one call per box,
+    each from a clone of the generator, which then takes the state the clones end in:
+    what one call over the logical tensor leaves.
+    """
+    boxes = index.boxes()
+    shape = index.global_shape
+    whole = (slice(None),) * local.dim()
+    if len(boxes) == 1:
+        last = range(boxes[0].offset[-1], boxes[0].offset[-1] + boxes[0].extent[-1])
+        return op(whole, last, Region(shape, boxes[0].offset), None)
+    affine = index.affine()
+    if affine is not None:
+        layout = Layout(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
+        return op(whole, index.indices[-1], layout, None)
+    generator = default_generator(local.device)
+    pieces, end = [], None
+    for box in boxes:
+        clone = _clone(generator)
+        last = range(box.offset[-1], box.offset[-1] + box.extent[-1])
+        pieces.append(op(_slices(box), last, Region(shape, box.offset), clone))
+        end = clone.get_state()
+    generator.set_state(end)
+    return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])
+
+
+def _wrap(local: torch.Tensor, like: DTensor) -> DTensor:
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def dropout(x: DTensor, p: float, *, training: bool = True) -> DTensor:
+    """Dropout of a DTensor whose gathered result is ``rng_tracker.kernels.dropout(full, p)``.
+
+    Partial axes are reduced first (the result is Replicate there); other placements are
+    kept. Every rank draws from its default generator, which must be in the same state on
+    all ranks of the mesh, and advances it by the logical element count.
+    """
+    _require_dtensor("x", x)
+    if not training or _check_p(p) == 0.0:
+        return x  # as torch and the kernel: nothing drawn, x itself
+    x = _without_partial(x)
+    index = local_index_of(x)
+    local = x.to_local()  # (local shape of x)
+
+    def call(
+        part: tuple[slice, ...],
+        last: Sequence[int],
+        shard: Region | Layout,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        return _kernel_dropout(local[part], p, training=training, shard=shard, generator=generator)
+
+    return _wrap(_run_kernel(local, index, call), x)
+
+
+def _gathered_bias(bias: DTensor, x: DTensor) -> torch.Tensor:
+    """bias whole on every rank; its gradient sums over the mesh axes that shard x."""
+    whole = bias.redistribute(bias.device_mesh, [Replicate()] * bias.device_mesh.ndim)
+    # Ranks that hold other elements of x add other rows to the bias gradient: Partial there.
+    grad_placements = [Replicate() if isinstance(p, Replicate) else Partial() for p in x.placements]
+    return whole.to_local(grad_placements=grad_placements)
+
+
+def bias_dropout_add(
+    x: DTensor,
+    bias: DTensor | None,
+    residual: DTensor,
+    p: float,
+    *,
+    training: bool = True,
+) -> DTensor:
+    """``residual + dropout(x + bias)`` on DTensors, gathered equal to the fused kernel on the full tensors.
+
+    ``bias`` (shape ``(x.shape[-1],)``, any placements) is gathered - it is small - and
+    sliced to x's last-dim indices; ``residual`` is redistributed to x's placements.
+    """
+    x = _without_partial(_require_dtensor("x", x))
+    residual = _require_dtensor("residual", residual)
+    if bias is not None:
+        bias = _require_dtensor("bias", bias)
+    for name, other in (("residual", residual), ("bias", bias)):
+        if other is not None and other.device_mesh != x.device_mesh:
+            raise DTensorPlacementError(
+                f"{name} lives on mesh {other.device_mesh} but x on {x.device_mesh}; "
+                "put them on one mesh"
+            )
+    if residual.placements != x.placements:
+        residual = residual.redistribute(x.device_mesh, x.placements)
+    index = local_index_of(x)
+    local = x.to_local()  # (local shape of x)
+    local_residual = residual.to_local()  # (local shape of x)
+    if local_residual.shape != local.shape:
+        raise DTensorPlacementError(
+            f"residual has local shape {tuple(local_residual.shape)} but x has "
+            f"{tuple(local.shape)} after redistribution; give them the same global shape"
+        )
+    full_bias = None if bias is None else _gathered_bias(bias, x)  # (hidden,)
+
+    def call(
+        part: tuple[slice, ...],
+        last: Sequence[int],
+        shard: Region | Layout,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        part_bias = full_bias
+        if full_bias is not None and x.ndim > 0 and full_bias.shape == x.shape[-1:]:
+            if isinstance(last, range):  # (else the kernel names the shape mismatch)
+                part_bias = full_bias.narrow(0, last.start, len(last))
+            else:
+                keep = torch.tensor(last, dtype=torch.int64, device=full_bias.device)
+                part_bias = full_bias.index_select(0, keep)
+        return _kernel_bias_dropout_add(
+            local[part],
+            part_bias,
+            local_residual[part],
+            p,
+            training=training,
+            shard=shard,
+            generator=generator,
+        )
+
+    return _wrap(_run_kernel(local, index, call), x)
+
+
+def _partial_fill(t: DTensor) -> bool:
+    """Whether this rank holds the values (True) or zeros (False) of a Partial init."""
+    holds = True
+    coordinate = t.device_mesh.get_coordinate()
+    for axis, placement in enumerate(t.placements):
+        if not isinstance(placement, Partial):
+            continue
+        if type(placement) is not Partial or placement.reduce_op not in ("sum", "max", "min"):
+            raise DTensorPlacementError(
+                f"cannot initialise a DTensor with placement {placement!r} exactly; "
+                "Partial('sum'|'max'|'min') and Shard/Replicate are supported - "
+                "initialise a Replicate() or Shard() DTensor instead"
+            )
+        if placement.reduce_op == "sum" and coordinate[axis] != 0:
+            holds = False  # the values live on coordinate 0 of the axis; the rest add zero
+    return holds
+
+
+def _init_(t: object, draw: Callable[[torch.Tensor], Any]) -> DTensor:
+    t = _require_dtensor("tensor", t)
+    index = local_index_of(t)
+    holds = _partial_fill(t)
+    with torch.no_grad():
+        local = t.to_local()  # (local shape of t), the DTensor's own storage
+        # Drawn whole: torch's CPU and CUDA draws depend on the full tensor's size and order.
+        full = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+        draw(full)
+        piece = full
+        for dim, idx in enumerate(index.indices):
+            if idx != tuple(range(full.shape[dim])):
+                keep = torch.tensor(idx, dtype=torch.int64, device=full.device)
+                piece = piece.index_select(dim, keep)
+        if holds:
+            local.copy_(piece)
+        else:
+            local.zero_()
+    return t
+
+
+def uniform_(
+    t: DTensor, a: float = 0.0, b: float = 1.0, *, generator: torch.Generator | None = None
+) -> DTensor:
+    """Fill ``t`` in place from U(a, b): its full tensor is what ``full.uniform_(a, b)`` draws.
+
+    Every rank draws the whole logical tensor and keeps its part (a transient full-size
+    buffer per rank), so the generator ends where the full draw leaves it.
+    """
+    return _init_(t, lambda full: full.uniform_(a, b, generator=generator))
+
+
+def normal_(
+    t: DTensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
+) -> DTensor:
+    """Fill ``t`` in place from N(mean, std²): its full tensor is what ``full.normal_(mean, std)`` draws."""
+    return _init_(t, lambda full: full.normal_(mean, std, generator=generator))
+
+
+def assert_same_generator_state(
+    mesh: DeviceMesh, *, generator: torch.Generator | None = None
+) -> None:
+    """Raise RNGConsistencyError unless every rank of ``mesh`` holds the same generator state.
+
+    The ops above need it (a replicated stream); this costs one small all-gather per mesh
+    axis, so call it at start-up or after suspect code, not per op. ``generator`` defaults
+    to the default generator of the mesh's device type.
+    """
+    if generator is None:
+        generator = default_generator(mesh.device_type)
+    digest = hashlib.blake2b(bytes(generator.get_state().tolist()), digest_size=8).hexdigest()
+    for axis in range(mesh.ndim):
+        digests: list[str | None] = [None] * mesh.size(axis)
+        dist.all_gather_object(digests, digest, group=mesh.get_group(axis))
+        if len(set(digests)) > 1:
+            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[axis] or f"axis {axis}"
+            raise RNGConsistencyError(
+                f"the generator state differs across mesh {name} (coordinate "
+                f"{mesh.get_coordinate()}): {digests}; seed every rank alike (torch.manual_seed "
+                "on all ranks) and draw the same randomness on each before DTensor random ops"
+            )
+
+
+# --- routing torch's own calls -------------------------------------------------------
+
+
+def _f_dropout(
+    input: DTensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> DTensor:
+    out = dropout(input, p, training=training)
+    if inplace and out is not input:
+        return input.copy_(out)
+    return out
+
+
+def _torch_dropout(input: DTensor, p: float, train: bool) -> DTensor:
+    return dropout(input, p, training=train)
+
+
+def _init_uniform(
+    tensor: DTensor, a: float = 0.0, b: float = 1.0, generator: torch.Generator | None = None
+) -> DTensor:
+    return uniform_(tensor, a, b, generator=generator)
+
+
+def _init_normal(
+    tensor: DTensor, mean: float = 0.0, std: float = 1.0, generator: torch.Generator | None = None
+) -> DTensor:
+    return normal_(tensor, mean, std, generator=generator)
+
+
+def _method_uniform(
+    self: DTensor,
+    from_: float = 0.0,
+    to: float = 1.0,
+    *,
+    generator: torch.Generator | None = None,
+    **kwargs: float,
+) -> DTensor:
+    return uniform_(self, kwargs.get("from", from_), to, generator=generator)
+
+
+def _method_normal(
+    self: DTensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
+) -> DTensor:
+    return normal_(self, mean, std, generator=generator)
+
+
+def _init_kaiming_uniform(tensor: DTensor, *args: Any, **kwargs: Any) -> DTensor:
+    # It dispatches as itself, so its inner Tensor.uniform_ would run with the mode off:
+    # run the whole init on a full tensor instead (its fan is the global shape's).
+    return _init_(tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs))
+
+
+_ROUTES: dict[Any, Callable[..., DTensor]] = {
+    F.dropout: _f_dropout,
+    torch.dropout: _torch_dropout,
+    torch.nn.init.uniform_: _init_uniform,
+    torch.nn.init.normal_: _init_normal,
+    torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
+    torch.Tensor.uniform_: _method_uniform,
+    torch.Tensor.normal_: _method_normal,
+}
+
+
+class _InvariantRandomMode(TorchFunctionMode):
+    """Sends the random ops of _ROUTES to the invariant ops when their tensor is a DTensor."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is not None:
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(first, DTensor):
+                return route(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def invariant_random() -> Iterator[None]:
+    """Within the block, dropout and init on DTensors draw layout-invariant randomness.
+
+    Routes ``F.dropout``/``nn.Dropout``/``torch.dropout``, ``nn.init.uniform_``/``normal_``/
+    ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` whose tensor is a DTensor (so
+    ``xavier_*``, ``kaiming_normal_`` and ``trunc_normal_`` too); every other call, and
+    every call on a plain tensor, runs torch's own code. Per thread (torch function modes are).
+    """
+    with _InvariantRandomMode():
+        yield
+
+
+_ENABLED: list[_InvariantRandomMode] = []
+
+
+def enable_invariant_random() -> None:
+    """Turn ``invariant_random()`` on until ``disable_invariant_random()`` (idempotent)."""
+    if _ENABLED:
+        return
+    mode = _InvariantRandomMode()
+    mode.__enter__()
+    _ENABLED.append(mode)
+
+
+def disable_invariant_random() -> None:
+    """Turn off what ``enable_invariant_random()`` turned on (a no-op if it is off)."""
+    if not _ENABLED:
+        return
+    if _get_current_function_mode() is not _ENABLED[0]:
+        raise InvariantRandomModeError(
+            "another torch function mode was entered after enable_invariant_random() and is "
+            "still active; exit it first (modes form a stack)"
+        )
+    _ENABLED.pop().__exit__(None, None, None)
