@@ -46,14 +46,14 @@ def test_rank_shards_assemble_to_the_unsharded_mask():
 def _grid_masks(impl: str) -> dict:
     rank = dist.get_rank()
     row, column = divmod(rank, 2)
-    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0)
+    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0, cp_rank=0, ep_rank=0, etp_rank=rank)
     tracker = get_rng_tracker("cpu")
     rows = torch.ones(UNEVEN).chunk(2, dim=0)
     local = rows[row].chunk(2, dim=1)[column]
     offset = (row * rows[0].shape[0], column * rows[0].chunk(2, dim=1)[0].shape[1], 0)
     with tracker.fork(DATA_PARALLEL_RNG):
         mask = dropout(local, 0.5, shard=Region(UNEVEN, offset), impl=impl) != 0
-    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0)
+    model_parallel_seed(78, tp_rank=rank, pp_rank=0, dp_rank=0, cp_rank=0, ep_rank=0, etp_rank=rank)
     with tracker.fork(DATA_PARALLEL_RNG):
         whole = dropout(torch.ones(UNEVEN), 0.5, impl=impl) != 0
     return {"offset": offset, "mask": mask, "whole": whole}
