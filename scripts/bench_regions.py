@@ -7,7 +7,7 @@ call measured in the same run. With ``--baseline REV`` it also loads that commit
 philox/shard/reference modules into this process and times them on the placements they
 support, interleaved call by call with today's, so machine load hits both alike.
 
-    python scripts/bench_regions.py [--baseline main] [--log2 16 18 20] [--reps 15] [--threads N]
+    python scripts/bench_regions.py [--baseline 4c67e51] [--log2 16 18 20] [--reps 15] [--threads N]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def _load_baseline(rev: str):
     package = root / "_rng_baseline"
     package.mkdir()
     (package / "__init__.py").write_text("")
+    words = 4
     for name in ("philox", "shard", "reference"):
         source = subprocess.run(
             ["git", "show", f"{rev}:kernels/{name}.py"], capture_output=True, text=True, check=True
@@ -45,10 +46,19 @@ def _load_baseline(rev: str):
         (package / f"{name}.py").write_text(
             source.replace("rng_tracker.kernels.", "_rng_baseline.")
         )
+        if name == "reference" and "c2, c3" not in source:
+            words = 2  # before explicit seed words: [key, base]
     sys.path.insert(0, str(root))
-    return importlib.import_module("_rng_baseline.shard"), importlib.import_module(
-        "_rng_baseline.reference"
-    )
+    shard = importlib.import_module("_rng_baseline.shard")
+    return shard, importlib.import_module("_rng_baseline.reference"), words
+
+
+def _old_shard(module, dim: int, index: int, count: int, extent: int):
+    """The baseline's Shard (``extent`` only where that revision has it)."""
+    try:
+        return module.Shard(dim, index, count, extent=extent)
+    except TypeError:
+        return module.Shard(dim, index, count)
 
 
 def _median_interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
@@ -83,7 +93,7 @@ def main() -> None:
         header += f"{'baseline ms':>13}{'/baseline':>10}"
     print(header)
     seed = torch.tensor([0x1234_5678_9ABC, 0, 0, 0])
-    old_seed = seed[:2].clone()  # the baseline's [key, base]
+    old_seed = seed[: baseline[2]].clone() if baseline else None  # its seed words
     for log2 in args.log2:
         rows = 2**log2 // _HIDDEN
         full = torch.randn(rows, _HIDDEN)
@@ -94,12 +104,12 @@ def main() -> None:
             "Shard rows (block)": (
                 full,
                 Shard(0, 1, 4, extent=rows * 4),
-                lambda m: m.Shard(0, 1, 4),
+                lambda m, rows=rows: _old_shard(m, 0, 1, 4, rows * 4),
             ),
             "Shard columns (gap)": (
                 full,
                 Shard(1, 1, 4, extent=_HIDDEN * 4),
-                lambda m: m.Shard(1, 1, 4),
+                lambda m: _old_shard(m, 1, 1, 4, _HIDDEN * 4),
             ),
             "Region unaligned box": (full, Region((rows, _HIDDEN + 3), (0, 3)), None),
             "Region 4-d box": (
@@ -116,7 +126,7 @@ def main() -> None:
                 lambda x=local, lay=layout: fused_dropout_reference(x, None, None, seed, _P, lay)
             ]
             if baseline and old is not None:
-                old_shard, old_reference = baseline
+                old_shard, old_reference, _ = baseline
                 old_layout = old_shard.layout_of(local.shape, old(old_shard))
                 fns.append(
                     lambda x=local, lay=old_layout, ref=old_reference: ref.fused_dropout_reference(
