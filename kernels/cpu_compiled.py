@@ -15,6 +15,7 @@ reference runs instead, after one :class:`CompiledKernelFallbackWarning`.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -22,13 +23,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker.kernels.philox import (
-    PHILOX_KEY_A,
-    PHILOX_KEY_B,
-    PHILOX_ROUND_A,
-    PHILOX_ROUND_B,
-    _mulhilo,
-)
+from rng_tracker.kernels.philox import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshold
 from rng_tracker.kernels.shard import Layout
 
@@ -39,16 +34,37 @@ __all__ = [
 ]
 
 _MASK32 = 0xFFFFFFFF
-# Inductor's C++ flags that could change bits: keep FP contraction and unsafe math off even
-# where the environment turned them on (TORCHINDUCTOR_CPP_ENABLE_*).
+# Element j of a group is byte j in memory of the group's int32: low byte first on little-endian.
+_LANE_ORDER = (0, 1, 2, 3) if sys.byteorder == "little" else (3, 2, 1, 0)
 _INDUCTOR_OPTIONS = {
+    # C++ flags that could change bits: FP contraction and unsafe math stay off even where
+    # the environment turned them on (TORCHINDUCTOR_CPP_ENABLE_*).
     "cpp.enable_floating_point_contract_flag": "off",
     "cpp.enable_unsafe_math_opt_flag": False,
+    # Always emit an OpenMP loop: with dynamic shapes Inductor otherwise decides from the
+    # first call's size, and a small first call would leave every later one on one thread.
+    "cpp.dynamic_threads": True,
 }
 
 
 class CompiledKernelFallbackWarning(UserWarning):
     """The compiled CPU dropout kernel cannot be built here; the plain-torch reference runs."""
+
+
+# The round multipliers minus 2**32: negative, of magnitude below 2**30, so their product
+# with a 32-bit word fits int64 exactly (no overflow, no 16-bit split).
+_ROUND_A_LOW = PHILOX_ROUND_A - 2**32
+_ROUND_B_LOW = PHILOX_ROUND_B - 2**32
+
+
+def _mulhilo(a_low: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of (a_low + 2**32) * b, for 0 <= b < 2**32.
+
+    a_low * b = H * 2**32 + L with L = its low 32 bits (two's complement) and H its floor
+    quotient, so the full product is (H + b) * 2**32 + L, and 0 <= H + b < 2**32.
+    """
+    product = a_low * b  # |product| < 2**62
+    return (product >> 32) + b, product & _MASK32
 
 
 def _philox_words(
@@ -71,8 +87,8 @@ def _philox_words(
         if round_index:
             k0 = (k0 + PHILOX_KEY_A) & _MASK32
             k1 = (k1 + PHILOX_KEY_B) & _MASK32
-        hi0, lo0 = _mulhilo(PHILOX_ROUND_A, c0)
-        hi1, lo1 = _mulhilo(PHILOX_ROUND_B, c2)
+        hi0, lo0 = _mulhilo(_ROUND_A_LOW, c0)
+        hi1, lo1 = _mulhilo(_ROUND_B_LOW, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return c0, c1, c2, c3
 
@@ -84,10 +100,11 @@ def _global_index(local: torch.Tensor, index_map: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(keeps: list[torch.Tensor]) -> torch.Tensor:
-    bits = keeps[0].to(torch.uint8)
-    for j in (1, 2, 3):
-        bits = bits | (keeps[j].to(torch.uint8) << j)
-    return bits
+    """One int32 per group whose bytes, in memory order, are the 4 elements' keep flags."""
+    packed = keeps[_LANE_ORDER[0]].to(torch.int32)
+    for byte in (1, 2, 3):
+        packed = packed | (keeps[_LANE_ORDER[byte]].to(torch.int32) << (8 * byte))
+    return packed
 
 
 def _keep_bits_contiguous(
@@ -119,35 +136,24 @@ def _keep_bits_any(seed: torch.Tensor, params: torch.Tensor, groups: int) -> tor
     return _pack([keep[:, j] for j in range(4)])
 
 
-def _keep(bits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    return ((bits[local >> 2] >> (local & 3)) & 1) != 0
-
-
-def _apply_dropout(x: torch.Tensor, bits: torch.Tensor, scale: float) -> torch.Tensor:
-    # x: (N,)
-    local = torch.arange(x.shape[0], dtype=torch.int64)
-    value = torch.where(_keep(bits, local), x.float() * scale, 0.0)
-    return value.to(x.dtype)
+def _apply_dropout(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    # x, keep: (N,)
+    return torch.where(keep != 0, x.float() * scale, 0.0).to(x.dtype)
 
 
 def _apply_residual(
-    x: torch.Tensor, bits: torch.Tensor, residual: torch.Tensor, scale: float
+    x: torch.Tensor, keep: torch.Tensor, residual: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    # x, residual: (N,)
-    local = torch.arange(x.shape[0], dtype=torch.int64)
-    value = torch.where(_keep(bits, local), x.float() * scale, 0.0)
+    # x, keep, residual: (N,)
+    value = torch.where(keep != 0, x.float() * scale, 0.0)
     return (residual.float() + value).to(x.dtype)
 
 
 def _apply_bias_residual(
-    x: torch.Tensor, bits: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, scale: float
+    x: torch.Tensor, keep: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    # x, residual: (rows, hidden); bias: (hidden,)
-    rows, hidden = x.shape
-    local = torch.arange(rows, dtype=torch.int64).unsqueeze(1) * hidden + torch.arange(
-        hidden, dtype=torch.int64
-    )  # (rows, hidden)
-    value = torch.where(_keep(bits, local), (x.float() + bias.float()) * scale, 0.0)
+    # x, keep, residual: (rows, hidden); bias: (hidden,)
+    value = torch.where(keep != 0, (x.float() + bias.float()) * scale, 0.0)
     return (residual.float() + value).to(x.dtype)
 
 
@@ -156,15 +162,18 @@ _state: dict[str, Any] = {"failed": None}
 _lock = threading.Lock()
 
 
-def _get(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _get(fn: Callable[..., torch.Tensor], *, scalar: bool = False) -> Callable[..., torch.Tensor]:
     compiled = _compiled.get(fn.__name__)
     if compiled is None:
         with _lock:
             compiled = _compiled.get(fn.__name__)
             if compiled is None:
-                compiled = torch.compile(
-                    fn, dynamic=True, fullgraph=True, options=dict(_INDUCTOR_OPTIONS)
-                )
+                options = dict(_INDUCTOR_OPTIONS)
+                if scalar:
+                    # AVX2 has no 64-bit multiply: Inductor's vector code emulates it lane by
+                    # lane, and scalar code (one imul, four ALUs) runs Philox faster.
+                    options["cpp.simdlen"] = 1
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
                 _compiled[fn.__name__] = compiled
     return compiled
 
@@ -198,18 +207,25 @@ def _run_compiled(
         [keep_threshold(p), layout.row, layout.gap, layout.offset], dtype=torch.int64
     )
     # One spare group keeps the size >= 2, so no size is specialised to 1 (a recompile).
-    bits = _get(keep_bits)(seed, params, (n + 3) // 4 + 1)
+    packed = _get(keep_bits, scalar=True)(seed, params, (n + 3) // 4 + 1)  # (groups,) int32
+    # (N,) 1.0 kept / 0.0 dropped: torch's own uint8->fp32 cast is one vector pass, while an
+    # Inductor loop reading byte flags next to fp32 lanes assembles its mask lane by lane.
+    keep = packed.view(torch.uint8)[:n].float()
     scale = _scale(p)
     if bias is not None:
         assert residual is not None  # bias_dropout_add always has a residual
         hidden = bias.numel()
         out = _get(_apply_bias_residual)(
-            x.view(-1, hidden), bits, bias.contiguous(), residual.reshape(-1, hidden), scale
+            x.view(-1, hidden),
+            keep.view(-1, hidden),
+            bias.contiguous(),
+            residual.reshape(-1, hidden),
+            scale,
         )
     elif residual is not None:
-        out = _get(_apply_residual)(x.view(-1), bits, residual.reshape(-1), scale)
+        out = _get(_apply_residual)(x.view(-1), keep, residual.reshape(-1), scale)
     else:
-        out = _get(_apply_dropout)(x.view(-1), bits, scale)
+        out = _get(_apply_dropout)(x.view(-1), keep, scale)
     return out.view(x.shape)
 
 
