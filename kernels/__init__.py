@@ -12,7 +12,7 @@ from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.reference import keep_mask, keep_threshold
 
 # shard.py
-from rng_tracker.kernels.shard import Layout, Shard, layout_of
+from rng_tracker.kernels.shard import Layout, Region, Shard, layout_of
 
 # triton_dropout.py
 from rng_tracker.kernels.triton_dropout import HAS_TRITON, triton_runs_on
@@ -21,6 +21,7 @@ __all__ = [
     "HAS_TRITON",
     "Impl",
     "Layout",
+    "Region",
     "Shard",
     "bias_dropout_add",
     "dropout",

@@ -2,7 +2,8 @@
 
 The Philox key and counter base come from the default generator of x's device (or
 ``generator``), so tracker forks, checkpoint replays and ``torch.manual_seed`` govern
-these kernels exactly as they govern ``torch.nn.functional.dropout``.
+these kernels exactly as they govern ``torch.nn.functional.dropout``. Or they come from an
+explicit ``seed`` tensor [key, base, c2, c3] (keyed randomness), and nothing is drawn.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
-from rng_tracker.kernels.shard import Shard, layout_of
-from rng_tracker.kernels.triton_dropout import TRITON_IMPORT_ERROR, triton_runs_on
+from rng_tracker.kernels.shard import Layout, Placement, layout_of
+from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
 
@@ -49,7 +50,7 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     return t
 
 
-def _use_triton(x: torch.Tensor, impl: object) -> bool:
+def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise KernelInputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "torch":
@@ -61,9 +62,46 @@ def _use_triton(x: torch.Tensor, impl: object) -> bool:
             f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
             "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
         )
+    placeable = len(layout.dims) <= MAX_DIVISIONS + 1
     if impl == "triton":
+        if not placeable:
+            raise KernelUnavailableError(
+                f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
+                f"shard has {len(layout.dims)} ({layout.dims}); use impl='torch' or 'auto'"
+            )
         return True
-    return runs and x.device.type == "cuda"  # auto: Triton on a GPU, the reference elsewhere
+    # auto: Triton on a GPU, the reference elsewhere (and for maps the kernel cannot place).
+    return runs and x.device.type == "cuda" and placeable
+
+
+def _check_seed(
+    seed: object, generator: torch.Generator | None, x: torch.Tensor
+) -> torch.Tensor | None:
+    """Validate an explicit seed tensor without reading a device tensor (no host sync)."""
+    if seed is None:
+        return None
+    if not isinstance(seed, torch.Tensor):
+        raise KernelInputTypeError(
+            f"seed must be an int64 tensor or None, got {type(seed).__name__}"
+        )
+    if generator is not None:
+        raise KernelInputError(
+            "pass seed= or generator=, not both: with a seed tensor nothing is drawn from a generator"
+        )
+    if seed.dtype != torch.int64 or seed.shape != (4,):
+        raise KernelInputError(
+            f"seed must be an int64 tensor of 4 words [key, base, c2, c3], got {seed.dtype} of "
+            f"shape {tuple(seed.shape)}"
+        )
+    if seed.device.type == "meta" and x.device.type != "meta":
+        raise KernelInputError("seed is on the meta device; it must hold real values")
+    if seed.device.type == "cpu":  # free to read: no device sync
+        words = seed.tolist()
+        if not all(0 <= w < 2**32 for w in words[2:]):
+            raise KernelInputError(
+                f"seed words c2 and c3 must be in [0, 2**32), got {words[2]} and {words[3]}"
+            )
+    return seed
 
 
 def _fused(
@@ -71,12 +109,16 @@ def _fused(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     p: float,
-    shard: Shard | None,
+    layout: Layout,
     generator: torch.Generator | None,
+    seed: torch.Tensor | None,
     impl: Impl,
 ) -> torch.Tensor:
-    use_triton = _use_triton(x, impl)
-    layout = layout_of(x.shape, shard)
+    use_triton = _use_triton(x, impl, layout)
+    if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
+        seed = seed.to(x.device, non_blocking=True)
+        op = fused_dropout_triton_op if use_triton else fused_dropout_op
+        return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
             "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
@@ -94,9 +136,8 @@ def _fused(
             )
         key, base = draw_key_and_base(generator, layout.logical_numel)
     seed = seed_tensor(key, base, x.device if use_triton else torch.device("cpu"))
-    dim, index, count = (0, 0, 1) if shard is None else (shard.dim, shard.index, shard.count)
     op = fused_dropout_triton_op if use_triton else fused_dropout_op
-    return op(x, bias, residual, seed, p, dim, index, count)
+    return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
 
 
 def dropout(
@@ -104,21 +145,33 @@ def dropout(
     p: float,
     *,
     training: bool = True,
-    shard: Shard | None = None,
+    shard: Placement | None = None,
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Dropout whose mask is a pure function of (key, counter base, global index).
 
-    ``shard`` places x in the logical tensor, so the shards of all ranks draw exactly
-    the unsharded tensor's mask. p == 0 or ``training=False`` returns x and draws nothing.
+    ``shard`` places x in the logical tensor (``Shard``, ``Region`` or a general
+    ``Layout``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
+    the generator advances by the logical element count on every rank. p == 0 or
+    ``training=False`` returns x and draws nothing.
+
+    ``seed`` (keyed randomness): an int64 tensor [key, base, c2, c3] on any device; then
+    nothing is drawn from any generator (``generator`` must be None) and element g uses
+    Philox key (lo32, hi32 of key) at counter (lo32(c), hi32(c), c2, c3), c = base + g // 4
+    (mod 2**64). c2 and c3 must be in [0, 2**32): checked for a CPU seed; a seed on a device
+    is not read on the host (no sync), and there only their low 32 bits count. A seed on x's
+    device is used in place, so a CUDA graph may capture the call. Backward saves the seed
+    tensor itself: modify it in place before backward and autograd reports it.
     """
     _check_tensor("x", x)
     p = _check_p(p)
-    layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    layout = layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, shard, generator, impl)
+    return _fused(x, None, None, p, layout, generator, seed, impl)
 
 
 def bias_dropout_add(
@@ -128,8 +181,9 @@ def bias_dropout_add(
     p: float,
     *,
     training: bool = True,
-    shard: Shard | None = None,
+    shard: Placement | None = None,
     generator: torch.Generator | None = None,
+    seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None."""
@@ -146,7 +200,8 @@ def bias_dropout_add(
                 f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"
             )
     p = _check_p(p)
-    layout_of(x.shape, shard)
+    layout = layout_of(x.shape, shard)
+    seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, shard, generator, impl)
+    return _fused(x, bias, residual, p, layout, generator, seed, impl)

@@ -38,7 +38,7 @@ class Variant:
     dtype: str  # "fp32", "fp16" or "bf16"
     has_bias: bool = True
     has_residual: bool = True
-    has_gap: bool = False
+    divisions: int = 0  # merged dims of the index map minus 1: 0 unsharded, 1 an equal-chunk shard
     aligned: bool = True
     whole_groups: bool = True
     bias_by_group: bool = True
@@ -47,7 +47,7 @@ class Variant:
         return {
             "HAS_BIAS": self.has_bias,
             "HAS_RESIDUAL": self.has_residual,
-            "HAS_GAP": self.has_gap,
+            "DIVISIONS": self.divisions,
             "ALIGNED": self.aligned,
             "WHOLE_GROUPS": self.whole_groups,
             "BIAS_BY_GROUP": self.bias_by_group,
@@ -83,7 +83,10 @@ def compile_variant(variant: Variant, capability: int = 90) -> Mapping[str, str 
         name: f"*{variant.dtype}" for name in ("x_ptr", "bias_ptr", "residual_ptr", "out_ptr")
     }
     signature.update(seed_ptr="*i64", numel="i32", bias_numel="i32", threshold="u32")
-    signature.update(scale="fp32", row="i32", gap="i32", offset="i32")
+    signature.update(scale="fp32", offset="i32", last_stride="i32")
+    signature.update(
+        {name: "i32" for name in ("inner1", "gap1", "inner2", "gap2", "inner3", "gap3")}
+    )
     constants = variant.constants()
     signature.update(dict.fromkeys(constants, "constexpr"))
     pointers = [

@@ -1,9 +1,10 @@
 """torch.library registration of fused dropout: reference and Triton ops, fakes, autograd.
 
 Both ops compute ``residual + keep * (x + bias) / (1 - p)`` (bias and residual optional)
-with the mask of the seed tensor [key, base]. Backward applies the same op to the
+with the mask of the seed tensor [key, base, c2, c3] and the index map (offset, dims flattened as
+[extent0, stride0, ...], logical numel) of ``shard.Layout``. Backward applies the same op to the
 incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the
-only thing saved is the 16-byte seed tensor.
+only thing saved is the 32-byte seed tensor.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from typing import Any
 import torch
 
 from rng_tracker.kernels.reference import fused_dropout_reference
-from rng_tracker.kernels.shard import Shard, layout_of
+from rng_tracker.kernels.shard import Layout
 from rng_tracker.kernels.triton_dropout import HAS_TRITON, fused_dropout_triton
 
 __all__ = ["fused_dropout_op", "fused_dropout_triton_op"]
 
 
-def _layout(x: torch.Tensor, dim: int, index: int, count: int):
-    return layout_of(x.shape, None if count == 1 else Shard(dim, index, count))
+def _layout(offset: int, dims: list[int], logical_numel: int) -> Layout:
+    return Layout(
+        offset=offset, dims=tuple(zip(dims[::2], dims[1::2])), logical_numel=logical_numel
+    )
 
 
 @torch.library.custom_op("rng_tracker::fused_dropout", mutates_args=())
@@ -30,13 +33,13 @@ def fused_dropout_op(
     residual: torch.Tensor | None,
     seed: torch.Tensor,
     p: float,
-    dim: int,
-    index: int,
-    count: int,
+    offset: int,
+    dims: list[int],
+    logical_numel: int,
 ) -> torch.Tensor:
     """Fused dropout, reference path (plain torch, any device)."""
     return fused_dropout_reference(
-        x.contiguous(), bias, residual, seed, p, _layout(x, dim, index, count)
+        x.contiguous(), bias, residual, seed, p, _layout(offset, dims, logical_numel)
     )
 
 
@@ -56,9 +59,9 @@ if HAS_TRITON:
         residual: torch.Tensor | None,
         seed: torch.Tensor,
         p: float,
-        dim: int,
-        index: int,
-        count: int,
+        offset: int,
+        dims: list[int],
+        logical_numel: int,
     ) -> torch.Tensor:
         """Fused dropout, Triton kernel (traceable by torch.compile through wrap_triton)."""
         return fused_dropout_triton(
@@ -67,7 +70,7 @@ if HAS_TRITON:
             residual,
             seed,
             p,
-            _layout(x, dim, index, count),
+            _layout(offset, dims, logical_numel),
             launch=torch.library.wrap_triton,
         )
 
@@ -76,9 +79,9 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _x, bias, _residual, seed, p, dim, index, count = inputs
+    _x, bias, _residual, seed, p, offset, dims, logical_numel = inputs
     ctx.save_for_backward(seed)
-    ctx.params = (p, dim, index, count)
+    ctx.params = (p, offset, dims, logical_numel)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.bias_numel = None if bias is None else bias.numel()
 

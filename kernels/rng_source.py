@@ -2,7 +2,8 @@
 
 CUDA generators: key = the seed, counter base = philox offset // 4, and the offset
 advances by 4 * ceil(N / 4) for the logical element count N, so no later torch op
-reuses these counters. Other generators: key = one 64-bit draw, base = 0.
+reuses these counters. Other generators: key = one 64-bit draw, base = 0. The seed tensor
+of a call is [key, base, c2, c3]: counter words 2 and 3 are 0 here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[i
 
 
 def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
-    """(key, base) as an int64 tensor: an op argument, never a constant baked into a graph."""
+    """[key, base, 0, 0] as an int64 tensor: an op argument, never a constant baked into a graph.
+
+    Counter words 2 and 3 are 0 for generator draws; keyed callers pass their own seed tensor.
+    """
     signed_key = key - 2**64 if key >= 2**63 else key
-    return torch.tensor([signed_key, base], dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor([signed_key, base, 0, 0], dtype=torch.int64).to(device, non_blocking=True)

@@ -1,67 +1,278 @@
-"""Where a local tensor sits in the logical tensor, and its elements' global indices."""
+"""Where a local tensor sits in the logical tensor, and its elements' global indices.
+
+Every placement (``Shard``, ``Region`` or a general ``Layout``) becomes one affine index map
+from the local row-major flat index l to the logical row-major flat index g:
+
+    g = offset + sum_d ((l // inner_d) % extent_d) * stride_d
+
+over merged dims d (outermost first; inner_d = product of the extents after d). Dims of
+extent 1 are dropped and neighbours contiguous in both tensors are merged, so an unsharded
+tensor or a contiguous block is one dim of stride 1 (no division) and an equal-chunk shard
+two dims (one division).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["Layout", "Shard", "layout_of"]
+__all__ = ["Layout", "Placement", "Region", "Shard", "layout_of"]
+
+
+def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KernelInputTypeError(f"{owner}.{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise KernelInputError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _int_tuple(owner: str, name: str, values: object) -> tuple[int, ...]:
+    if isinstance(values, torch.Size):
+        values = tuple(values)
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise KernelInputTypeError(
+            f"{owner}.{name} must be a sequence of ints, got {type(values).__name__}"
+        )
+    return tuple(_check_int(owner, f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """The local tensor is chunk ``index`` of ``count`` equal chunks of the logical tensor along ``dim``."""
+    """The local tensor is chunk ``index`` of ``count`` chunks of the logical tensor along ``dim``.
+
+    Chunks follow torch.chunk's rule (DTensor's too): chunk size ceil(extent / count), so
+    with an uneven ``extent`` the last chunks are smaller or empty (10 rows in 4: 3, 3, 3, 1).
+    ``extent`` is the logical size of ``dim``. It is required whenever ``count > 1``: the
+    local size alone never determines it (a 3-row chunk 0 of 4 may come from 9 to 12 rows,
+    each giving a different mask), and guessing would draw a silently different mask. For
+    an even split pass ``extent=x_local.shape[dim] * count``.
+    """
 
     dim: int
     index: int
     count: int
+    extent: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dim", "index", "count"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise KernelInputTypeError(f"Shard.{name} must be an int, got {value!r}")
+        _check_int("Shard", "dim", self.dim, minimum=None)
+        _check_int("Shard", "index", self.index, minimum=None)
+        _check_int("Shard", "count", self.count, minimum=None)
         if self.count < 1 or not 0 <= self.index < self.count:
             raise KernelInputError(f"Shard needs count >= 1 and 0 <= index < count, got {self}")
+        if self.extent is not None:
+            _check_int("Shard", "extent", self.extent)
+        elif self.count > 1:
+            raise KernelInputError(
+                f"Shard(dim={self.dim}, index={self.index}, count={self.count}) needs extent=, "
+                "the logical size of the sharded dim: the local size does not determine it "
+                "(torch.chunk splits 10 rows in 4 as 3, 3, 3, 1). Pass "
+                "extent=x_local.shape[dim] * count for an even split, or use Region"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """The local tensor is the box of the logical tensor of ``global_shape`` at ``offset``.
+
+    One offset per dim; the box's size is the local tensor's shape and must fit inside
+    ``global_shape``. Covers uneven splits and N-d meshes (FSDP x TP) alike.
+    """
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "global_shape", _int_tuple("Region", "global_shape", self.global_shape)
+        )
+        object.__setattr__(self, "offset", _int_tuple("Region", "offset", self.offset))
+        if len(self.offset) != len(self.global_shape):
+            raise KernelInputError(
+                f"Region has {len(self.global_shape)} global dims but {len(self.offset)} "
+                "offsets; give one offset per dim"
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Local flat index l → global flat index g = l + (l // row) * gap + offset.
+    """A general affine index map, also accepted as ``shard=`` (e.g. for strided shards).
 
-    ``row`` is the local extent of the sharded dim times everything after it; ``gap``
-    skips the other ranks' chunks (0 when the shard is one contiguous block of the
-    logical tensor); ``aligned`` means groups of 4 consecutive local elements are groups
-    of 4 consecutive global ones (one Philox call feeds them).
+    ``dims`` holds (extent, stride) per dim of the local tensor's row-major flat order,
+    outermost first: extents multiply to the local numel; strides are the dims' strides in
+    the logical row-major tensor of ``logical_numel`` elements, starting at ``offset``.
+    A dim of a DTensor ``_StridedShard`` is two dims here: (chunks, stride of a chunk) and
+    (within a chunk, stride of a row). The map must not overlap (sorted by stride, every
+    stride exceeds the span of the dims below it) and must stay inside the logical tensor.
+    Construction normalises ``dims`` (extent-1 dims dropped, contiguous neighbours merged).
     """
 
-    numel: int
-    logical_numel: int
-    row: int
-    gap: int
     offset: int
+    dims: tuple[tuple[int, int], ...]
+    logical_numel: int
+    numel: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_int("Layout", "offset", self.offset)
+        _check_int("Layout", "logical_numel", self.logical_numel)
+        if not isinstance(self.dims, Sequence):
+            raise KernelInputTypeError(
+                f"Layout.dims must be a sequence of (extent, stride) pairs, got {self.dims!r}"
+            )
+        pairs = []
+        for i, pair in enumerate(self.dims):
+            if not isinstance(pair, Sequence) or len(pair) != 2:
+                raise KernelInputTypeError(
+                    f"Layout.dims[{i}] must be an (extent, stride) pair, got {pair!r}"
+                )
+            pairs.append(
+                (
+                    _check_int("Layout", f"dims[{i}] extent", pair[0]),
+                    _check_int("Layout", f"dims[{i}] stride", pair[1]),
+                )
+            )
+        numel = math.prod(extent for extent, _ in pairs)
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "dims", _merge(pairs) if numel else ((0, 1),))
+        if numel:
+            self._check_inside_and_one_to_one()
+
+    def _check_inside_and_one_to_one(self) -> None:
+        span = 0
+        for extent, stride in sorted(self.dims, key=lambda pair: pair[1]):
+            if stride <= span:
+                raise KernelInputError(
+                    f"Layout dims {self.dims} overlap: two local elements would share a global "
+                    "index (sorted by stride, each stride must exceed the span of the dims below)"
+                )
+            span += (extent - 1) * stride
+        if self.offset + span >= self.logical_numel:
+            raise KernelInputError(
+                f"Layout reaches global index {self.offset + span} but the logical tensor has "
+                f"{self.logical_numel} elements"
+            )
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the local tensor is one contiguous block of the logical tensor."""
+        return len(self.dims) <= 1 and (not self.dims or self.dims[0][1] == 1)
+
+    def divisions(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """(last stride, ((inner_d, gap_d), ...)) with g = offset + l * last + sum (l // inner_d) * gap_d.
+
+        The division form of the map: one floor division per merged dim but the innermost,
+        no modulo (gap_d = stride_d - extent_{d+1} * stride_{d+1}, nonzero after merging).
+        """
+        if not self.dims:
+            return 1, ()
+        terms = []
+        inner = 1
+        for d in range(len(self.dims) - 1, 0, -1):
+            extent, stride = self.dims[d]
+            inner *= extent  # inner_{d-1}: the extents of dims d..last
+            terms.append((inner, self.dims[d - 1][1] - extent * stride))
+        return self.dims[-1][1], tuple(terms)
 
     @property
     def aligned(self) -> bool:
-        return self.offset % 4 == 0 and (self.gap == 0 or self.row % 4 == 0)
+        """Whether each group of 4 local elements (l = 4k..4k+3) is 4 consecutive global ones
+        starting at a multiple of 4, so one Philox call feeds the group."""
+        if self.offset % 4:
+            return False
+        if self.contiguous:
+            return True
+        last_extent, last_stride = self.dims[-1]
+        return (
+            last_stride == 1
+            and last_extent % 4 == 0
+            and all(stride % 4 == 0 for _, stride in self.dims[:-1])
+        )
+
+    def global_index(self, local: torch.Tensor) -> torch.Tensor:
+        """Global flat indices (int64) of the local flat indices ``local`` (int64)."""
+        last, terms = self.divisions()
+        g = local if last == 1 else local * last
+        for inner, gap in terms:
+            g = g + torch.div(local, inner, rounding_mode="floor") * gap
+        return g + self.offset if self.offset else g
 
     def global_indices(self, device: torch.device) -> torch.Tensor:
-        local = torch.arange(self.numel, dtype=torch.int64, device=device)
-        if self.gap == 0 and self.offset == 0:
-            return local
-        return local + torch.div(local, self.row, rounding_mode="floor") * self.gap + self.offset
+        """Global flat indices of every local element, in local flat order."""
+        return self.global_index(torch.arange(self.numel, dtype=torch.int64, device=device))
+
+    def flat(self) -> list[int]:
+        """dims as a flat list [extent0, stride0, extent1, ...] (a torch.library int[] argument)."""
+        return [v for pair in self.dims for v in pair]
 
 
-def layout_of(shape: torch.Size, shard: Shard | None) -> Layout:
+def _merge(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for extent, stride in pairs:
+        if extent == 1:
+            continue
+        if merged and merged[-1][1] == extent * stride:
+            merged[-1] = (merged[-1][0] * extent, stride)
+        else:
+            merged.append((extent, stride))
+    return tuple(merged)
+
+
+Placement = Shard | Region | Layout
+
+
+def _row_major_strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return strides[::-1]
+
+
+def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> Layout:
+    strides = _row_major_strides(global_shape)
+    return Layout(
+        offset=sum(o * s for o, s in zip(offset, strides, strict=True)),
+        dims=tuple(zip(shape, strides, strict=True)),
+        logical_numel=math.prod(global_shape),
+    )
+
+
+def layout_of(shape: torch.Size, shard: Placement | None) -> Layout:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
-    numel = shape.numel()
+    shape = torch.Size(shape)
     if shard is None:
-        return Layout(numel=numel, logical_numel=numel, row=max(numel, 1), gap=0, offset=0)
+        return Layout(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
+    if isinstance(shard, Layout):
+        if shard.numel != shape.numel():
+            raise KernelInputError(
+                f"the Layout covers {shard.numel} local elements but x has {shape.numel()} "
+                f"(shape {tuple(shape)}); its extents must multiply to x.numel()"
+            )
+        return shard
+    if isinstance(shard, Region):
+        if len(shard.global_shape) != len(shape):
+            raise KernelInputError(
+                f"Region has {len(shard.global_shape)} dims but x has {len(shape)} "
+                f"(shape {tuple(shape)}); give one global extent and offset per dim of x"
+            )
+        for d, (size, start, extent) in enumerate(
+            zip(shape, shard.offset, shard.global_shape, strict=True)
+        ):
+            if start + size > extent:
+                raise KernelInputError(
+                    f"the box does not fit in dim {d}: offset {start} + local size {size} > "
+                    f"global extent {extent} (x {tuple(shape)}, {shard})"
+                )
+        return _box(shape, shard.global_shape, shard.offset)
     if not isinstance(shard, Shard):
-        raise KernelInputTypeError(f"shard must be a Shard or None, got {type(shard).__name__}")
+        raise KernelInputTypeError(
+            f"shard must be a Shard, Region, Layout or None, got {type(shard).__name__}"
+        )
     if not shape:
         raise KernelInputError("a 0-dim tensor cannot be a shard; pass shard=None")
     if not -len(shape) <= shard.dim < len(shape):
@@ -69,12 +280,18 @@ def layout_of(shape: torch.Size, shard: Shard | None) -> Layout:
             f"Shard.dim {shard.dim} is out of range for a {len(shape)}-dim tensor"
         )
     dim = shard.dim % len(shape)
-    row = shape[dim:].numel()
-    contiguous_block = shape[:dim].numel() == 1  # e.g. dim 0: no other rank's chunk in between
-    return Layout(
-        numel=numel,
-        logical_numel=numel * shard.count,
-        row=max(row, 1),
-        gap=0 if contiguous_block else (shard.count - 1) * row,
-        offset=shard.index * row,
-    )
+    extent = shape[dim] if shard.extent is None else shard.extent  # extent None only if count 1
+    size = -(-extent // shard.count)  # torch.chunk's chunk size
+    start = min(shard.index * size, extent)
+    stop = min(start + size, extent)
+    if shape[dim] != stop - start:
+        raise KernelInputError(
+            f"x has size {shape[dim]} in dim {dim} but chunk {shard.index} of {shard.count} of "
+            f"extent {extent} has size {stop - start} (torch.chunk's rule: chunks of "
+            f"ceil({extent}/{shard.count})); pass the logical extent of dim {dim} as extent="
+        )
+    global_shape = list(shape)
+    global_shape[dim] = extent
+    offset = [0] * len(shape)
+    offset[dim] = start
+    return _box(shape, global_shape, offset)

@@ -3,9 +3,11 @@
 Each program handles ``BLOCK`` groups of 4 consecutive elements. When the layout is
 aligned (the usual case) one Philox4x32-10 call feeds a whole group with its four
 output words; otherwise every element computes its own counter and picks its word.
-Index arithmetic that the common layouts don't need is compiled out: no division for
-unsharded or contiguous-block shards, one bias column per group instead of a modulo
-per element, and a mask per group (vector loads) whenever numel % 4 == 0.
+The global index follows the layout's division form (``Layout.divisions``) with the number
+of divisions a compile-time constant (0 to 3: up to 4 merged dims). Index arithmetic that
+the common layouts don't need is compiled out: no division for unsharded or contiguous-block
+shards, one for an equal-chunk shard, one bias column per group instead of a modulo per
+element, and a mask per group (vector loads) whenever numel % 4 == 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 import torch
 
+from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels.reference import keep_threshold
 from rng_tracker.kernels.shard import Layout
 
@@ -26,10 +29,17 @@ except ImportError as error:  # pragma: no cover - exercised only where triton i
     tl = None
     TRITON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = ["HAS_TRITON", "TRITON_IMPORT_ERROR", "fused_dropout_triton", "triton_runs_on"]
+__all__ = [
+    "HAS_TRITON",
+    "MAX_DIVISIONS",
+    "TRITON_IMPORT_ERROR",
+    "fused_dropout_triton",
+    "triton_runs_on",
+]
 
 HAS_TRITON = triton is not None
 _GROUPS_PER_PROGRAM = 256  # 1024 elements per program
+MAX_DIVISIONS = 3  # index maps of up to 4 merged dims (one division per dim but the last)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -66,12 +76,17 @@ if HAS_TRITON:
         bias_numel,
         threshold,
         scale,
-        row,
-        gap,
         offset,
+        last_stride,
+        inner1,
+        gap1,
+        inner2,
+        gap2,
+        inner3,
+        gap3,
         HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
-        HAS_GAP: tl.constexpr,
+        DIVISIONS: tl.constexpr,
         ALIGNED: tl.constexpr,
         WHOLE_GROUPS: tl.constexpr,
         BIAS_BY_GROUP: tl.constexpr,
@@ -80,6 +95,8 @@ if HAS_TRITON:
     ):
         key = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
         base = tl.load(seed_ptr + 1)
+        word2 = tl.load(seed_ptr + 2).to(tl.uint32)  # counter words 2 and 3: their low 32 bits
+        word3 = tl.load(seed_ptr + 3).to(tl.uint32)
         groups = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
         lane = tl.arange(0, 4)
         local = groups[:, None] * 4 + lane[None, :]  # (BLOCK, 4) local flat indices
@@ -88,24 +105,40 @@ if HAS_TRITON:
             inside = tl.broadcast_to((groups < numel // 4)[:, None], (BLOCK, 4))
         else:
             inside = local < numel
-        zero = tl.zeros_like(groups).to(tl.uint32)
         if ALIGNED:
-            first = groups * 4
-            if HAS_GAP:
-                first += (first // row) * gap
+            first = groups * 4  # last_stride is 1 when aligned
+            if DIVISIONS >= 1:
+                first += (groups * 4 // inner1) * gap1
+            if DIVISIONS >= 2:
+                first += (groups * 4 // inner2) * gap2
+            if DIVISIONS >= 3:
+                first += (groups * 4 // inner3) * gap3
             counter = base + (first + offset) // 4
+            zero = tl.zeros_like(groups).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
-                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero, zero
+                key,
+                counter.to(tl.uint32),
+                (counter >> 32).to(tl.uint32),
+                zero + word2,
+                zero + word3,
             )
             word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
         else:
-            g = local + offset
-            if HAS_GAP:
-                g += (local // row) * gap
+            g = local * last_stride + offset
+            if DIVISIONS >= 1:
+                g += (local // inner1) * gap1
+            if DIVISIONS >= 2:
+                g += (local // inner2) * gap2
+            if DIVISIONS >= 3:
+                g += (local // inner3) * gap3
             counter = base + g // 4
             zeros = tl.zeros_like(counter).to(tl.uint32)
             w0, w1, w2, w3 = tl.philox(
-                key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zeros, zeros
+                key,
+                counter.to(tl.uint32),
+                (counter >> 32).to(tl.uint32),
+                zeros + word2,
+                zeros + word3,
             )
             word = _pick(g % 4, w0, w1, w2, w3)
         keep = word.to(tl.int64) >= threshold
@@ -137,6 +170,15 @@ def fused_dropout_triton(
     launch=None,
 ) -> torch.Tensor:
     """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
+    last_stride, terms = layout.divisions()
+    if len(terms) > MAX_DIVISIONS:
+        raise KernelUnavailableError(
+            f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this layout has "
+            f"{len(terms) + 1} ({layout.dims}); use impl='torch' (impl='auto' does)"
+        )
+    (inner1, gap1), (inner2, gap2), (inner3, gap3) = terms + ((1, 0),) * (
+        MAX_DIVISIONS - len(terms)
+    )
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel() == 0:
@@ -153,12 +195,17 @@ def fused_dropout_triton(
         1 if bias is None else bias.numel(),
         keep_threshold(p),
         1.0 / (1.0 - p) if p < 1 else 0.0,
-        layout.row,
-        layout.gap,
         layout.offset,
+        last_stride,
+        inner1,
+        gap1,
+        inner2,
+        gap2,
+        inner3,
+        gap3,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
-        HAS_GAP=layout.gap != 0,
+        DIVISIONS=len(terms),
         ALIGNED=layout.aligned,
         WHOLE_GROUPS=x.numel() % 4 == 0,
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,

@@ -35,7 +35,7 @@ def main() -> None:
         for dtype in ("bf16", "fp32"):
             for gap in (False, True):
                 variant = Variant(
-                    dtype, has_bias=with_inputs, has_residual=with_inputs, has_gap=gap
+                    dtype, has_bias=with_inputs, has_residual=with_inputs, divisions=int(gap)
                 )
                 opcodes, registers = sass_opcodes(
                     compile_variant(variant, args.capability)["cubin"]

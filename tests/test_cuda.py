@@ -52,7 +52,13 @@ def test_cpu_draw_inside_a_device_fork_warns_once_per_site():
 def test_kernel_key_is_the_seed_and_offset_advances_by_the_logical_count():
     g = torch.Generator("cuda").manual_seed(77)
     g.set_offset(8)
-    dropout(torch.ones(10, device="cuda"), 0.5, generator=g, shard=Shard(0, 1, 3), impl="triton")
+    dropout(
+        torch.ones(10, device="cuda"),
+        0.5,
+        generator=g,
+        shard=Shard(0, 1, 3, extent=30),
+        impl="triton",
+    )
     assert g.get_offset() == 8 + 4 * ((30 + 3) // 4)
 
 
@@ -84,3 +90,22 @@ def test_capture_in_a_cuda_graph_is_refused_before_drawing():
     ):
         dropout(x, 0.5)
     assert generator.get_offset() == offset
+
+
+def test_capture_with_a_device_seed_replays_with_the_current_seed_words():
+    """With seed= on the device nothing is read on the host, so capture is allowed and each
+    replay uses the seed words as they are then (a device step counter in word 3)."""
+    x = torch.ones(4096, device="cuda")
+    seed = torch.tensor([7, 0, 0, 0], device="cuda")
+    dropout(x, 0.5, seed=seed, impl="triton")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dropout(x, 0.5, seed=seed, impl="triton")
+    masks = []
+    for step in range(3):
+        seed[3].fill_(step)
+        graph.replay()
+        assert torch.equal(out, dropout(x, 0.5, seed=seed.clone(), impl="torch"))
+        masks.append(out.clone())
+    assert not torch.equal(masks[0], masks[1])

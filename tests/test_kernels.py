@@ -17,7 +17,7 @@ from rng_tracker import (
     RNGTrackerError,
     checkpoint,
 )
-from rng_tracker.kernels import Shard, bias_dropout_add, dropout, philox4x32
+from rng_tracker.kernels import Region, Shard, bias_dropout_add, dropout, keep_threshold, philox4x32
 
 M32 = 0xFFFFFFFF
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -106,7 +106,13 @@ def test_shards_assemble_to_the_unsharded_output(impl, dim, count):
     for index, chunk in enumerate(x.chunk(count, dim=dim)):
         g = gen(7)
         parts.append(
-            dropout(chunk.contiguous(), 0.4, shard=Shard(dim, index, count), generator=g, impl=impl)
+            dropout(
+                chunk.contiguous(),
+                0.4,
+                shard=Shard(dim, index, count, extent=x.shape[dim]),
+                generator=g,
+                impl=impl,
+            )
         )
         assert torch.equal(g.get_state(), whole_gen.get_state())
     assert torch.equal(torch.cat(parts, dim=dim), whole)
@@ -126,7 +132,7 @@ def test_contiguous_block_shards_at_unaligned_offsets_assemble(impl, shape, dim,
             bias,
             rs.contiguous(),
             0.3,
-            shard=Shard(dim, index, count),
+            shard=Shard(dim, index, count, extent=shape[dim]),
             generator=gen(5),
             impl=impl,
         )
@@ -199,7 +205,7 @@ class _OpNames(TorchDispatchMode):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_saved_bytes_per_call_do_not_grow_with_numel(impl):
-    """Dropout and bias-dropout-add save 16 bytes (the seed) whatever the size; F.dropout saves a
+    """Dropout and bias-dropout-add save 32 bytes (the seed words) whatever the size; F.dropout saves a
     per-element mask (a float mask on CPU, 4 B/element; a bool mask on CUDA)."""
     ours = [
         _saved_bytes(lambda x: dropout(x, 0.5, impl=impl), torch.ones(n, requires_grad=True))
@@ -216,7 +222,7 @@ def test_saved_bytes_per_call_do_not_grow_with_numel(impl):
         _saved_bytes(lambda x: F.dropout(x, 0.5), torch.ones(n, requires_grad=True))
         for n in (64, 4096)
     ]
-    assert ours == [16, 16] and bda == [16, 16]
+    assert ours == [32, 32] and bda == [32, 32]
     assert torchs[0] >= 64 and torchs[1] == 64 * torchs[0]
 
 
@@ -311,7 +317,7 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
             "impl",
         ),
         (
-            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2), generator=g),
+            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2, extent=8), generator=g),
             KernelInputError,
             ValueError,
             "out of range",
@@ -375,13 +381,101 @@ def test_ops_trace_under_torch_compile_with_the_seed_as_an_input():
         return gm.forward
 
     def step(x, seed):
-        return torch.ops.rng_tracker.fused_dropout(x, None, None, seed, 0.5, 0, 0, 1) * 2
+        return torch.ops.rng_tracker.fused_dropout(x, None, None, seed, 0.5, 0, [64, 1], 64) * 2
 
     compiled = torch.compile(step, backend=backend, fullgraph=True)
     x = torch.randn(64)
-    seeds = [torch.tensor([k, 0], dtype=torch.int64) for k in (1, 2)]
+    seeds = [torch.tensor([k, 0, 0, 0], dtype=torch.int64) for k in (1, 2)]
     outs = [compiled(x, s) for s in seeds]
     assert len(compiles) == 1
     assert not torch.equal(outs[0], outs[1])
     for out, s in zip(outs, seeds, strict=True):
         assert torch.equal(out, step(x, s))
+
+
+def _spec_mask(words: tuple[int, int, int, int], p: float, g: list[int]) -> torch.Tensor:
+    """The keep mask of global indices g from the documented mask function, in Python ints."""
+    key, base, c2, c3 = (w % 2**64 for w in words)
+    kept = []
+    for index in g:
+        c = (base + index // 4) % 2**64
+        counter = torch.tensor([c & M32, c >> 32, c2, c3])
+        word = philox4x32((key & M32, key >> 32), counter)[index % 4].item()
+        kept.append(word >= keep_threshold(p))
+    return torch.tensor(kept)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "words",
+    [(5, 0, 0, 0), (-3, -1, 7, M32), (2**62 + 9, 2**63 - 2, M32, 1)],
+    ids=["small", "base-wraps", "high-words"],
+)
+def test_explicit_seed_follows_the_mask_function_and_draws_nothing(impl, words):
+    """With seed=[key, base, c2, c3] the mask of element g is Philox(key) at counter
+    (lo32(c), hi32(c), c2, c3), c = base + g // 4 mod 2**64, for a region's global indices too
+    (both counter halves and the wrap of c exercised); no generator state changes."""
+    x = torch.randn(6, 10)
+    seed = torch.tensor(words, dtype=torch.int64)
+    cpu_before = torch.get_rng_state()
+    out = dropout(x, 0.5, seed=seed, impl=impl)
+    assert torch.equal(out != 0, _spec_mask(words, 0.5, list(range(60))).view(6, 10))
+    box = dropout(
+        x[2:5, 3:9].contiguous(), 0.5, shard=Region((6, 10), (2, 3)), seed=seed, impl=impl
+    )
+    assert torch.equal(box, out[2:5, 3:9])
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_generator_draws_equal_the_seed_words_they_stand_for(impl):
+    """A generator call is the keyed call with the drawn (key, base) and c2 = c3 = 0; other c2,
+    c3 give other masks; bias_dropout_add's backward regenerates the seed's mask."""
+    x, bias, residual = torch.randn(5, 8), torch.randn(8), torch.randn(5, 8)
+    g = gen(3)
+    key = int(torch.empty((), dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=gen(3)))
+    via_generator = bias_dropout_add(x, bias, residual, 0.3, generator=g, impl=impl)
+    seed = torch.tensor([key, 0, 0, 0])
+    assert torch.equal(
+        bias_dropout_add(x, bias, residual, 0.3, seed=seed, impl=impl), via_generator
+    )
+    for other in ([key, 0, 1, 0], [key, 0, 0, 1]):
+        got = bias_dropout_add(x, bias, residual, 0.3, seed=torch.tensor(other), impl=impl)
+        assert not torch.equal(got, via_generator)
+    leaf = x.clone().requires_grad_()
+    bias_dropout_add(leaf, bias, residual, 0.3, seed=seed, impl=impl).backward(torch.ones(5, 8))
+    assert torch.equal(leaf.grad != 0, via_generator != residual)
+
+
+def test_seed_modified_in_place_before_backward_is_reported():
+    seed = torch.tensor([1, 2, 3, 4])
+    x = torch.randn(8, requires_grad=True)
+    out = dropout(x, 0.5, seed=seed, impl="torch")
+    seed[1] += 1  # e.g. a device step counter advanced too early
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize(
+    ("seed", "generator", "error", "words"),
+    [
+        (torch.tensor([1, 2, 3, 4]), gen(), KernelInputError, "not both"),
+        (
+            torch.tensor([1, 2, 3, 4], dtype=torch.int32),
+            None,
+            KernelInputError,
+            "int64 tensor of 4",
+        ),
+        (torch.tensor([1, 2, 3]), None, KernelInputError, "int64 tensor of 4"),
+        (torch.tensor([1, 2, 2**32, 0]), None, KernelInputError, "[0, 2**32)"),
+        (torch.tensor([1, 2, 0, -1]), None, KernelInputError, "[0, 2**32)"),
+        ([1, 2, 3, 4], None, KernelInputTypeError, "int64 tensor or None"),
+    ],
+)
+def test_bad_seeds_are_typed_and_draw_nothing(seed, generator, error, words):
+    g = generator if generator is not None else gen()
+    before, cpu_before = g.get_state(), torch.get_rng_state()
+    with pytest.raises(error) as info:
+        dropout(torch.ones(4), 0.5, seed=seed, generator=generator)
+    assert isinstance(info.value, RNGTrackerError) and words in str(info.value)
+    assert torch.equal(g.get_state(), before) and torch.equal(torch.get_rng_state(), cpu_before)

@@ -20,7 +20,7 @@ def _shard_masks(dim: int, impl: str) -> dict:
         local = dropout(
             logical.chunk(world, dim=dim)[rank].contiguous(),
             0.5,
-            shard=Shard(dim, rank, world),
+            shard=Shard(dim, rank, world, extent=SHAPE[dim]),
             impl=impl,
         )
     parts = [torch.empty_like(local) for _ in range(world)]
