@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker.kernels.ops import _fake, _layout, _make_backward, _setup_context
 from rng_tracker.kernels.philox import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshold
 from rng_tracker.kernels.shard import Layout
@@ -31,6 +32,7 @@ __all__ = [
     "CompiledKernelFallbackWarning",
     "compiled_cpu_available",
     "fused_dropout_compiled",
+    "fused_dropout_cpu_op",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -67,36 +69,61 @@ def _mulhilo(a_low: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (product >> 32) + b, product & _MASK32
 
 
+# params: one int64 tensor per call, read by the compiled graphs (never baked into them).
+_THRESHOLD, _BASE, _C2, _C3 = 0, 1, 2, 3
+_ROUND_KEYS = 4  # k0 of rounds 0..9, then k1 of rounds 0..9
+_INDEX_MAP = _ROUND_KEYS + 20  # offset, last, inner_1, gap_1, ...
+
+
+def _params(seed: torch.Tensor, p: float, layout: Layout) -> torch.Tensor:
+    """[threshold, base, c2, c3, the 20 round keys, the index map] from the seed [key, base, c2, c3].
+
+    The key schedule is a function of the key alone, so it is computed here once per call
+    rather than traced into the graph.
+    """
+    key, base, c2, c3 = seed.tolist()
+    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
+    round_keys = [(k0 + r * PHILOX_KEY_A) & _MASK32 for r in range(10)]
+    round_keys += [(k1 + r * PHILOX_KEY_B) & _MASK32 for r in range(10)]
+    last, terms = layout.divisions()
+    index_map = [layout.offset, last, *(v for term in terms for v in term)]
+    return torch.tensor(
+        [keep_threshold(p), base, c2 & _MASK32, c3 & _MASK32, *round_keys, *index_map],
+        dtype=torch.int64,
+    )
+
+
 def _philox_words(
-    seed: torch.Tensor, c: torch.Tensor
+    params: torch.Tensor, c: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Philox4x32-10 words at counter (lo32(base + c), hi32(base + c), c2, c3); int64 holding uint32."""
-    key, base = seed[0], seed[1]  # 0-dim int64
-    k0 = key & _MASK32
-    k1 = (key >> 32) & _MASK32  # arithmetic shift, then masked: the key's high word
-    c = base + c
+    """Philox4x32-10 words at counter (lo32(base + c), hi32(base + c), c2, c3).
+
+    Words are int64 tensors holding uint32 values, as in the reference.
+    """
+    c = params[_BASE] + c
     c0 = c & _MASK32
     c1 = (c >> 32) & _MASK32
-    if seed.shape[0] == 4:  # explicit seed [key, base, c2, c3]
-        c2 = (seed[2] & _MASK32).expand_as(c)
-        c3 = (seed[3] & _MASK32).expand_as(c)
-    else:
-        c2 = torch.zeros_like(c)
-        c3 = c2
-    for round_index in range(10):
-        if round_index:
-            k0 = (k0 + PHILOX_KEY_A) & _MASK32
-            k1 = (k1 + PHILOX_KEY_B) & _MASK32
+    c2 = params[_C2].expand_as(c)
+    c3 = params[_C3].expand_as(c)
+    for r in range(10):
         hi0, lo0 = _mulhilo(_ROUND_A_LOW, c0)
         hi1, lo1 = _mulhilo(_ROUND_B_LOW, c2)
+        k0, k1 = params[_ROUND_KEYS + r], params[_ROUND_KEYS + 10 + r]
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return c0, c1, c2, c3
 
 
-def _global_index(local: torch.Tensor, index_map: torch.Tensor) -> torch.Tensor:
-    """Global flat index of local flat index ``local`` under index_map [row, gap, offset]."""
-    row, gap, offset = index_map[0], index_map[1], index_map[2]
-    return local + torch.div(local, row, rounding_mode="floor") * gap + offset
+def _global_index(local: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Global flat index of ``local`` under Layout.divisions() as packed by ``_params``.
+
+    g = offset + local * last + sum_d (local // inner_d) * gap_d; the number of terms is
+    static (one graph per count).
+    """
+    g = local * params[_INDEX_MAP + 1] + params[_INDEX_MAP]
+    for term in range((params.shape[0] - _INDEX_MAP - 2) // 2):
+        inner, gap = params[_INDEX_MAP + 2 + 2 * term], params[_INDEX_MAP + 3 + 2 * term]
+        g = g + torch.div(local, inner, rounding_mode="floor") * gap
+    return g
 
 
 def _pack(keeps: list[torch.Tensor]) -> torch.Tensor:
@@ -107,32 +134,20 @@ def _pack(keeps: list[torch.Tensor]) -> torch.Tensor:
     return packed
 
 
-def _keep_bits_contiguous(
-    seed: torch.Tensor, params: torch.Tensor, groups: int
-) -> torch.Tensor:
-    """(groups,) uint8 keep bits where local element l has global index l + offset, offset % 4 == 0."""
-    threshold, offset = params[0], params[3]
-    first = torch.arange(groups, dtype=torch.int64) * 4 + offset  # (groups,) global index of lane 0
-    words = _philox_words(seed, first >> 2)
-    return _pack([w >= threshold for w in words])
+def _keep_bits_aligned(params: torch.Tensor, groups: int) -> torch.Tensor:
+    """(groups,) int32 keep flags where every group of 4 local elements is 4 consecutive global ones."""
+    first = _global_index(torch.arange(groups, dtype=torch.int64) * 4, params)  # (groups,)
+    words = _philox_words(params, first >> 2)
+    return _pack([w >= params[_THRESHOLD] for w in words])
 
 
-def _keep_bits_aligned(seed: torch.Tensor, params: torch.Tensor, groups: int) -> torch.Tensor:
-    """(groups,) uint8 keep bits where every group of 4 local elements is a group of 4 global ones."""
-    threshold = params[0]
-    first = _global_index(torch.arange(groups, dtype=torch.int64) * 4, params[1:])  # (groups,)
-    words = _philox_words(seed, first >> 2)
-    return _pack([w >= threshold for w in words])
-
-
-def _keep_bits_any(seed: torch.Tensor, params: torch.Tensor, groups: int) -> torch.Tensor:
-    """(groups,) uint8 keep bits for any index map: one Philox call per element."""
-    threshold = params[0]
-    g = _global_index(torch.arange(groups * 4, dtype=torch.int64), params[1:])  # (4 groups,)
-    w0, w1, w2, w3 = _philox_words(seed, g >> 2)
+def _keep_bits_any(params: torch.Tensor, groups: int) -> torch.Tensor:
+    """(groups,) int32 keep flags for any index map: one Philox call per element."""
+    g = _global_index(torch.arange(groups * 4, dtype=torch.int64), params)  # (4 * groups,)
+    w0, w1, w2, w3 = _philox_words(params, g >> 2)
     lane = g & 3
     word = torch.where(lane == 0, w0, torch.where(lane == 1, w1, torch.where(lane == 2, w2, w3)))
-    keep = (word >= threshold).view(groups, 4)
+    keep = (word >= params[_THRESHOLD]).view(groups, 4)
     return _pack([keep[:, j] for j in range(4)])
 
 
@@ -197,17 +212,10 @@ def _run_compiled(
     layout: Layout,
 ) -> torch.Tensor:
     n = layout.numel
-    if layout.gap == 0 and layout.offset % 4 == 0:
-        keep_bits = _keep_bits_contiguous
-    elif layout.aligned:
-        keep_bits = _keep_bits_aligned
-    else:
-        keep_bits = _keep_bits_any
-    params = torch.tensor(
-        [keep_threshold(p), layout.row, layout.gap, layout.offset], dtype=torch.int64
-    )
+    keep_bits = _keep_bits_aligned if layout.aligned else _keep_bits_any
+    params = _params(seed, p, layout)
     # One spare group keeps the size >= 2, so no size is specialised to 1 (a recompile).
-    packed = _get(keep_bits, scalar=True)(seed, params, (n + 3) // 4 + 1)  # (groups,) int32
+    packed = _get(keep_bits, scalar=True)(params, (n + 3) // 4 + 1)  # (groups,) int32
     # (N,) 1.0 kept / 0.0 dropped: torch's own uint8->fp32 cast is one vector pass, while an
     # Inductor loop reading byte flags next to fp32 lanes assembles its mask lane by lane.
     keep = packed.view(torch.uint8)[:n].float()
@@ -218,12 +226,12 @@ def _run_compiled(
         out = _get(_apply_bias_residual)(
             x.view(-1, hidden),
             keep.view(-1, hidden),
-            bias.contiguous(),
-            residual.reshape(-1, hidden),
+            bias,
+            residual.view(-1, hidden),
             scale,
         )
     elif residual is not None:
-        out = _get(_apply_residual)(x.view(-1), keep, residual.reshape(-1), scale)
+        out = _get(_apply_residual)(x.view(-1), keep, residual.view(-1), scale)
     else:
         out = _get(_apply_dropout)(x.view(-1), keep, scale)
     return out.view(x.shape)
@@ -238,12 +246,12 @@ def fused_dropout_compiled(
     layout: Layout,
 ) -> torch.Tensor:
     """``fused_dropout_reference``'s result from compiled C++ (contiguous CPU x)."""
-    if layout.numel < 2 or bias is not None and bias.numel() < 2 or not compiled_cpu_available():
+    if layout.numel < 2 or (bias is not None and bias.numel() < 2) or not compiled_cpu_available():
         # A size of 0 or 1 would compile a specialised kernel; the reference is cheap there.
         return fused_dropout_reference(x, bias, residual, seed, p, layout)
     try:
         return _run_compiled(x, bias, residual, seed, p, layout)
-    except Exception as error:  # noqa: BLE001 - any compiler failure means: run the reference
+    except Exception as error:
         if not _is_compiler_failure(error):
             raise
         _state["failed"] = error
@@ -271,3 +279,31 @@ def _is_compiler_failure(error: BaseException) -> bool:
             return True
         error = getattr(error, "inner_exception", None) or error.__cause__
     return False
+
+
+@torch.library.custom_op("rng_tracker::fused_dropout_cpu", mutates_args=(), device_types="cpu")
+def fused_dropout_cpu_op(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    offset: int,
+    dims: list[int],
+    logical_numel: int,
+) -> torch.Tensor:
+    """Fused dropout, compiled CPU kernel (the reference where no C++ compiler runs)."""
+    return fused_dropout_compiled(
+        x.contiguous(),
+        None if bias is None else bias.contiguous(),
+        None if residual is None else residual.contiguous(),
+        seed,
+        p,
+        _layout(offset, dims, logical_numel),
+    )
+
+
+fused_dropout_cpu_op.register_fake(_fake)
+fused_dropout_cpu_op.register_autograd(
+    _make_backward(fused_dropout_cpu_op), setup_context=_setup_context
+)
