@@ -203,6 +203,12 @@ def _scale(p: float) -> float:
     return torch.tensor(1.0 / (1.0 - p) if p < 1 else 0.0, dtype=torch.float32).item()
 
 
+def _alias(t: torch.Tensor, *shape: int) -> torch.Tensor:
+    # A reshaped alias that is not a view: Dynamo guards on a view's base, whose rank changes
+    # with the caller's shape, and would recompile for each rank.
+    return t.view(shape).detach()
+
+
 def _run_compiled(
     x: torch.Tensor,
     bias: torch.Tensor | None,
@@ -224,16 +230,16 @@ def _run_compiled(
         assert residual is not None  # bias_dropout_add always has a residual
         hidden = bias.numel()
         out = _get(_apply_bias_residual)(
-            x.view(-1, hidden),
+            _alias(x, -1, hidden),
             keep.view(-1, hidden),
-            bias,
-            residual.view(-1, hidden),
+            _alias(bias, hidden),
+            _alias(residual, -1, hidden),
             scale,
         )
     elif residual is not None:
-        out = _get(_apply_residual)(x.view(-1), keep, residual.view(-1), scale)
+        out = _get(_apply_residual)(_alias(x, -1), keep, _alias(residual, -1), scale)
     else:
-        out = _get(_apply_dropout)(x.view(-1), keep, scale)
+        out = _get(_apply_dropout)(_alias(x, -1), keep, scale)
     return out.view(x.shape)
 
 

@@ -54,6 +54,10 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
 def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
     if impl not in ("auto", "triton", "cpu", "torch"):
         raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+    if impl == "cpu" and x.device.type != "cpu":
+        raise KernelUnavailableError(
+            f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
+        )
     if impl in ("torch", "cpu"):
         return False
     runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
@@ -79,10 +83,6 @@ def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
     """The op to run: Triton; the compiled CPU kernel (impl 'cpu', or 'auto' on CPU); the reference."""
     if use_triton:
         return fused_dropout_triton_op
-    if impl == "cpu" and x.device.type != "cpu":
-        raise KernelUnavailableError(
-            f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
-        )
     return fused_dropout_cpu_op if x.device.type == "cpu" and impl != "torch" else fused_dropout_op
 
 
