@@ -17,7 +17,7 @@ from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.cpu_compiled import fused_dropout_cpu_op
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
-from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
+from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
 from rng_tracker.kernels.shard import Layout, Placement, layout_of
 from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
@@ -107,7 +107,7 @@ def _check_seed(
         )
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
-    if seed.device.type == "cpu":  # free to read: no device sync
+    if seed.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: no sync
         words = seed.tolist()
         if not all(0 <= w < 2**32 for w in words[2:]):
             raise KernelInputError(
@@ -138,16 +138,16 @@ def _fused(
             "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
             "tensor to each replay)"
         )
+    device = x.device if use_triton else torch.device("cpu")
     if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
-        key, base = 0, 0
+        seed = seed_tensor(0, 0, device)
     else:
         generator = generator if generator is not None else default_generator(x.device)
         if not isinstance(generator, torch.Generator):
             raise KernelInputTypeError(
                 f"generator must be a torch.Generator, got {type(generator).__name__}"
             )
-        key, base = draw_key_and_base(generator, layout.logical_numel)
-    seed = seed_tensor(key, base, x.device if use_triton else torch.device("cpu"))
+        seed = drawn_seed(generator, layout.logical_numel, device)
     op = _op(x, impl, use_triton)
     return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
 
