@@ -34,7 +34,9 @@ def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def drawn_seed(generator: torch.Generator, logical_numel: int, device: torch.device) -> torch.Tensor:
+def drawn_seed(
+    generator: torch.Generator, logical_numel: int, device: torch.device
+) -> torch.Tensor:
     """``draw_key_and_base`` then ``seed_tensor``, as one step that torch.compile does not trace.
 
     The key never becomes a traced Python int (a 64-bit constant Inductor cannot print, and
