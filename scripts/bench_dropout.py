@@ -226,7 +226,12 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--repeats", type=int, default=15, help="CPU: timed repeats per figure")
     parser.add_argument("--no-startup", action="store_true", help="CPU: skip the start-up runs")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU: torch.set_num_threads for both sides"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
