@@ -17,22 +17,32 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from rng_tracker.kernels.ops import _fake, _layout, _make_backward, _setup_context
+from rng_tracker.kernels.ops import (
+    _fake,
+    _layout,
+    _make_backward,
+    _setup_context,
+    fused_dropout_op,
+)
 from rng_tracker.kernels.philox import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshold
 from rng_tracker.kernels.shard import Layout
 
 __all__ = [
+    "AUTO_REFERENCE_SECONDS",
     "CompiledKernelFallbackWarning",
+    "auto_uses_compiled",
     "compiled_cpu_available",
     "fused_dropout_compiled",
     "fused_dropout_cpu_op",
+    "timed_reference_op",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -177,8 +187,13 @@ def _apply_bias_residual(
 # 2-core machine at 2^16 elements: 0.9 ms on one thread, 89 ms on two).
 _PARALLEL_MIN_NUMEL = 2**18
 
+# impl="auto" runs the reference until this process has spent this long in it, then compiles:
+# a fresh process pays seconds to import and trace torch.compile's machinery, which short
+# runs with small tensors (tests, spawned ranks) never earn back. Masks are equal either way.
+AUTO_REFERENCE_SECONDS = 2.0
+
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
-_state: dict[str, Any] = {"failed": None}
+_state: dict[str, Any] = {"failed": None, "reference_seconds": 0.0}
 _lock = threading.Lock()
 
 
@@ -201,6 +216,21 @@ def _get(fn: Callable[..., torch.Tensor], *, scalar: bool = False) -> Callable[.
 def compiled_cpu_available() -> bool:
     """False once compiling failed in this process (then the reference runs)."""
     return _state["failed"] is None
+
+
+def auto_uses_compiled() -> bool:
+    """Whether impl="auto" runs the compiled kernel now (see ``AUTO_REFERENCE_SECONDS``)."""
+    return compiled_cpu_available() and (
+        torch.compiler.is_compiling() or _state["reference_seconds"] >= AUTO_REFERENCE_SECONDS
+    )
+
+
+def timed_reference_op(*args: Any) -> torch.Tensor:
+    """The reference op, its forward time counted towards switching impl="auto" to compiled."""
+    start = time.perf_counter()
+    out = fused_dropout_op(*args)
+    _state["reference_seconds"] += time.perf_counter() - start
+    return out
 
 
 def _scale(p: float) -> float:

@@ -15,7 +15,11 @@ import torch
 
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels.cpu_compiled import fused_dropout_cpu_op
+from rng_tracker.kernels.cpu_compiled import (
+    auto_uses_compiled,
+    fused_dropout_cpu_op,
+    timed_reference_op,
+)
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
 from rng_tracker.kernels.shard import Layout, Placement, layout_of
@@ -80,10 +84,12 @@ def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
 
 
 def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
-    """The op to run: Triton; the compiled CPU kernel (impl 'cpu', or 'auto' on CPU); the reference."""
+    """The op to run: Triton; the compiled CPU kernel (impl 'cpu'; 'auto' on CPU once warm); the reference."""
     if use_triton:
         return fused_dropout_triton_op
-    return fused_dropout_cpu_op if x.device.type == "cpu" and impl != "torch" else fused_dropout_op
+    if x.device.type != "cpu" or impl == "torch":
+        return fused_dropout_op
+    return fused_dropout_cpu_op if impl == "cpu" or auto_uses_compiled() else timed_reference_op
 
 
 def _check_seed(

@@ -1,8 +1,8 @@
 """The compiled CPU dropout kernel (Inductor C++) against the plain-torch reference.
 
 Invariant: for every dtype, op variant, size and placement, ``impl="cpu"`` (and ``"auto"``
-on CPU) returns the reference's output bit for bit, forward and backward, and a new size
-costs no recompile. Where no C++ compiler runs, the reference runs after one warning.
+on CPU, once warm) returns the reference's output bit for bit, forward and backward, and a
+new size costs no recompile. Where no C++ compiler runs, the reference runs after one warning.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels import Region, Shard, bias_dropout_add, dropout
+from rng_tracker.kernels import Region, Shard, bias_dropout_add, cpu_compiled, dropout
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -116,23 +116,34 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_auto_runs_the_compiled_kernel_on_cpu_and_cpu_refuses_other_devices():
+def test_auto_switches_to_the_compiled_kernel_once_the_reference_has_cost_enough(monkeypatch):
+    """impl="auto" on CPU runs the reference until AUTO_REFERENCE_SECONDS were spent in it."""
     x = torch.randn(8, 8)
+    monkeypatch.setattr(cpu_compiled, "AUTO_REFERENCE_SECONDS", float("inf"))
     with _OpNames() as seen:
-        dropout(x, 0.5)
+        cold = dropout(x, 0.5, generator=_gen())
+    assert "rng_tracker.fused_dropout.default" in seen.names
+    monkeypatch.setattr(cpu_compiled, "AUTO_REFERENCE_SECONDS", 0.0)
+    with _OpNames() as seen:
+        warm = dropout(x, 0.5, generator=_gen())
     assert "rng_tracker.fused_dropout_cpu.default" in seen.names
+    _assert_bitwise(cold, warm)
+
+
+def test_impl_cpu_refuses_other_devices_before_drawing():
     with pytest.raises(KernelUnavailableError, match="impl='cpu'"):
         dropout(torch.randn(8, device="meta"), 0.5, impl="cpu")
 
 
 def test_new_sizes_do_not_recompile():
     """Dynamic shapes: after the first call, other sizes reuse the compiled graphs."""
-    dropout(torch.randn(40, 8), 0.2)
+    dropout(torch.randn(40, 8), 0.2, impl="cpu")
     graphs = counters["stats"]["unique_graphs"]
     for shape in ((100, 8), (3, 77), (1001,), (2, 3, 50)):
         x = torch.randn(shape)
         _assert_bitwise(
-            dropout(x, 0.2, generator=_gen(5)), dropout(x, 0.2, generator=_gen(5), impl="torch")
+            dropout(x, 0.2, generator=_gen(5), impl="cpu"),
+            dropout(x, 0.2, generator=_gen(5), impl="torch"),
         )
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -149,7 +160,10 @@ def test_without_a_cxx_compiler_the_reference_runs_after_one_warning(tmp_path):
         x = torch.randn(16, 8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            outs = [dropout(x, 0.5, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+            outs = [
+                dropout(x, 0.5, generator=torch.Generator().manual_seed(s), impl="cpu")
+                for s in (1, 2)
+            ]
         fallbacks = [w for w in caught if issubclass(w.category, CompiledKernelFallbackWarning)]
         assert len(fallbacks) == 1, [str(w.message) for w in caught]
         assert "C++ compiler" in str(fallbacks[0].message)
