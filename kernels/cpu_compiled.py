@@ -187,9 +187,10 @@ def _apply_bias_residual(
 # 2-core machine at 2^16 elements: 0.9 ms on one thread, 89 ms on two).
 _PARALLEL_MIN_NUMEL = 2**18
 
-# impl="auto" runs the reference until this process has spent this long in it, then compiles:
-# a fresh process pays seconds to import and trace torch.compile's machinery, which short
-# runs with small tensors (tests, spawned ranks) never earn back. Masks are equal either way.
+# impl="auto" runs the reference until this process has spent this much CPU time in it (the
+# calling thread's), then compiles: a fresh process pays seconds to import and trace
+# torch.compile's machinery, which short runs with small tensors (tests, spawned ranks) never
+# earn back. Masks are equal either way.
 AUTO_REFERENCE_SECONDS = 2.0
 
 _compiled: dict[str, Callable[..., torch.Tensor]] = {}
@@ -227,9 +228,9 @@ def auto_uses_compiled() -> bool:
 
 def timed_reference_op(*args: Any) -> torch.Tensor:
     """The reference op, its forward time counted towards switching impl="auto" to compiled."""
-    start = time.perf_counter()
+    start = time.thread_time()  # CPU time: other processes' load does not advance it
     out = fused_dropout_op(*args)
-    _state["reference_seconds"] += time.perf_counter() - start
+    _state["reference_seconds"] += time.thread_time() - start
     return out
 
 
