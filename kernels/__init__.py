@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# cpu_compiled.py
+from rng_tracker.kernels.cpu_compiled import CompiledKernelFallbackWarning
+
 # dropout.py
 from rng_tracker.kernels.dropout import Impl, bias_dropout_add, dropout
 
@@ -19,6 +22,7 @@ from rng_tracker.kernels.triton_dropout import HAS_TRITON, triton_runs_on
 
 __all__ = [
     "HAS_TRITON",
+    "CompiledKernelFallbackWarning",
     "Impl",
     "Layout",
     "Region",

@@ -15,14 +15,19 @@ import torch
 
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
+from rng_tracker.kernels.cpu_compiled import (
+    auto_uses_compiled,
+    fused_dropout_cpu_op,
+    timed_reference_op,
+)
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
-from rng_tracker.kernels.rng_source import draw_key_and_base, seed_tensor
+from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
 from rng_tracker.kernels.shard import Layout, ShardSpec, layout_of
 from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
 
-Impl = Literal["auto", "triton", "torch"]
+Impl = Literal["auto", "triton", "cpu", "torch"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -51,9 +56,13 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
 
 
 def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise KernelInputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if impl == "torch":
+    if impl not in ("auto", "triton", "cpu", "torch"):
+        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+    if impl == "cpu" and x.device.type != "cpu":
+        raise KernelUnavailableError(
+            f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
+        )
+    if impl in ("torch", "cpu"):
         return False
     runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
     if impl == "triton" and not runs:
@@ -72,6 +81,15 @@ def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
         return True
     # auto: Triton on a GPU, the reference elsewhere (and for maps the kernel cannot place).
     return runs and x.device.type == "cuda" and placeable
+
+
+def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
+    """The op to run: Triton; the compiled CPU kernel (impl 'cpu'; 'auto' on CPU once warm); the reference."""
+    if use_triton:
+        return fused_dropout_triton_op
+    if x.device.type != "cpu" or impl == "torch":
+        return fused_dropout_op
+    return fused_dropout_cpu_op if impl == "cpu" or auto_uses_compiled() else timed_reference_op
 
 
 def _check_seed(
@@ -95,7 +113,7 @@ def _check_seed(
         )
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
-    if seed.device.type == "cpu":  # free to read: no device sync
+    if seed.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: no sync
         words = seed.tolist()
         if not all(0 <= w < 2**32 for w in words[2:]):
             raise KernelInputError(
@@ -117,7 +135,7 @@ def _fused(
     use_triton = _use_triton(x, impl, layout)
     if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
         seed = seed.to(x.device, non_blocking=True)
-        op = fused_dropout_triton_op if use_triton else fused_dropout_op
+        op = _op(x, impl, use_triton)
         return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
@@ -126,17 +144,17 @@ def _fused(
             "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
             "tensor to each replay)"
         )
+    device = x.device if use_triton else torch.device("cpu")
     if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
-        key, base = 0, 0
+        seed = seed_tensor(0, 0, device)
     else:
         generator = generator if generator is not None else default_generator(x.device)
         if not isinstance(generator, torch.Generator):
             raise KernelInputTypeError(
                 f"generator must be a torch.Generator, got {type(generator).__name__}"
             )
-        key, base = draw_key_and_base(generator, layout.logical_numel)
-    seed = seed_tensor(key, base, x.device if use_triton else torch.device("cpu"))
-    op = fused_dropout_triton_op if use_triton else fused_dropout_op
+        seed = drawn_seed(generator, layout.logical_numel, device)
+    op = _op(x, impl, use_triton)
     return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["draw_key_and_base", "seed_tensor"]
+__all__ = ["draw_key_and_base", "drawn_seed", "seed_tensor"]
 
 
 @torch.compiler.disable
@@ -31,3 +31,15 @@ def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
     """
     signed_key = key - 2**64 if key >= 2**63 else key
     return torch.tensor([signed_key, base, 0, 0], dtype=torch.int64).to(device, non_blocking=True)
+
+
+@torch.compiler.disable
+def drawn_seed(
+    generator: torch.Generator, logical_numel: int, device: torch.device
+) -> torch.Tensor:
+    """``draw_key_and_base`` then ``seed_tensor``, as one step that torch.compile does not trace.
+
+    The key never becomes a traced Python int (a 64-bit constant Inductor cannot print, and
+    a value guard that would recompile every step): the seed enters the graph as a tensor.
+    """
+    return seed_tensor(*draw_key_and_base(generator, logical_numel), device)

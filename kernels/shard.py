@@ -136,7 +136,7 @@ class Layout:
                     _check_int("Layout", f"dims[{i}] stride", pair[1]),
                 )
             )
-        numel = math.prod(extent for extent, _ in pairs)
+        numel = math.prod([extent for extent, _ in pairs])
         object.__setattr__(self, "numel", numel)
         object.__setattr__(self, "dims", _merge(pairs) if numel else ((0, 1),))
         if numel:

@@ -3,8 +3,13 @@
 On a GPU: effective GB/s of forward and backward of dropout and bias-dropout-add (bf16,
 fp32; 2**20..2**28 elements) for rng_tracker's Triton kernel, eager torch (the unfused
 sequence), torch.compile of that sequence, and a device-to-device copy (the bandwidth
-bound), with ratios against eager and copy, all measured in this run. On a CPU it times
-the plain-torch reference path against eager torch and says it is not a GPU figure.
+bound), with ratios against eager and copy, all measured in this run.
+
+On a CPU: milliseconds (median of repeats, ours and the baseline interleaved) of the compiled
+CPU kernel (impl="cpu", Inductor C++) against F.dropout and the eager three-op
+bias-dropout-add (bf16, fp32; 2**16..2**24 elements), forward, backward and both, with the
+target ratios; then the start-up cost in fresh processes: a cold compile (empty Inductor
+cache), the first call with a warm cache, and a call on a new size.
 Both print the bytes saved for backward per call (saved-tensor hooks).
 
 Effective bytes are the bytes an op must move: dropout fwd/bwd 2N elements (read, write);
@@ -16,7 +21,11 @@ bias-dropout-add fwd 3N (x, residual, out), bwd 2N (grad in, grad out).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -100,28 +109,142 @@ def _gbs(value: float, width: int) -> str:
     return f"{value:{width}.1f}" if value >= 10 else f"{value:{width}.3g}"
 
 
+def _interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each fn, run in turn each repeat so load drifts hit all alike."""
+    for fn in fns:  # warm-up: kernels built, allocator and thread pool primed
+        fn()
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(v) for v in samples]
+
+
+def _cpu_rows(n: int, dtype: torch.dtype, p: float, repeats: int) -> None:
+    hidden = 1024
+    x = torch.randn(n // hidden, hidden, dtype=dtype, requires_grad=True)
+    bias = torch.randn(hidden, dtype=dtype)
+    residual = torch.randn_like(x)
+    grad = torch.randn_like(x)
+    ops = {
+        "dropout": (lambda: dropout(x, p, impl="cpu"), lambda: F.dropout(x, p)),
+        "bias_dropout_add": (
+            lambda: bias_dropout_add(x, bias, residual, p, impl="cpu"),
+            lambda: residual + F.dropout(x + bias, p),
+        ),
+    }
+    for name, (ours, base) in ops.items():
+        ours_out, base_out = ours(), base()
+
+        def both(fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
+            return lambda: torch.autograd.grad(fn(), (x,), grad)
+
+        fwd, base_fwd, bwd, fb, base_fb = _interleaved_medians(
+            [
+                ours,
+                base,
+                lambda out=ours_out: torch.autograd.grad(out, (x,), grad, retain_graph=True),
+                both(ours),
+                both(base),
+            ],
+            repeats,
+        )
+        del base_out
+        label = str(dtype).replace("torch.", "")
+        print(
+            f"{name:<17}{label:<9}{'2^' + str(n.bit_length() - 1):>5}"
+            f"{fwd * 1e3:9.2f}{base_fwd * 1e3:9.2f}{base_fwd / fwd:8.2f}"
+            f"{bwd * 1e3:9.2f}{bwd / fwd:8.2f}{fb * 1e3:9.2f}{base_fb * 1e3:9.2f}{fb / base_fb:8.2f}",
+            flush=True,
+        )
+
+
+_STARTUP = """
+import time
+clock = lambda: (time.perf_counter(), time.process_time())
+t0 = clock()
+import torch
+from rng_tracker.kernels import dropout
+import torch._dynamo, torch._inductor.compile_fx  # torch.compile's own imports, timed apart
+t1 = clock()
+dropout(torch.randn(256, 256), 0.1, impl="cpu")
+t2 = clock()
+dropout(torch.randn(300, 77), 0.1, impl="cpu")
+t3 = clock()
+fmt = lambda a, b: f"{b[0] - a[0]:7.2f} s wall {b[1] - a[1]:6.2f} s cpu"
+print(f"imports (torch, rng_tracker, dynamo, inductor) {fmt(t0, t1)}")
+print(f"first call                                     {fmt(t1, t2)}")
+print(f"call on a new size                             {fmt(t2, t3)}")
+"""
+
+
+def _startup_report() -> None:
+    """Cold compile, then warm-cache first call and new size, each in a fresh process."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        for label in ("cold: empty Inductor cache", "warm: the cache the cold run filled"):
+            print(f"\nfresh process, {label}")
+            result = subprocess.run(
+                [sys.executable, "-c", _STARTUP], env=env, capture_output=True, text=True
+            )
+            print(result.stdout.rstrip() or result.stderr[-2000:])
+
+
+def _cpu_main(args: argparse.Namespace) -> None:
+    lo = args.min_log2 if args.min_log2 is not None else 16
+    hi = args.max_log2 if args.max_log2 is not None else 24
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load:.1f}), "
+        f"torch {torch.__version__}; impl='cpu' (Inductor C++) against eager torch, p={args.p}; "
+        f"ms = median of {args.repeats}, interleaved"
+    )
+    print(
+        f"{'op':<17}{'dtype':<9}{'N':>5}{'fwd ms':>9}{'base':>9}{'base/us':>8}"
+        f"{'bwd ms':>9}{'bwd/fwd':>8}{'f+b ms':>9}{'base':>9}{'us/base':>8}"
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        for log2 in range(lo, hi + 1, 2):
+            _cpu_rows(2**log2, dtype, args.p, args.repeats)
+    print(
+        "base = F.dropout (dropout) or residual + F.dropout(x + bias) (bias_dropout_add). "
+        "targets: dropout base/us >= 1.0; bias_dropout_add base/us >= 1.5; bwd/fwd <= 1.5; "
+        "dropout f+b us/base <= 2"
+    )
+    if not args.no_startup:
+        _startup_report()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-log2", type=int, default=None)
     parser.add_argument("--max-log2", type=int, default=None)
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--repeats", type=int, default=15, help="CPU: timed repeats per figure")
+    parser.add_argument("--no-startup", action="store_true", help="CPU: skip the start-up runs")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU: torch.set_num_threads for both sides"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    lo = args.min_log2 if args.min_log2 is not None else (20 if on_gpu else 16)
-    hi = args.max_log2 if args.max_log2 is not None else (28 if on_gpu else 20)
+    if not on_gpu:
+        _cpu_main(args)
+        _print_saved_bytes(torch.device("cpu"), "cpu")
+        return
+    device = torch.device("cuda")
+    lo = args.min_log2 if args.min_log2 is not None else 20
+    hi = args.max_log2 if args.max_log2 is not None else 28
     timer = _timer(device)
-    impl = "triton" if on_gpu else "torch"
-    if on_gpu:
-        print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    else:
-        print(
-            f"CPU ({torch.get_num_threads()} threads), torch {torch.__version__}: rng_tracker's plain-torch "
-            "reference path; NOT a GPU figure (no GPU here)"
-        )
-    compile_ok = on_gpu and not args.no_compile
+    impl = "triton"
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    compile_ok = not args.no_compile
     eager_ops = {"dropout": _eager_dropout, "bias_dropout_add": _eager_bda}
     compiled_ops = {k: torch.compile(v) for k, v in eager_ops.items()} if compile_ok else {}
     ours = {
@@ -131,19 +254,20 @@ def main() -> None:
     header = f"{'op':<17}{'dtype':<9}{'N':>6} {'pass':<4}{'ours GB/s':>10}{'eager':>8}{'compile':>8}{'copy':>8}  {'ours/eager':>10}{'ours/copy':>10}"
     print(header)
     for dtype in (torch.bfloat16, torch.float32):
-        for log2 in range(lo, hi + 1, 2 if on_gpu else 1):
+        for log2 in range(lo, hi + 1, 2):
             _bench_size(2**log2, dtype, device, timer, ours, eager_ops, compiled_ops, args.p)
-    n = 2**16
-    x = torch.randn(n, device=device, requires_grad=True)
+    _print_saved_bytes(device, impl)
+    print("targets (H100): bias_dropout_add ours/copy >= 0.85 and ours/eager >= 2")
+
+
+def _print_saved_bytes(device: torch.device, impl: str) -> None:
     print("\nbytes saved for backward per call (saved-tensor hooks), fp32:")
-    for label, numel in (("2^10 elements", 2**10), ("2^16 elements", n)):
+    for label, numel in (("2^10 elements", 2**10), ("2^16 elements", 2**16)):
         x = torch.randn(numel, device=device, requires_grad=True)
         print(
             f"  {label}: rng_tracker dropout {_saved_bytes(lambda x=x: dropout(x, 0.5, impl=impl))} B, "
             f"F.dropout {_saved_bytes(lambda x=x: F.dropout(x, 0.5))} B"
         )
-    if on_gpu:
-        print("targets (H100): bias_dropout_add ours/copy >= 0.85 and ours/eager >= 2")
 
 
 if __name__ == "__main__":

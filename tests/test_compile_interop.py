@@ -1,0 +1,107 @@
+"""rng_tracker's dropout under torch.compile: the masks of eager, every step, also in recompute.
+
+Invariants: a compiled model (fused ops, tracker forks, rng_tracker.checkpoint) returns
+eager's outputs and gradients bit for bit over several steps, draws a fresh mask each step
+and compiles nothing after its first step; where the compiler itself recomputes the op in
+backward (a checkpointed region traced whole), the recompute reads the same seed tensor and
+replays the forward's mask (pytorch#190758: Inductor's own dropout re-draws there).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from rng_tracker import RNGStatesTracker
+from rng_tracker.checkpoint import checkpoint
+from rng_tracker.kernels import bias_dropout_add, cpu_compiled, dropout
+
+
+class _Block(torch.nn.Module):
+    """x @ w1 -> dropout in a tracker fork -> relu -> @ w2, checkpointed; then bias-dropout-add."""
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32, generator=g) / 4)
+        self.w2 = torch.nn.Parameter(torch.randn(32, 16, generator=g) / 4)
+        self.tracker = tracker
+
+    def _inner(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.w1  # (tokens, 32)
+        with self.tracker.fork("model-parallel-rng"):
+            h = dropout(h, 0.25)
+        return torch.relu(h) @ self.w2  # (tokens, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return bias_dropout_add(checkpoint(self._inner, x), None, x, 0.1)
+
+
+def _train(compiled: bool, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    torch.manual_seed(123)
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 77)
+    model = _Block(tracker)
+    run = torch.compile(model) if compiled else model
+    data = torch.Generator().manual_seed(5)
+    results, graphs = [], []
+    for _ in range(steps):
+        x = torch.randn(24, 16, generator=data, requires_grad=True)
+        out = run(x)
+        out.backward(torch.randn(24, 16, generator=data))
+        results.append((out.detach(), x.grad, model.w1.grad.clone(), model.w2.grad.clone()))
+        model.zero_grad()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return results, graphs
+
+
+def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling(monkeypatch):
+    # impl="auto" runs the compiled kernel from the first call: no switch happens mid-run, and
+    # the eager run builds the CPU kernels, so the compiled run's counts are the model's alone.
+    monkeypatch.setattr(cpu_compiled, "AUTO_REFERENCE_SECONDS", 0.0)
+    eager, _ = _train(compiled=False)
+    compiled, graphs = _train(compiled=True)
+    for step_eager, step_compiled in zip(eager, compiled, strict=True):
+        for a, b in zip(step_eager, step_compiled, strict=True):
+            assert torch.equal(a, b)
+    assert not torch.equal(compiled[0][0], compiled[1][0])  # a fresh mask each step
+    assert graphs[1] == graphs[0] and graphs[2] == graphs[0]  # nothing compiled after step 1
+
+
+def test_compiler_recompute_replays_the_forward_mask():
+    """A checkpointed region traced whole (keyed seed: no graph break): Inductor's partitioner
+    recomputes our op in backward from the same seed tensor, and the gradients equal eager's."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(16, 32, generator=g, requires_grad=True)
+    w2 = torch.randn(32, 16, generator=g, requires_grad=True)
+
+    def block(h: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return torch.relu(dropout(h, 0.5, seed=seed)) @ w2
+
+    def step(x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(block, x @ w1, seed, use_reentrant=False)
+
+    compiled_step = torch.compile(step, fullgraph=True)
+    compiled_step(torch.randn(24, 16), torch.tensor([5, 0, 0, 0])).sum().backward()  # compile
+    w1.grad = w2.grad = None
+    for s in (1, 2):
+        x = torch.randn(24, 16, generator=torch.Generator().manual_seed(s))
+        seed = torch.tensor([1000 * s + 1, 0, 0, 0])
+        grads, calls = [], []
+        for fn in (step, compiled_step):
+            with torch.profiler.profile() as prof:
+                out = fn(x, seed)
+                out.backward(torch.ones_like(out))
+            calls.append(
+                sum(
+                    e.count
+                    for e in prof.key_averages()
+                    if e.key in ("rng_tracker::fused_dropout_cpu", "rng_tracker::fused_dropout")
+                )
+            )
+            grads.append((out.detach(), w1.grad, w2.grad))
+            w1.grad = w2.grad = None
+        assert calls == [3, 3]  # forward, recompute in backward, gradient
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b)
