@@ -430,12 +430,14 @@ def checkpoint(
         record = None  # torch will not recompute: nothing to replay
     if early_stop is None:
         early_stop = not check_rng
+    if context_fn is not torch_checkpoint.noop_context_fn:
+        kwargs = {"context_fn": context_fn, **kwargs}  # passed only when given: Dynamo
+        # traces torch's checkpoint and accepts only a plain or partial function here
     with saver.hooks() if saver.active else contextlib.nullcontext():
         return torch_checkpoint.checkpoint(
             _WithReplay(function, record),
             *args,
             use_reentrant=False,
-            context_fn=context_fn,
             determinism_check=determinism_check,
             debug=debug,
             early_stop=early_stop,
