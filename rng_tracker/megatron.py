@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -27,7 +26,6 @@ from rng_tracker.checkpoint_without_output import (
 from rng_tracker.device_rng import RNGState, default_generator, device_rng
 from rng_tracker.errors import (
     ParallelStateError,
-    RankError,
     SeedReuseError,
     TrackerDeviceError,
     TrackerNotInitializedError,
@@ -36,6 +34,7 @@ from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
+    _nonnegative_int,
     model_parallel_seed,
     plan_seeds,
 )
@@ -324,7 +323,7 @@ def _gtp_seed(
     axis: str, rank: int | None, world_size: int | None, base: int, offset: int
 ) -> int | None:
     """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
-    size = 1 if world_size is None else _index(f"{axis}_world_size", world_size)
+    size = 1 if world_size is None else _nonnegative_int(f"{axis}_world_size", world_size)
     if size <= 1:
         return None
     if rank is None:
@@ -332,19 +331,7 @@ def _gtp_seed(
             f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
             f"{axis} axis, so pass the rank explicitly"
         )
-    return base + offset + 65536 * (1 + _index(f"{axis}_rank", rank))
-
-
-def _index(what: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise RankError(f"{what} must be an int, got {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise RankError(f"{what} must be an int, got {type(value).__name__}") from None
-    if result < 0:
-        raise RankError(f"{what} must be >= 0, got {result}")
-    return result
+    return base + offset + 65536 * (1 + _nonnegative_int(f"{axis}_rank", rank))
 
 
 def model_parallel_cuda_manual_seed(

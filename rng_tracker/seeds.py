@@ -128,16 +128,17 @@ class SeedPlan:
         return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
 
 
-def _check_rank(axis: str, rank: object) -> int:
-    if isinstance(rank, bool):
-        raise RankError(f"{axis}_rank must be an int, got {rank!r}")
+def _nonnegative_int(what: str, value: object) -> int:
+    """``value`` as an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
+    if isinstance(value, bool):
+        raise RankError(f"{what} must be an int, got {value!r}")
     try:
-        value = operator.index(rank)
+        result = operator.index(value)
     except TypeError:
-        raise RankError(f"{axis}_rank must be an int, got {type(rank).__name__}") from None
-    if value < 0:
-        raise RankError(f"{axis}_rank must be >= 0, got {value}")
-    return value
+        raise RankError(f"{what} must be an int, got {type(value).__name__}") from None
+    if result < 0:
+        raise RankError(f"{what} must be >= 0, got {result}")
+    return result
 
 
 def plan_seeds(
@@ -153,7 +154,9 @@ def plan_seeds(
     Megatron's arithmetic does, e.g. ep_rank 17 and tp_rank 6).
     """
     seed = validate_seed(seed)
-    coords = {axis: _check_rank(axis, (coordinates or {}).get(axis, 0)) for axis in AXES}
+    coords = {
+        axis: _nonnegative_int(f"{axis}_rank", (coordinates or {}).get(axis, 0)) for axis in AXES
+    }
     if scheme == "hashed":
         key = _seed_key(seed)
         seeds = {
