@@ -288,8 +288,13 @@ def fused_dropout_compiled(
     layout: Layout,
 ) -> torch.Tensor:
     """``fused_dropout_reference``'s result from compiled C++ (contiguous CPU x)."""
-    if layout.numel < 2 or (bias is not None and bias.numel() < 2) or not compiled_cpu_available():
+    if (
+        layout.numel < 2
+        or (bias is not None and (bias.numel() < 2 or residual is None))
+        or not compiled_cpu_available()
+    ):
         # A size of 0 or 1 would compile a specialised kernel; the reference is cheap there.
+        # The compiled loops fuse a bias only with a residual (all bias_dropout_add sends).
         return fused_dropout_reference(x, bias, residual, seed, p, layout)
     threads = torch.get_num_threads()
     serial = layout.numel < _PARALLEL_MIN_NUMEL and threads > 1

@@ -135,8 +135,20 @@ def _fused(
     use_triton = _use_triton(x, impl, layout)
     if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
         seed = seed.to(x.device, non_blocking=True)
-        op = _op(x, impl, use_triton)
-        return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
+    else:
+        seed = _draw_seed(x, p, layout, generator, use_triton)
+    op = _op(x, impl, use_triton)
+    return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
+
+
+def _draw_seed(
+    x: torch.Tensor,
+    p: float,
+    layout: Layout,
+    generator: torch.Generator | None,
+    use_triton: bool,
+) -> torch.Tensor:
+    """The seed words of one generator-driven call, taken from ``generator`` (or x's device's)."""
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
             "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
@@ -146,16 +158,13 @@ def _fused(
         )
     device = x.device if use_triton else torch.device("cpu")
     if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
-        seed = seed_tensor(0, 0, device)
-    else:
-        generator = generator if generator is not None else default_generator(x.device)
-        if not isinstance(generator, torch.Generator):
-            raise KernelInputTypeError(
-                f"generator must be a torch.Generator, got {type(generator).__name__}"
-            )
-        seed = drawn_seed(generator, layout.logical_numel, device)
-    op = _op(x, impl, use_triton)
-    return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
+        return seed_tensor(0, 0, device)
+    generator = generator if generator is not None else default_generator(x.device)
+    if not isinstance(generator, torch.Generator):
+        raise KernelInputTypeError(
+            f"generator must be a torch.Generator, got {type(generator).__name__}"
+        )
+    return drawn_seed(generator, layout.logical_numel, device)
 
 
 def dropout(

@@ -206,8 +206,6 @@ def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
     placed: dict[str, torch.Tensor] = {}
     for record in records:
         region = record.region
-        if region is None:
-            raise ParallelConfigError(f"the record of {record.site!r} carries no region")
         logical = placed.get(record.site)
         if logical is None:
             logical = placed[record.site] = torch.full(region.global_shape, -1, dtype=torch.int8)
@@ -265,7 +263,7 @@ def _site(
     placement = None  # the TP/SP shard of x (an even split)
     if sharded_dim is not None and tp > 1:
         placement = Shard(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
-    if rng_mode == "keyed":
+    if rng_mode == "keyed" and training and p > 0:
         return _keyed_site(name, x, p, placement, batch_dim, position, training, bias, residual)
     region, shard = contextlib.nullcontext(), placement
     if placement is not None and rng_mode == "megatron":
@@ -275,15 +273,26 @@ def _site(
         if _PROBE is not None and training and p > 0:
             twin = torch.Generator(device=x.device)
             twin.set_state(default_generator(x.device).get_state())
-            record = MaskRecord(
-                (name, dropout(torch.ones_like(x), p, shard=shard, generator=twin) != 0, shard)
-            )
-            record.region = _region(x.shape, placement, batch_dim, position)
-            record.batch_dim = batch_dim
-            _PROBE.append(record)
+            region = _region(x.shape, placement, batch_dim, position)
+            _probe(name, x, p, shard, region, batch_dim, shard=shard, generator=twin)
         if residual is None:
             return dropout(x, p, training=training, shard=shard)
         return bias_dropout_add(x, bias, residual, p, training=training, shard=shard)
+
+
+def _probe(
+    name: str,
+    x: torch.Tensor,
+    p: float,
+    placement: Shard | None,
+    region: Region,
+    batch_dim: int,
+    **draw: object,
+) -> None:
+    """Record the mask the site is about to draw (``draw``: the kernel's shard and randomness)."""
+    record = MaskRecord((name, dropout(torch.ones_like(x), p, **draw) != 0, placement))
+    record.region, record.batch_dim = region, batch_dim
+    _PROBE.append(record)
 
 
 def _keyed_site(
@@ -297,23 +306,14 @@ def _keyed_site(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """A keyed site: no generator is read or written, the mask is (seed, step, site, box)'s."""
-    if not training or p == 0:
-        return (
-            dropout(x, p, training=False)
-            if residual is None
-            else bias_dropout_add(x, bias, residual, p, training=False)
-        )
+    """A keyed site (training, p > 0): no generator is read or written, the mask is
+    (seed, step, site, box)'s."""
     rng = get_keyed_rng(x.device)
     rng.register(name)
     seed = rng.seed_tensor(name)  # (4,) [key, 0, site id, step]
     region = _region(x.shape, shard, batch_dim, position)
     if _PROBE is not None:
-        record = MaskRecord(
-            (name, dropout(torch.ones_like(x), p, shard=region, seed=seed) != 0, shard)
-        )
-        record.region, record.batch_dim = region, batch_dim
-        _PROBE.append(record)
+        _probe(name, x, p, shard, region, batch_dim, shard=region, seed=seed)
     if residual is None:
         return dropout(x, p, shard=region, seed=seed)
     return bias_dropout_add(x, bias, residual, p, shard=region, seed=seed)

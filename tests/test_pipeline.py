@@ -102,6 +102,8 @@ def test_keyed_run_saved_on_one_layout_resumes_on_others(tmp_path):
     (on_pp2,) = run_distributed(
         _losses, world_size=2, args=(config(steps=20, pp=2, microbatches=2, resume=ckpt, **common),)
     )[0]
+    # The manifest carries the first 10 losses over (a round-trip check); the resumed steps
+    # below are what shows the keyed state resharded.
     assert on_tp4[:10] == saved and on_pp2[:10] == saved
     for losses in (saved, on_tp4[10:], on_pp2[10:]):
         start = 0 if losses is saved else 10
