@@ -214,7 +214,7 @@ class _WithReplay:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context: Any
-        if self._record is None or self._replay is None:
+        if self._record is None:
             context = _CheckpointingOnly()
         elif not self._forward_done:
             context = self._record.forward()

@@ -17,6 +17,7 @@ keeps its memory.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,15 +39,13 @@ def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+@functools.cache
 def _refcount_of_an_unheld_base() -> int:
     """``sys.getrefcount`` of a view's base that nothing but the view holds, fetched into
     one local (measured, not assumed, since it differs across Python versions)."""
     view = torch.empty(2).view(2)
     base = view._base
     return sys.getrefcount(base)
-
-
-_UNHELD_BASE = _refcount_of_an_unheld_base()
 
 
 def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
@@ -58,7 +57,9 @@ def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
     for output in outputs:
         base = output._base
         if base is not None and id(base) not in impls:
-            if sys.getrefcount(base) > _UNHELD_BASE:  # e.g. a parameter the output views
+            if (
+                sys.getrefcount(base) > _refcount_of_an_unheld_base()
+            ):  # e.g. a parameter the output views
                 return True
             impls.add(id(base))
     storage = outputs[0].untyped_storage()

@@ -16,7 +16,6 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
 from rng_tracker.checkpoint_without_output import (
@@ -34,6 +33,7 @@ from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
+    _missing_ranks_source,
     _nonnegative_int,
     model_parallel_seed,
     plan_seeds,
@@ -299,23 +299,8 @@ def _parallel_ranks(
 ) -> dict[str, int]:
     """The tp/ep/etp ranks: as given, else from the parallel state, else 0 in one process."""
     given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
-    if all(rank is not None for rank in given.values()):
-        return dict(given)  # type: ignore[arg-type]
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
-
-    state = get_parallel_state_or_none()
-    if state is not None:
-        found = {axis: state.rank(axis) for axis in given}
-    elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        missing = ", ".join(f"{axis}_rank" for axis, rank in given.items() if rank is None)
-        raise ParallelStateError(
-            f"model_parallel_cuda_manual_seed needs {missing}: torch.distributed runs "
-            f"{dist.get_world_size()} ranks but no parallel state is initialised, so every rank "
-            "would seed as rank 0 and draw the same masks; call "
-            "rng_tracker.parallel.init_model_parallel(...) first or pass the ranks"
-        )
-    else:
-        found = dict.fromkeys(given, 0)
+    missing = [f"{axis}_rank" for axis, rank in given.items() if rank is None]
+    found = _missing_ranks_source(missing, "model_parallel_cuda_manual_seed") if missing else {}
     return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}
 
 

@@ -199,7 +199,9 @@ def _ranks_of(state: ParallelState) -> dict[str, int]:
     return {axis: state.rank(axis) for axis in AXES}
 
 
-def _missing_ranks_source(missing: list[str]) -> dict[str, int]:
+def _missing_ranks_source(
+    missing: list[str], caller: str = "model_parallel_seed"
+) -> dict[str, int]:
     """Ranks for the axes the caller left out: the parallel state's, else 0 in a single process.
 
     Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
@@ -214,7 +216,7 @@ def _missing_ranks_source(missing: list[str]) -> dict[str, int]:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ParallelStateError(
-            f"model_parallel_seed on rank {dist.get_rank()} of {dist.get_world_size()}: no "
+            f"{caller} on rank {dist.get_rank()} of {dist.get_world_size()}: no "
             f"parallel state is initialised and {', '.join(missing)} were not given, so every "
             "rank would seed as rank 0 and draw correlated masks; call "
             "rng_tracker.parallel.init_model_parallel(...) first, pass state=..., or pass "
