@@ -1,282 +1,196 @@
-"""Fused dropout on CPU as Inductor-compiled C++, bitwise equal to the plain-torch reference.
+"""Fused dropout on CPU as compiled C, bitwise equal to the plain-torch reference.
 
 The reference spends ten rounds of separate int64 tensor ops, each a full pass over memory.
-Here the same arithmetic is compiled by ``torch.compile`` (Inductor's C++ backend, dynamic
-shapes, its on-disk cache) into two loops:
+``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 256
+elements, Philox4x32-10 of the block's counters (a loop the C compiler vectorises), then
+``residual + keep * (x + bias) * scale`` in fp32, rounded once to x's dtype. Large tensors
+are split over ``torch.get_num_threads()`` threads.
 
-- keep bits: Philox4x32-10 once per group of 4 elements, with the reference's int64 word
-  arithmetic, packed into one byte per group (bit j set: element 4q + j is kept): N/4 bytes;
-- apply: ``residual + keep * (x + bias) * scale`` in fp32, rounded once to x's dtype.
-
-The first depends on neither dtype nor op variant, so its large kernel compiles once per
-layout kind; the second is small. Where Inductor cannot compile (no C++ compiler) the
-reference runs instead, after one :class:`CompiledKernelFallbackWarning`.
+It is built once per machine with the system C compiler (``CC``, else cc, gcc or clang;
+about 0.5 s), cached on disk, and loaded with ctypes: no torch headers, no tracing, a few
+microseconds per call. Why not Inductor or AOTInductor: docs/decisions.md. Where it cannot
+be built (no C compiler) the reference runs instead, after one
+:class:`CompiledKernelFallbackWarning`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import importlib.resources
+import os
+import platform
+import shutil
+import struct
+import subprocess
 import sys
+import tempfile
 import threading
-import time
 import warnings
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels.ops import (
     _fake,
     _layout,
     _make_backward,
     _setup_context,
-    fused_dropout_op,
+    dropout_backward,
+    save_for_dropout_backward,
 )
-from rng_tracker.kernels.philox import PHILOX_KEY_A, PHILOX_KEY_B, PHILOX_ROUND_A, PHILOX_ROUND_B
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshold
 from rng_tracker.kernels.shard import Layout
 
 __all__ = [
-    "AUTO_REFERENCE_SECONDS",
     "CompiledKernelFallbackWarning",
-    "auto_uses_compiled",
     "compiled_cpu_available",
+    "compiled_cpu_dropout",
     "fused_dropout_compiled",
     "fused_dropout_cpu_op",
-    "timed_reference_op",
+    "kernel_library_path",
+    "may_skip_dispatch",
 ]
 
-_MASK32 = 0xFFFFFFFF
-# Element j of a group is byte j in memory of the group's int32: low byte first on little-endian.
-_LANE_ORDER = (0, 1, 2, 3) if sys.byteorder == "little" else (3, 2, 1, 0)
-_INDUCTOR_OPTIONS = {
-    # C++ flags that could change bits: FP contraction and unsafe math stay off even where
-    # the environment turned them on (TORCHINDUCTOR_CPP_ENABLE_*).
-    "cpp.enable_floating_point_contract_flag": "off",
-    "cpp.enable_unsafe_math_opt_flag": False,
-    # Always emit an OpenMP loop: with dynamic shapes Inductor otherwise decides from the
-    # first call's size, and a small first call would leave every later one on one thread.
-    "cpp.dynamic_threads": True,
-}
+_ABI_VERSION = 1  # rt_abi_version() of cpu_dropout.c
+_MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_FLAGS = (
+    "-O3",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    # Bit-exactness: no fused multiply-add, no reassociation or other unsafe math.
+    "-ffp-contract=off",
+    "-fno-fast-math",
+)
+# Below this many elements per thread, one more thread costs more (a thread start, and on a
+# loaded machine a wait for it to be scheduled) than it saves.
+_MIN_NUMEL_PER_THREAD = 2**17
 
 
 class CompiledKernelFallbackWarning(UserWarning):
     """The compiled CPU dropout kernel cannot be built here; the plain-torch reference runs."""
 
 
-# The round multipliers minus 2**32: negative, of magnitude below 2**30, so their product
-# with a 32-bit word fits int64 exactly (no overflow, no 16-bit split).
-_ROUND_A_LOW = PHILOX_ROUND_A - 2**32
-_ROUND_B_LOW = PHILOX_ROUND_B - 2**32
+_lock = threading.Lock()
+_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF}
 
 
-def _mulhilo(a_low: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit halves of (a_low + 2**32) * b, for 0 <= b < 2**32.
-
-    a_low * b = H * 2**32 + L with L = its low 32 bits (two's complement) and H its floor
-    quotient, so the full product is (H + b) * 2**32 + L, and 0 <= H + b < 2**32.
-    """
-    product = a_low * b  # |product| < 2**62
-    return (product >> 32) + b, product & _MASK32
+def _source() -> bytes:
+    return importlib.resources.files("rng_tracker.kernels").joinpath("cpu_dropout.c").read_bytes()
 
 
-# params: one int64 tensor per call, read by the compiled graphs (never baked into them).
-_THRESHOLD, _BASE, _C2, _C3 = 0, 1, 2, 3
-_ROUND_KEYS = 4  # k0 of rounds 0..9, then k1 of rounds 0..9
-_INDEX_MAP = _ROUND_KEYS + 20  # offset, last, inner_1, gap_1, ...
-
-
-def _params(seed: torch.Tensor, p: float, layout: Layout) -> torch.Tensor:
-    """[threshold, base, c2, c3, the 20 round keys, the index map] from the seed [key, base, c2, c3].
-
-    The key schedule is a function of the key alone, so it is computed here once per call
-    rather than traced into the graph.
-    """
-    key, base, c2, c3 = seed.tolist()
-    k0, k1 = key & _MASK32, (key >> 32) & _MASK32
-    round_keys = [(k0 + r * PHILOX_KEY_A) & _MASK32 for r in range(10)]
-    round_keys += [(k1 + r * PHILOX_KEY_B) & _MASK32 for r in range(10)]
-    last, terms = layout.divisions()
-    index_map = [layout.offset, last, *(v for term in terms for v in term)]
-    return torch.tensor(
-        [keep_threshold(p), base, c2 & _MASK32, c3 & _MASK32, *round_keys, *index_map],
-        dtype=torch.int64,
+def _compiler() -> str:
+    chosen = os.environ.get("CC")
+    candidates = [chosen] if chosen else ["cc", "gcc", "clang"]
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(
+        f"no C compiler found (looked for {', '.join(candidates)}"
+        + (" from CC" if chosen else " on PATH")
+        + ")"
     )
 
 
-def _philox_words(
-    params: torch.Tensor, c: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Philox4x32-10 words at counter (lo32(base + c), hi32(base + c), c2, c3).
+def _cache_dir() -> Path:
+    explicit = os.environ.get("RNG_TRACKER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "rng_tracker"
 
-    Words are int64 tensors holding uint32 values, as in the reference.
+
+def kernel_library_path() -> Path:
+    """Where the compiled kernel for this source and platform lives (or will).
+
+    The compiler is not part of the key: the library is plain C with a fixed ABI, so one
+    built elsewhere (a shared cache) runs here without a compiler.
     """
-    c = params[_BASE] + c
-    c0 = c & _MASK32
-    c1 = (c >> 32) & _MASK32
-    c2 = params[_C2].expand_as(c)
-    c3 = params[_C3].expand_as(c)
-    for r in range(10):
-        hi0, lo0 = _mulhilo(_ROUND_A_LOW, c0)
-        hi1, lo1 = _mulhilo(_ROUND_B_LOW, c2)
-        k0, k1 = params[_ROUND_KEYS + r], params[_ROUND_KEYS + 10 + r]
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
+    key = hashlib.sha256()
+    for part in (
+        _source(),
+        " ".join(_FLAGS).encode(),
+        f"{sys.platform}:{platform.machine()}".encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    return _cache_dir() / f"cpu_dropout-{key.hexdigest()[:20]}.so"
 
 
-def _global_index(local: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Global flat index of ``local`` under Layout.divisions() as packed by ``_params``.
-
-    g = offset + local * last + sum_d (local // inner_d) * gap_d; the number of terms is
-    static (one graph per count).
-    """
-    g = local * params[_INDEX_MAP + 1] + params[_INDEX_MAP]
-    for term in range((params.shape[0] - _INDEX_MAP - 2) // 2):
-        inner, gap = params[_INDEX_MAP + 2 + 2 * term], params[_INDEX_MAP + 3 + 2 * term]
-        g = g + torch.div(local, inner, rounding_mode="floor") * gap
-    return g
-
-
-def _pack(keeps: list[torch.Tensor]) -> torch.Tensor:
-    """One int32 per group whose bytes, in memory order, are the 4 elements' keep flags."""
-    packed = keeps[_LANE_ORDER[0]].to(torch.int32)
-    for byte in (1, 2, 3):
-        packed = packed | (keeps[_LANE_ORDER[byte]].to(torch.int32) << (8 * byte))
-    return packed
+def _build(target: Path) -> None:
+    """Compile cpu_dropout.c into ``target``, atomically (ranks may build at the same time)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        source = Path(scratch) / "cpu_dropout.c"
+        source.write_bytes(_source())
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [_compiler(), *_FLAGS, str(source), "-o", str(built)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling cpu_dropout.c failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
 
 
-def _keep_bits_aligned(params: torch.Tensor, groups: int) -> torch.Tensor:
-    """(groups,) int32 keep flags where every group of 4 local elements is 4 consecutive global ones."""
-    first = _global_index(torch.arange(groups, dtype=torch.int64) * 4, params)  # (groups,)
-    words = _philox_words(params, first >> 2)
-    return _pack([w >= params[_THRESHOLD] for w in words])
+def _load() -> ctypes.CDLL:
+    path = kernel_library_path()
+    if not path.exists():
+        _build(path)
+    library = ctypes.CDLL(str(path))
+    if library.rt_abi_version() != _ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {library.rt_abi_version()}, expected {_ABI_VERSION}")
+    library.rt_fused_dropout.restype = ctypes.c_int64
+    # x, bias, residual, out, then every scalar and the index map in one int64 array
+    library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]
+    return library
 
 
-def _keep_bits_any(params: torch.Tensor, groups: int) -> torch.Tensor:
-    """(groups,) int32 keep flags for any index map: one Philox call per element."""
-    g = _global_index(torch.arange(groups * 4, dtype=torch.int64), params)  # (4 * groups,)
-    w0, w1, w2, w3 = _philox_words(params, g >> 2)
-    lane = g & 3
-    word = torch.where(lane == 0, w0, torch.where(lane == 1, w1, torch.where(lane == 2, w2, w3)))
-    keep = (word >= params[_THRESHOLD]).view(groups, 4)
-    return _pack([keep[:, j] for j in range(4)])
+def _bf16_nan_bits() -> int:
+    # torch's fp32 -> bf16 cast of NaN differs across builds (0xFFFF from the x86 vector
+    # path, 0x7FC0 from the scalar one): the kernel writes this build's.
+    return torch.tensor([float("nan")] * 16).to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
 
 
-def _apply_dropout(x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    # x, keep: (N,)
-    return torch.where(keep != 0, x.float() * scale, 0.0).to(x.dtype)
-
-
-def _apply_residual(
-    x: torch.Tensor, keep: torch.Tensor, residual: torch.Tensor, scale: float
-) -> torch.Tensor:
-    # x, keep, residual: (N,)
-    value = torch.where(keep != 0, x.float() * scale, 0.0)
-    return (residual.float() + value).to(x.dtype)
-
-
-def _apply_bias_residual(
-    x: torch.Tensor, keep: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, scale: float
-) -> torch.Tensor:
-    # x, keep, residual: (rows, hidden); bias: (hidden,)
-    value = torch.where(keep != 0, (x.float() + bias.float()) * scale, 0.0)
-    return (residual.float() + value).to(x.dtype)
-
-
-# Below this many elements the loops run on one thread: an OpenMP region costs a wake-up and a
-# barrier, and on a loaded machine the barrier waits for a descheduled thread (measured on the
-# 2-core machine at 2^16 elements: 0.9 ms on one thread, 89 ms on two).
-_PARALLEL_MIN_NUMEL = 2**18
-
-# impl="auto" runs the reference until this process has spent this much CPU time in it (the
-# calling thread's), then compiles: a fresh process pays seconds to import and trace
-# torch.compile's machinery, which short runs with small tensors (tests, spawned ranks) never
-# earn back. Masks are equal either way.
-AUTO_REFERENCE_SECONDS = 2.0
-
-_compiled: dict[str, Callable[..., torch.Tensor]] = {}
-_state: dict[str, Any] = {"failed": None, "reference_seconds": 0.0}
-_lock = threading.Lock()
-
-
-def _get(fn: Callable[..., torch.Tensor], *, scalar: bool = False) -> Callable[..., torch.Tensor]:
-    compiled = _compiled.get(fn.__name__)
-    if compiled is None:
-        with _lock:
-            compiled = _compiled.get(fn.__name__)
-            if compiled is None:
-                options = dict(_INDUCTOR_OPTIONS)
-                if scalar:
-                    # AVX2 has no 64-bit multiply: Inductor's vector code emulates it lane by
-                    # lane, and scalar code (one imul, four ALUs) runs Philox faster.
-                    options["cpp.simdlen"] = 1
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
-                _compiled[fn.__name__] = compiled
-    return compiled
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None (after one warning) where it cannot be."""
+    library = _state["library"]
+    if library is not None or _state["failed"] is not None:
+        return library  # type: ignore[return-value]
+    with _lock:
+        if _state["library"] is None and _state["failed"] is None:
+            try:
+                _state["bf16_nan"] = _bf16_nan_bits()
+                _state["library"] = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _state["failed"] = error
+                warnings.warn(
+                    "rng_tracker: the compiled CPU dropout kernel cannot be built here "
+                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                    "running the plain-torch reference instead (same masks, slower). Install a C "
+                    "compiler (cc, gcc or clang, or set CC) to use the compiled kernel, or pass "
+                    "impl='torch' to silence this.",
+                    CompiledKernelFallbackWarning,
+                    stacklevel=4,
+                )
+    return _state["library"]  # type: ignore[return-value]
 
 
 def compiled_cpu_available() -> bool:
-    """False once compiling failed in this process (then the reference runs)."""
-    return _state["failed"] is None
+    """Whether the compiled kernel runs here (builds it on first call; False after a failure)."""
+    return _library() is not None
 
 
-def auto_uses_compiled() -> bool:
-    """Whether impl="auto" runs the compiled kernel now (see ``AUTO_REFERENCE_SECONDS``)."""
-    return compiled_cpu_available() and (
-        torch.compiler.is_compiling() or _state["reference_seconds"] >= AUTO_REFERENCE_SECONDS
-    )
-
-
-def timed_reference_op(*args: Any) -> torch.Tensor:
-    """The reference op, its forward time counted towards switching impl="auto" to compiled."""
-    start = time.thread_time()  # CPU time: other processes' load does not advance it
-    out = fused_dropout_op(*args)
-    _state["reference_seconds"] += time.thread_time() - start
-    return out
-
-
-def _scale(p: float) -> float:
-    # The reference's fp32 scale, as a Python float that converts to fp32 exactly.
-    return torch.tensor(1.0 / (1.0 - p) if p < 1 else 0.0, dtype=torch.float32).item()
-
-
-def _alias(t: torch.Tensor, *shape: int) -> torch.Tensor:
-    # A reshaped alias that is not a view: Dynamo guards on a view's base, whose rank changes
-    # with the caller's shape, and would recompile for each rank.
-    return t.view(shape).detach()
-
-
-def _run_compiled(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    layout: Layout,
-) -> torch.Tensor:
-    n = layout.numel
-    keep_bits = _keep_bits_aligned if layout.aligned else _keep_bits_any
-    params = _params(seed, p, layout)
-    # One spare group keeps the size >= 2, so no size is specialised to 1 (a recompile).
-    packed = _get(keep_bits, scalar=True)(params, (n + 3) // 4 + 1)  # (groups,) int32
-    # (N,) 1.0 kept / 0.0 dropped: torch's own uint8->fp32 cast is one vector pass, while an
-    # Inductor loop reading byte flags next to fp32 lanes assembles its mask lane by lane.
-    keep = packed.view(torch.uint8)[:n].float()
-    scale = _scale(p)
-    if bias is not None:
-        assert residual is not None  # bias_dropout_add always has a residual
-        hidden = bias.numel()
-        out = _get(_apply_bias_residual)(
-            _alias(x, -1, hidden),
-            keep.view(-1, hidden),
-            _alias(bias, hidden),
-            _alias(residual, -1, hidden),
-            scale,
-        )
-    elif residual is not None:
-        out = _get(_apply_residual)(_alias(x, -1), keep, _alias(residual, -1), scale)
-    else:
-        out = _get(_apply_dropout)(_alias(x, -1), keep, scale)
-    return out.view(x.shape)
+def _scale_bits(p: float) -> int:
+    # The reference's fp32 scale 1 / (1 - p) (rounded to nearest), as its bit pattern.
+    return struct.unpack("<I", struct.pack("<f", 1.0 / (1.0 - p) if p < 1 else 0.0))[0]
 
 
 def fused_dropout_compiled(
@@ -287,52 +201,43 @@ def fused_dropout_compiled(
     p: float,
     layout: Layout,
 ) -> torch.Tensor:
-    """``fused_dropout_reference``'s result from compiled C++ (contiguous CPU x)."""
-    if (
-        layout.numel < 2
-        or (bias is not None and (bias.numel() < 2 or residual is None))
-        or not compiled_cpu_available()
-    ):
-        # A size of 0 or 1 would compile a specialised kernel; the reference is cheap there.
-        # The compiled loops fuse a bias only with a residual (all bias_dropout_add sends).
+    """``fused_dropout_reference``'s result from the compiled kernel (contiguous CPU tensors)."""
+    library = _library()
+    if library is None or len(layout.dims) > _MAX_DIMS or (bias is not None and residual is None):
         return fused_dropout_reference(x, bias, residual, seed, p, layout)
-    threads = torch.get_num_threads()
-    serial = layout.numel < _PARALLEL_MIN_NUMEL and threads > 1
-    try:
-        if serial:
-            torch.set_num_threads(1)
-        return _run_compiled(x, bias, residual, seed, p, layout)
-    except Exception as error:
-        if not _is_compiler_failure(error):
-            raise
-        _state["failed"] = error
-        warnings.warn(
-            "rng_tracker: the compiled CPU dropout kernel cannot be built here "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-            "running the plain-torch reference instead (same masks, slower). Install a C++ "
-            "compiler (g++, or set CXX) to use the compiled kernel, or pass impl='torch' to "
-            "silence this.",
-            CompiledKernelFallbackWarning,
-            stacklevel=2,
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    key, base, c2, c3 = seed.tolist()
+    threads = max(1, min(torch.get_num_threads(), layout.numel // _MIN_NUMEL_PER_THREAD))
+    args = (
+        _DTYPE_CODES[x.dtype],
+        layout.numel,
+        0 if bias is None else bias.numel(),
+        layout.aligned,
+        key,
+        base,
+        c2,
+        c3,
+        keep_threshold(p),
+        _scale_bits(p),
+        _state["bf16_nan"],
+        threads,
+        len(layout.dims),
+        layout.offset,
+        *layout.flat(),
+    )
+    status = library.rt_fused_dropout(
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+        (ctypes.c_int64 * len(args))(*args),
+    )
+    if status != 0:
+        raise KernelUnavailableError(
+            f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "
+            f"{layout.numel} elements, {len(layout.dims)} dims); use impl='torch'"
         )
-        return fused_dropout_reference(x, bias, residual, seed, p, layout)
-    finally:
-        if serial:
-            torch.set_num_threads(threads)
-
-
-def _is_compiler_failure(error: BaseException) -> bool:
-    """Whether ``error`` came out of Inductor building C++ (not a bad input or a bug of ours)."""
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
-
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, (BackendCompilerFailed, CppCompileError, InvalidCxxCompiler)):
-            return True
-        error = getattr(error, "inner_exception", None) or error.__cause__
-    return False
+    return out
 
 
 @torch.library.custom_op("rng_tracker::fused_dropout_cpu", mutates_args=(), device_types="cpu")
@@ -346,7 +251,7 @@ def fused_dropout_cpu_op(
     dims: list[int],
     logical_numel: int,
 ) -> torch.Tensor:
-    """Fused dropout, compiled CPU kernel (the reference where no C++ compiler runs)."""
+    """Fused dropout, compiled CPU kernel (the reference where no C compiler runs)."""
     return fused_dropout_compiled(
         x.contiguous(),
         None if bias is None else bias.contiguous(),
@@ -361,3 +266,70 @@ fused_dropout_cpu_op.register_fake(_fake)
 fused_dropout_cpu_op.register_autograd(
     _make_backward(fused_dropout_cpu_op), setup_context=_setup_context
 )
+
+
+def may_skip_dispatch(x: torch.Tensor) -> bool:
+    """Whether an eager call may run the kernel without the op dispatcher (about 50 us less per
+    call): nothing traces or intercepts ops (torch.compile, export, make_fx, fake tensors,
+    dispatch modes, functorch transforms), so the op would only forward to the kernel."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _profiled(*args: Any) -> torch.Tensor:
+    """``fused_dropout_compiled``, named as the op it stands in for in a profiler's trace."""
+    if not torch.autograd._profiler_enabled():
+        return fused_dropout_compiled(*args)
+    with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
+        return fused_dropout_compiled(*args)
+
+
+class _CompiledCpuDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        residual: torch.Tensor | None,
+        seed: torch.Tensor,
+        p: float,
+        layout: Layout,
+    ) -> torch.Tensor:
+        save_for_dropout_backward(ctx, bias, seed)
+        ctx.params = (p, layout)
+        return _profiled(
+            x.contiguous(),
+            None if bias is None else bias.contiguous(),
+            None if residual is None else residual.contiguous(),
+            seed,
+            p,
+            layout,
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+            if may_skip_dispatch(g):
+                return _profiled(g, None, None, seed, *ctx.params)
+            p, layout = ctx.params
+            return fused_dropout_cpu_op(
+                g, None, None, seed, p, layout.offset, layout.flat(), layout.logical_numel
+            )
+
+        return *dropout_backward(ctx, grad, regenerate), None, None, None
+
+
+def compiled_cpu_dropout(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    layout: Layout,
+) -> torch.Tensor:
+    """``fused_dropout_cpu_op``'s result and gradients for eager callers ``may_skip_dispatch`` allows."""
+    return _CompiledCpuDropout.apply(x, bias, residual, seed, p, layout)

@@ -16,9 +16,10 @@ import torch
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.cpu_compiled import (
-    auto_uses_compiled,
+    compiled_cpu_available,
+    compiled_cpu_dropout,
     fused_dropout_cpu_op,
-    timed_reference_op,
+    may_skip_dispatch,
 )
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
@@ -84,12 +85,15 @@ def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
 
 
 def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
-    """The op to run: Triton; the compiled CPU kernel (impl 'cpu'; 'auto' on CPU once warm); the reference."""
+    """The op to run: Triton; the compiled CPU kernel (impl 'cpu', and 'auto' on CPU where it
+    builds: the op itself warns once and runs the reference where it does not); the reference."""
     if use_triton:
         return fused_dropout_triton_op
     if x.device.type != "cpu" or impl == "torch":
         return fused_dropout_op
-    return fused_dropout_cpu_op if impl == "cpu" or auto_uses_compiled() else timed_reference_op
+    if impl == "cpu" or torch.compiler.is_compiling():
+        return fused_dropout_cpu_op
+    return fused_dropout_cpu_op if compiled_cpu_available() else fused_dropout_op
 
 
 def _check_seed(
@@ -138,6 +142,8 @@ def _fused(
     else:
         seed = _draw_seed(x, p, layout, generator, use_triton)
     op = _op(x, impl, use_triton)
+    if op is fused_dropout_cpu_op and may_skip_dispatch(x):
+        return compiled_cpu_dropout(x, bias, residual, seed, p, layout)
     return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
 
 

@@ -9,6 +9,7 @@ only thing saved is the 32-byte seed tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,25 +81,40 @@ else:  # pragma: no cover - exercised only where triton is absent
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     _x, bias, _residual, seed, p, offset, dims, logical_numel = inputs
-    ctx.save_for_backward(seed)
+    save_for_dropout_backward(ctx, bias, seed)
     ctx.params = (p, offset, dims, logical_numel)
+
+
+def save_for_dropout_backward(ctx: Any, bias: torch.Tensor | None, seed: torch.Tensor) -> None:
+    """Keep what ``dropout_backward`` reads: the seed tensor, and the bias's dtype and size."""
+    ctx.save_for_backward(seed)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.bias_numel = None if bias is None else bias.numel()
 
 
+def dropout_backward(
+    ctx: Any, grad: torch.Tensor, regenerate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of (x, bias, residual); ``regenerate(grad, seed)`` applies the forward's mask.
+
+    ``ctx`` holds the seed (saved), ``bias_dtype`` and ``bias_numel`` (``_setup_context``).
+    """
+    (seed,) = ctx.saved_tensors
+    needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
+    grad_x = grad_bias = None
+    if needs_x or needs_bias:
+        grad_x = regenerate(grad.contiguous(), seed)
+    if needs_bias:
+        rows = grad_x.reshape(-1, ctx.bias_numel) if ctx.bias_numel else grad_x.new_zeros(0, 0)
+        # Accumulate in fp32 without materialising an fp32 copy of grad_x.
+        grad_bias = rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return grad_x, grad_bias, grad if needs_residual else None
+
+
 def _make_backward(op: Any):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (seed,) = ctx.saved_tensors
-        needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
-        grad_x = grad_bias = None
-        if needs_x or needs_bias:
-            grad_x = op(grad.contiguous(), None, None, seed, *ctx.params)
-        if needs_bias:
-            rows = grad_x.reshape(-1, ctx.bias_numel) if ctx.bias_numel else grad_x.new_zeros(0, 0)
-            # Accumulate in fp32 without materialising an fp32 copy of grad_x.
-            grad_bias = rows.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        grad_residual = grad if needs_residual else None
-        return grad_x, grad_bias, grad_residual, None, None, None, None, None
+        grads = dropout_backward(ctx, grad, lambda g, seed: op(g, None, None, seed, *ctx.params))
+        return *grads, None, None, None, None, None
 
     return backward
 

@@ -13,15 +13,19 @@ import torch
 __all__ = ["draw_key_and_base", "drawn_seed", "seed_tensor"]
 
 
-@torch.compiler.disable
-def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
-    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
+def _key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
     if generator.device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(offset + 4 * (-(-logical_numel // 4)))
         return generator.initial_seed(), offset // 4
     draw = torch.empty((), dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=generator)
     return int(draw) & (2**64 - 1), 0
+
+
+@torch.compiler.disable
+def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
+    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
+    return _key_and_base(generator, logical_numel)
 
 
 def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
@@ -42,4 +46,4 @@ def drawn_seed(
     The key never becomes a traced Python int (a 64-bit constant Inductor cannot print, and
     a value guard that would recompile every step): the seed enters the graph as a tensor.
     """
-    return seed_tensor(*draw_key_and_base(generator, logical_numel), device)
+    return seed_tensor(*_key_and_base(generator, logical_numel), device)

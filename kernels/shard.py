@@ -13,6 +13,7 @@ two dims (one division).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -242,11 +243,19 @@ def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) 
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _whole(numel: int) -> Layout:
+    # Cached: the layout of an unsharded tensor is built on every dropout call.
+    return Layout(offset=0, dims=((numel, 1),), logical_numel=numel)
+
+
 def layout_of(shape: torch.Size, shard: ShardSpec | None) -> Layout:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
     shape = torch.Size(shape)
     if shard is None:
-        return Layout(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
+        if torch.compiler.is_compiling():  # Dynamo traces through caches, with a warning
+            return Layout(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
+        return _whole(shape.numel())
     if isinstance(shard, Layout):
         if shard.numel != shape.numel():
             raise KernelInputError(

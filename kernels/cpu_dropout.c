@@ -1,0 +1,320 @@
+/*
+ * Fused dropout on CPU, bitwise equal to rng_tracker.kernels.reference.
+ *
+ *   out = residual + where(keep, (x + bias) * scale, 0)   in fp32, rounded once to x's dtype
+ *
+ * Element l of the local tensor sits at global flat index g under the affine index map
+ * g = offset + sum_d i_d * stride_d (i_d: l's index in merged dim d, outermost first). It is
+ * kept iff word g % 4 of Philox4x32-10(key, counter (lo32(c), hi32(c), c2, c3)) with
+ * c = base + g / 4 is >= threshold. Work runs in blocks: the block's distinct counters
+ * first (one loop the compiler vectorises), then one pass that applies them.
+ *
+ * Built by rng_tracker/kernels/cpu_compiled.py with the system C compiler and loaded with
+ * ctypes; plain C11 and pthreads, no torch headers. Compile with -ffp-contract=off: a fused
+ * multiply-add of residual + value * scale would round once where the reference rounds twice.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RT_ABI_VERSION 1
+#define RT_MAX_DIMS 64
+#define BLOCK 256 /* elements per block: a multiple of 4 */
+
+enum { RT_F32 = 0, RT_F16 = 1, RT_BF16 = 2 };
+
+int64_t rt_abi_version(void) { return RT_ABI_VERSION; }
+
+/* ---- fp16 / bf16 <-> fp32, with the rounding torch's CPU casts use ---- */
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* Both conversions compute every case and pick one with bit masks, so the loops that call them
+   have no branches and vectorise (a branch around an fp operation would not: it may trap). */
+
+static inline uint32_t pick(int condition, uint32_t if_true, uint32_t if_false) {
+    uint32_t mask = -(uint32_t)(condition != 0);
+    return (if_true & mask) | (if_false & ~mask);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t body = (uint32_t)(h & 0x7fffu) << 13; /* exponent and mantissa, fp32-aligned */
+    uint32_t exponent = body & 0x0f800000u;
+    uint32_t normal = body + 0x38000000u;   /* exponent + 112 */
+    uint32_t inf_nan = body + 0x70000000u;  /* exponent 31 -> 255, payload kept */
+    /* zero or subnormal: (1 + m / 2^10) * 2^-14 - 2^-14 = m * 2^-24, exactly */
+    uint32_t subnormal = f32_to_bits(bits_to_f32(body + 0x38800000u) - 0x1p-14f);
+    uint32_t magnitude =
+        pick(exponent == 0x0f800000u, inf_nan, pick(exponent == 0, subnormal, normal));
+    return bits_to_f32(sign | magnitude);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f32_to_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t magnitude = u & 0x7fffffffu;
+    /* NaN: quiet, the payload's top bits kept (as F16C does) */
+    uint32_t nan = 0x7e00u | ((magnitude >> 13) & 0x3ffu);
+    /* below 2^-14, fp16's smallest normal: adding 0.5 puts the subnormal's 10 bits at the
+       bottom of the sum, rounded to nearest even by the fp32 addition itself */
+    uint32_t subnormal = f32_to_bits(bits_to_f32(magnitude) + 0.5f) - 0x3f000000u;
+    /* rebias the exponent (127 -> 15), round to nearest even on the 13 dropped bits; a carry
+       out of the mantissa rounds up into the exponent (65520 -> inf) */
+    uint32_t normal = (magnitude - 0x38000000u + 0xfffu + ((magnitude >> 13) & 1u)) >> 13;
+    uint32_t half = pick(magnitude > 0x7f800000u, nan,
+                         pick(magnitude >= 0x47800000u, 0x7c00u, /* >= 2^16, inf: inf */
+                              pick(magnitude < 0x38800000u, subnormal, normal)));
+    return (uint16_t)(sign | half);
+}
+
+static inline uint16_t f32_to_bf16(float f, uint16_t nan_bits) {
+    uint32_t u = f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return nan_bits;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float load(const void *restrict p, int64_t i, int dtype) {
+    if (dtype == RT_F32) return ((const float *)p)[i];
+    if (dtype == RT_F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    return bits_to_f32((uint32_t)((const uint16_t *)p)[i] << 16);
+}
+
+static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16_t bf16_nan) {
+    if (dtype == RT_F32) ((float *)p)[i] = v;
+    else if (dtype == RT_F16) ((uint16_t *)p)[i] = f32_to_f16(v);
+    else ((uint16_t *)p)[i] = f32_to_bf16(v, bf16_nan);
+}
+
+/* ---- Philox4x32-10 over a block's counters ---- */
+
+/* words[4 * i + j] = word j of Philox4x32-10 at counter[i]. */
+static void philox_block(int m, const uint64_t *restrict counter, uint32_t c2, uint32_t c3,
+                         uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+    for (int i = 0; i < m; i++) {
+        uint32_t x0 = (uint32_t)counter[i], x1 = (uint32_t)(counter[i] >> 32), x2 = c2, x3 = c3;
+        uint32_t key0 = k0, key1 = k1;
+        for (int round = 0; round < 10; round++) {
+            uint64_t product0 = (uint64_t)0xD2511F53u * x0;
+            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
+            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ key0;
+            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ key1;
+            x1 = (uint32_t)product1;
+            x3 = (uint32_t)product0;
+            x0 = next0;
+            x2 = next2;
+            key0 += 0x9E3779B9u;
+            key1 += 0xBB67AE85u;
+        }
+        words[4 * i] = x0;
+        words[4 * i + 1] = x1;
+        words[4 * i + 2] = x2;
+        words[4 * i + 3] = x3;
+    }
+}
+
+/* ---- the index map, walked as an odometer over the merged dims ---- */
+
+typedef struct {
+    int ndims;
+    int64_t extent[RT_MAX_DIMS], stride[RT_MAX_DIMS], index[RT_MAX_DIMS];
+    int64_t g; /* global index of the current element */
+} odometer;
+
+static void odometer_start(odometer *o, const int64_t *map, int ndims, int64_t local) {
+    o->ndims = ndims;
+    o->g = map[0];
+    for (int d = ndims - 1; d >= 0; d--) {
+        o->extent[d] = map[1 + 2 * d];
+        o->stride[d] = map[2 + 2 * d];
+        o->index[d] = local % o->extent[d];
+        local /= o->extent[d];
+        o->g += o->index[d] * o->stride[d];
+    }
+}
+
+/* Advance by `step` elements; step divides the innermost extent unless there is one dim. */
+static inline void odometer_step(odometer *o, int64_t step) {
+    int d = o->ndims - 1;
+    o->index[d] += step;
+    o->g += step * o->stride[d];
+    while (d > 0 && o->index[d] >= o->extent[d]) {
+        o->g -= o->index[d] * o->stride[d];
+        o->index[d] = 0;
+        d--;
+        o->index[d] += 1;
+        o->g += o->stride[d];
+    }
+}
+
+/* ---- one call ---- */
+
+typedef struct {
+    const void *x, *bias, *residual;
+    void *out;
+    int dtype;
+    int64_t numel, hidden;
+    const int64_t *map; /* offset, extent0, stride0, extent1, stride1, ... */
+    int ndims, aligned;
+    uint32_t k0, k1, c2, c3, threshold;
+    int keep_none; /* threshold 2**32 (p = 1): no word is kept */
+    uint64_t base;
+    float scale;
+    uint16_t bf16_nan;
+} job;
+
+typedef struct {
+    const job *job;
+    int64_t begin, end; /* local elements; begin is a multiple of BLOCK */
+} chunk;
+
+/* out[i] for i in [0, n): inlined with constant dtype/has_bias/has_residual, so each of the
+   nine variants is its own branch-free loop the compiler can vectorise. */
+static inline __attribute__((always_inline)) void apply(
+    int n, const uint32_t *restrict word, uint32_t threshold, float scale,
+    const void *restrict x, const void *restrict bias, const void *restrict residual,
+    void *restrict out, int dtype, int has_bias, int has_residual, uint16_t bf16_nan) {
+    for (int i = 0; i < n; i++) {
+        float value = load(x, i, dtype);
+        if (has_bias) value = value + load(bias, i, dtype);
+        /* dropped: +0.0, by masking the bits (a branch around the multiply would not vectorise) */
+        value = bits_to_f32(pick(word[i] >= threshold, f32_to_bits(value * scale), 0));
+        if (has_residual) value = load(residual, i, dtype) + value;
+        store(out, i, value, dtype, bf16_nan);
+    }
+}
+
+static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
+                                                            int has_bias, int has_residual) {
+    const job *j = c->job;
+    const int64_t size = dtype == RT_F32 ? 4 : 2;
+    uint64_t counter[BLOCK];
+    uint32_t words[4 * BLOCK], word[BLOCK];
+    odometer o;
+    odometer_start(&o, j->map, j->ndims, c->begin);
+    int64_t column = has_bias ? c->begin % j->hidden : 0;
+    for (int64_t start = c->begin; start < c->end; start += BLOCK) {
+        int n = (int)(c->end - start < BLOCK ? c->end - start : BLOCK);
+        const uint32_t *keep_word = words;
+        if (j->aligned) { /* elements 4k..4k+3 of the block are group k: one counter each */
+            int groups = (n + 3) / 4;
+            for (int k = 0; k < groups; k++) {
+                counter[k] = j->base + (uint64_t)(o.g >> 2);
+                odometer_step(&o, 4);
+            }
+            philox_block(groups, counter, j->c2, j->c3, j->k0, j->k1, words);
+        } else { /* one counter per run of elements in the same global group */
+            int groups = 0;
+            int64_t previous = -1;
+            uint16_t slot[BLOCK];
+            uint8_t lane[BLOCK];
+            for (int e = 0; e < n; e++) {
+                int64_t group = o.g >> 2;
+                if (group != previous) {
+                    counter[groups++] = j->base + (uint64_t)group;
+                    previous = group;
+                }
+                slot[e] = (uint16_t)(groups - 1);
+                lane[e] = (uint8_t)(o.g & 3);
+                odometer_step(&o, 1);
+            }
+            philox_block(groups, counter, j->c2, j->c3, j->k0, j->k1, words);
+            for (int e = 0; e < n; e++) word[e] = words[4 * slot[e] + lane[e]];
+            keep_word = word;
+        }
+        if (j->keep_none) memset(word, 0, sizeof word), keep_word = word;
+        const char *x = (const char *)j->x + start * size;
+        const char *residual = has_residual ? (const char *)j->residual + start * size : NULL;
+        char *out = (char *)j->out + start * size;
+        if (!has_bias) {
+            apply(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
+                  has_residual, j->bf16_nan);
+            continue;
+        }
+        /* runs of the block that lie in one row, so the bias is read contiguously */
+        for (int e = 0; e < n;) {
+            int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
+            apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
+                  (const char *)j->bias + column * size, residual + e * size, out + e * size,
+                  dtype, 1, has_residual, j->bf16_nan);
+            e += run;
+            column += run;
+            if (column == j->hidden) column = 0;
+        }
+    }
+}
+
+#define RT_VARIANTS(dtype)                                   \
+    if (c->job->bias) run_chunk(c, dtype, 1, 1);             \
+    else if (c->job->residual) run_chunk(c, dtype, 0, 1);    \
+    else run_chunk(c, dtype, 0, 0);
+
+static void *run_chunk_any(void *arg) {
+    const chunk *c = (const chunk *)arg;
+    switch (c->job->dtype) {
+    case RT_F32: RT_VARIANTS(RT_F32) break;
+    case RT_F16: RT_VARIANTS(RT_F16) break;
+    default: RT_VARIANTS(RT_BF16) break;
+    }
+    return NULL;
+}
+
+enum { /* the slots of rt_fused_dropout's args */
+    ARG_DTYPE, ARG_NUMEL, ARG_HIDDEN, ARG_ALIGNED, ARG_KEY, ARG_BASE, ARG_C2, ARG_C3,
+    ARG_THRESHOLD, ARG_SCALE_BITS, ARG_BF16_NAN, ARG_THREADS, ARG_NDIMS, ARG_MAP
+};
+
+/*
+ * x, bias (hidden elements, or NULL; only with a residual), residual (or NULL), out:
+ * contiguous, numel elements of `dtype`. args: the ARG_* values (key and base as int64 bit
+ * patterns, scale as its fp32 bits), then the index map from ARG_MAP: offset and ndims
+ * (extent, stride) pairs. Splits the work over up to `threads` threads (the caller's thread
+ * included). Returns 0, or -1 for arguments it cannot take (then nothing is written).
+ */
+int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, void *out,
+                         const int64_t *args) {
+    int64_t dtype = args[ARG_DTYPE], numel = args[ARG_NUMEL], hidden = args[ARG_HIDDEN];
+    int64_t ndims = args[ARG_NDIMS], threads = args[ARG_THREADS];
+    uint64_t threshold = (uint64_t)args[ARG_THRESHOLD], key = (uint64_t)args[ARG_KEY];
+    if (dtype < RT_F32 || dtype > RT_BF16 || numel < 0 || ndims < 1 || ndims > RT_MAX_DIMS ||
+        (bias && (!residual || hidden < 1)) || threshold > 0x100000000u)
+        return -1;
+    if (numel == 0) return 0;
+    job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
+             args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),
+             (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],
+             threshold > 0xffffffffu ? 0xffffffffu : (uint32_t)threshold,
+             threshold > 0xffffffffu, (uint64_t)args[ARG_BASE],
+             bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN]};
+    int64_t blocks = (numel + BLOCK - 1) / BLOCK;
+    if (threads > blocks) threads = blocks;
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    chunk chunks[256];
+    pthread_t workers[256];
+    int started[256] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        chunks[t].job = &j;
+        chunks[t].begin = blocks * t / threads * BLOCK;
+        int64_t end = blocks * (t + 1) / threads * BLOCK;
+        chunks[t].end = end < numel ? end : numel;
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&workers[t], NULL, run_chunk_any, &chunks[t]) == 0;
+    run_chunk_any(&chunks[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(workers[t], NULL);
+        else run_chunk_any(&chunks[t]); /* no thread to be had: this one does the work */
+    }
+    return 0;
+}
