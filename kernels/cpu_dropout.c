@@ -286,10 +286,10 @@ int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, 
     int64_t dtype = args[ARG_DTYPE], numel = args[ARG_NUMEL], hidden = args[ARG_HIDDEN];
     int64_t ndims = args[ARG_NDIMS], threads = args[ARG_THREADS];
     uint64_t threshold = (uint64_t)args[ARG_THRESHOLD], key = (uint64_t)args[ARG_KEY];
+    if (numel == 0) return 0; /* empty tensors may have NULL data */
     if (dtype < RT_F32 || dtype > RT_BF16 || numel < 0 || ndims < 1 || ndims > RT_MAX_DIMS ||
         (bias && (!residual || hidden < 1)) || threshold > 0x100000000u)
         return -1;
-    if (numel == 0) return 0;
     job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
              args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),
              (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],

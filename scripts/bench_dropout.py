@@ -6,9 +6,9 @@ sequence), torch.compile of that sequence, and a device-to-device copy (the band
 bound), with ratios against eager and copy, all measured in this run.
 
 On a CPU: milliseconds (median of repeats, ours and the baseline interleaved) of the compiled
-CPU kernel (impl="cpu", Inductor C++) against F.dropout and the eager three-op
+CPU kernel (impl="cpu", kernels/cpu_dropout.c) against F.dropout and the eager three-op
 bias-dropout-add (bf16, fp32; 2**16..2**24 elements), forward, backward and both, with the
-target ratios; then the start-up cost in fresh processes: a cold compile (empty Inductor
+target ratios; then the start-up cost in fresh processes: a cold build (empty kernel
 cache), the first call with a warm cache, and a call on a new size.
 Both print the bytes saved for backward per call (saved-tensor hooks).
 
@@ -168,24 +168,23 @@ clock = lambda: (time.perf_counter(), time.process_time())
 t0 = clock()
 import torch
 from rng_tracker.kernels import dropout
-import torch._dynamo, torch._inductor.compile_fx  # torch.compile's own imports, timed apart
 t1 = clock()
 dropout(torch.randn(256, 256), 0.1, impl="cpu")
 t2 = clock()
 dropout(torch.randn(300, 77), 0.1, impl="cpu")
 t3 = clock()
 fmt = lambda a, b: f"{b[0] - a[0]:7.2f} s wall {b[1] - a[1]:6.2f} s cpu"
-print(f"imports (torch, rng_tracker, dynamo, inductor) {fmt(t0, t1)}")
-print(f"first call                                     {fmt(t1, t2)}")
-print(f"call on a new size                             {fmt(t2, t3)}")
+print(f"imports (torch, rng_tracker) {fmt(t0, t1)}")
+print(f"first call                   {fmt(t1, t2)}")
+print(f"call on a new size           {fmt(t2, t3)}")
 """
 
 
 def _startup_report() -> None:
-    """Cold compile, then warm-cache first call and new size, each in a fresh process."""
+    """Cold build, then warm-cache first call and new size, each in a fresh process."""
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-        for label in ("cold: empty Inductor cache", "warm: the cache the cold run filled"):
+        env = dict(os.environ, RNG_TRACKER_CACHE_DIR=cache)
+        for label in ("cold: empty kernel cache", "warm: the cache the cold run filled"):
             print(f"\nfresh process, {label}")
             result = subprocess.run(
                 [sys.executable, "-c", _STARTUP], env=env, capture_output=True, text=True
@@ -199,7 +198,7 @@ def _cpu_main(args: argparse.Namespace) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load:.1f}), "
-        f"torch {torch.__version__}; impl='cpu' (Inductor C++) against eager torch, p={args.p}; "
+        f"torch {torch.__version__}; impl='cpu' (kernels/cpu_dropout.c) against eager torch, p={args.p}; "
         f"ms = median of {args.repeats}, interleaved"
     )
     print(

@@ -1,6 +1,6 @@
 """Region kernels: any box, N-d shard grid (torch.chunk's uneven split) or strided shard of the
-logical tensor draws exactly the logical tensor's mask there, on the reference and the Triton
-path (interpreted on CPU), and advances the generator as the logical call does; placements the
+logical tensor draws exactly the logical tensor's mask there, on the reference, the compiled
+CPU kernel and the Triton path (interpreted on CPU), and advances the generator as the logical call does; placements the
 library cannot place exactly are typed errors that draw nothing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rng_tracker import KernelInputError, KernelUnavailableError, RNGTrackerError
 from rng_tracker.kernels import Layout, Region, Shard, bias_dropout_add, dropout, layout_of
 
-IMPLS = ["torch", "triton"]
+IMPLS = ["torch", "cpu", "triton"]
 P = 0.4
 # Small tensors: the interpreted Triton kernel costs about a second per launch.
 PROPERTY = settings(
@@ -225,7 +225,8 @@ def test_bad_layouts_are_typed_errors(kwargs, words):
 
 
 def test_more_merged_dims_than_the_kernel_places_fall_back_or_refuse():
-    """Five merged dims: impl='triton' refuses with a typed error; 'auto' takes the reference."""
+    """Five merged dims: impl='triton' refuses with a typed error; 'auto' runs (on CPU, the
+    compiled kernel, which places up to 64)."""
     shape = (3, 3, 3, 3, 3)
     box = (slice(1, 3),) * 5
     x = _logical(shape, 4)
