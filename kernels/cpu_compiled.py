@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker.errors import KernelUnavailableError
+from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels.ops import (
     _fake,
     _layout,
@@ -45,7 +45,9 @@ from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshol
 from rng_tracker.kernels.shard import Layout
 
 __all__ = [
+    "CPU_KERNEL_ENV",
     "CompiledKernelFallbackWarning",
+    "auto_uses_compiled",
     "compiled_cpu_available",
     "compiled_cpu_dropout",
     "fused_dropout_compiled",
@@ -183,6 +185,30 @@ def _library() -> ctypes.CDLL | None:
                     stacklevel=4,
                 )
     return _state["library"]  # type: ignore[return-value]
+
+
+CPU_KERNEL_ENV = "RNG_TRACKER_CPU_KERNEL"
+
+
+def _cpu_kernel_choice() -> str:
+    choice = os.environ.get(CPU_KERNEL_ENV, "compiled")
+    if choice not in ("compiled", "reference"):
+        raise KernelInputError(
+            f"{CPU_KERNEL_ENV}={choice!r}; set it to 'compiled' (the default) or 'reference'"
+        )
+    return choice
+
+
+_AUTO_CHOICE = _cpu_kernel_choice()  # read once, at import
+
+
+def auto_uses_compiled() -> bool:
+    """Whether impl="auto" on CPU runs the compiled kernel: where it builds, unless
+    ``RNG_TRACKER_CPU_KERNEL=reference`` was set when rng_tracker.kernels was imported (a
+    process-wide opt-out: debugging, timing against the reference)."""
+    if _AUTO_CHOICE == "reference":
+        return False
+    return torch.compiler.is_compiling() or compiled_cpu_available()
 
 
 def compiled_cpu_available() -> bool:

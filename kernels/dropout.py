@@ -16,7 +16,7 @@ import torch
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.cpu_compiled import (
-    compiled_cpu_available,
+    auto_uses_compiled,
     compiled_cpu_dropout,
     fused_dropout_cpu_op,
     may_skip_dispatch,
@@ -91,9 +91,7 @@ def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
         return fused_dropout_triton_op
     if x.device.type != "cpu" or impl == "torch":
         return fused_dropout_op
-    if impl == "cpu" or torch.compiler.is_compiling():
-        return fused_dropout_cpu_op
-    return fused_dropout_cpu_op if compiled_cpu_available() else fused_dropout_op
+    return fused_dropout_cpu_op if impl == "cpu" or auto_uses_compiled() else fused_dropout_op
 
 
 def _check_seed(

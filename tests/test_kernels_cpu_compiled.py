@@ -248,3 +248,63 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
     result = _run_without_compiler(cache, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["compiled", "0"]
+
+
+_KNOB_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from rng_tracker.kernels import dropout
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for impl in ("auto", "cpu"):
+        with Names() as seen:
+            dropout(torch.randn(8, 8), 0.5, impl=impl)
+        print(impl, [n for n in seen.names if n.startswith("rng_tracker.")])
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "auto_op"),
+    [
+        (None, "fused_dropout_cpu"),
+        ("compiled", "fused_dropout_cpu"),
+        ("reference", "fused_dropout"),
+    ],
+)
+def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
+    """RNG_TRACKER_CPU_KERNEL=reference makes impl="auto" run the reference op in a process;
+    impl="cpu" still runs the compiled kernel; an unknown value is an error naming both."""
+    env = {k: v for k, v in os.environ.items() if k != cpu_compiled.CPU_KERNEL_ENV}
+    if value is not None:
+        env[cpu_compiled.CPU_KERNEL_ENV] = value
+    result = subprocess.run(
+        [sys.executable, "-c", _KNOB_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"auto ['rng_tracker.{auto_op}.default']",
+        "cpu ['rng_tracker.fused_dropout_cpu.default']",
+    ]
+
+
+def test_an_unknown_cpu_kernel_choice_is_an_error_at_import():
+    env = dict(os.environ, **{cpu_compiled.CPU_KERNEL_ENV: "fast"})
+    result = subprocess.run(
+        [sys.executable, "-c", "import rng_tracker.kernels"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "KernelInputError" in result.stderr and "'compiled'" in result.stderr
