@@ -12,7 +12,7 @@ from rng_tracker.kernels.dropout import Impl, bias_dropout_add, dropout
 from rng_tracker.kernels.philox import philox4x32
 
 # reference.py
-from rng_tracker.kernels.reference import keep_mask, keep_threshold
+from rng_tracker.kernels.reference import keep_mask, keep_scale, keep_threshold
 
 # shard.py
 from rng_tracker.kernels.shard import Layout, Region, Shard, layout_of
@@ -30,6 +30,7 @@ __all__ = [
     "bias_dropout_add",
     "dropout",
     "keep_mask",
+    "keep_scale",
     "keep_threshold",
     "layout_of",
     "philox4x32",

@@ -41,7 +41,7 @@ from rng_tracker.kernels.ops import (
     dropout_backward,
     save_for_dropout_backward,
 )
-from rng_tracker.kernels.reference import fused_dropout_reference, keep_threshold
+from rng_tracker.kernels.reference import fused_dropout_reference, keep_scale, keep_threshold
 from rng_tracker.kernels.shard import Layout
 
 __all__ = [
@@ -217,8 +217,7 @@ def compiled_cpu_available() -> bool:
 
 
 def _scale_bits(p: float) -> int:
-    # The reference's fp32 scale 1 / (1 - p) (rounded to nearest), as its bit pattern.
-    return struct.unpack("<I", struct.pack("<f", 1.0 / (1.0 - p) if p < 1 else 0.0))[0]
+    return struct.unpack("<I", struct.pack("<f", keep_scale(p)))[0]
 
 
 def fused_dropout_compiled(

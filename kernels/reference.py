@@ -10,13 +10,14 @@ only, so a seed on a GPU costs no host sync.
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
 from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.shard import Layout
 
-__all__ = ["fused_dropout_reference", "keep_mask", "keep_threshold"]
+__all__ = ["fused_dropout_reference", "keep_mask", "keep_scale", "keep_threshold"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -24,6 +25,12 @@ _MASK32 = 0xFFFFFFFF
 def keep_threshold(p: float) -> int:
     """The smallest 32-bit word that is kept: ceil(p * 2**32) (exact in float64)."""
     return math.ceil(p * 4294967296.0)
+
+
+def keep_scale(p: float) -> float:
+    """The scale of kept elements: 1 / (1 - p) rounded to fp32 (0 for p = 1), as a Python float
+    that every kernel's fp32 argument holds exactly."""
+    return struct.unpack("<f", struct.pack("<f", 1.0 / (1.0 - p) if p < 1 else 0.0))[0]
 
 
 def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -77,7 +84,7 @@ def fused_dropout_reference(
     value = x.float()
     if bias is not None:
         value = value + bias.float()
-    scale = torch.tensor(1.0 / (1.0 - p) if p < 1 else 0.0, dtype=torch.float32, device=x.device)
+    scale = torch.tensor(keep_scale(p), dtype=torch.float32, device=x.device)
     value = torch.where(keep, value * scale, torch.zeros((), dtype=torch.float32, device=x.device))
     if residual is not None:
         value = residual.float() + value

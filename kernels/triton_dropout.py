@@ -17,7 +17,7 @@ import os
 import torch
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels.reference import keep_threshold
+from rng_tracker.kernels.reference import keep_scale, keep_threshold
 from rng_tracker.kernels.shard import Layout
 
 TRITON_IMPORT_ERROR: str | None = None
@@ -194,7 +194,7 @@ def fused_dropout_triton(
         x.numel(),
         1 if bias is None else bias.numel(),
         keep_threshold(p),
-        1.0 / (1.0 - p) if p < 1 else 0.0,
+        keep_scale(p),
         layout.offset,
         last_stride,
         inner1,
