@@ -107,7 +107,16 @@ def _cache_dir() -> Path:
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rng_tracker"
+    home_cache = Path(base) / "rng_tracker"
+    try:
+        home_cache.mkdir(parents=True, exist_ok=True)
+        if os.access(home_cache, os.W_OK):
+            return home_cache
+    except OSError:
+        pass
+    # A read-only or missing home (some CI runners and containers): the temp dir, per user.
+    user = getattr(os, "getuid", lambda: "user")()
+    return Path(tempfile.gettempdir()) / f"rng_tracker-{user}"
 
 
 def kernel_library_path() -> Path:

@@ -308,3 +308,28 @@ def test_an_unknown_cpu_kernel_choice_is_an_error_at_import():
     )
     assert result.returncode != 0
     assert "KernelInputError" in result.stderr and "'compiled'" in result.stderr
+
+
+def test_an_unwritable_home_cache_falls_back_to_the_temp_dir(tmp_path):
+    """Where ~/.cache cannot be created (here: XDG_CACHE_HOME is a file), the kernel is built
+    and cached under the temp dir instead of falling back to the reference."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "RNG_TRACKER_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(blocker), TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from rng_tracker.kernels import cpu_compiled as c; "
+            "print(c.compiled_cpu_available(), c.kernel_library_path())",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    available, path = result.stdout.split()
+    assert available == "True", result.stderr[-3000:]
+    assert path.startswith(str(tmp_path / "tmp")) and os.path.exists(path)
