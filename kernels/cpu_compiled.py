@@ -237,10 +237,13 @@ def fused_dropout_compiled(
     p: float,
     layout: Layout,
 ) -> torch.Tensor:
-    """``fused_dropout_reference``'s result from the compiled kernel (contiguous CPU tensors)."""
+    """``fused_dropout_reference``'s result from the compiled kernel (CPU tensors)."""
     library = _library()
     if library is None or len(layout.dims) > _MAX_DIMS or (bias is not None and residual is None):
-        return fused_dropout_reference(x, bias, residual, seed, p, layout)
+        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, layout)
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    residual = None if residual is None else residual.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     key, base, c2, c3 = seed.tolist()
     index_map = layout.flat() or [1, 1]  # a single element merges to no dims: one of extent 1
@@ -289,14 +292,7 @@ def fused_dropout_cpu_op(
     logical_numel: int,
 ) -> torch.Tensor:
     """Fused dropout, compiled CPU kernel (the reference where no C compiler runs)."""
-    return fused_dropout_compiled(
-        x.contiguous(),
-        None if bias is None else bias.contiguous(),
-        None if residual is None else residual.contiguous(),
-        seed,
-        p,
-        _layout(offset, dims, logical_numel),
-    )
+    return fused_dropout_compiled(x, bias, residual, seed, p, _layout(offset, dims, logical_numel))
 
 
 fused_dropout_cpu_op.register_fake(_fake)
@@ -347,14 +343,7 @@ class _CompiledCpuDropout(torch.autograd.Function):
     ) -> torch.Tensor:
         save_for_dropout_backward(ctx, bias, seed)
         ctx.params = (p, layout)
-        return _profiled(
-            x.contiguous(),
-            None if bias is None else bias.contiguous(),
-            None if residual is None else residual.contiguous(),
-            seed,
-            p,
-            layout,
-        )
+        return _profiled(x, bias, residual, seed, p, layout)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

@@ -129,10 +129,12 @@ def test_auto_runs_the_compiled_kernel_on_cpu_and_the_op_path_equals_the_direct_
     for mode in (None, _OpNames()):
         leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
         if mode is None:
+            assert cpu_compiled.may_skip_dispatch(leaves[0])  # eager: straight to the kernel
             out = bias_dropout_add(*leaves, 0.3, generator=_gen())
             out.backward(grad)
         else:
             with mode:
+                assert not cpu_compiled.may_skip_dispatch(leaves[0])
                 out = bias_dropout_add(*leaves, 0.3, generator=_gen())
                 out.backward(grad)
             assert mode.names.count("rng_tracker.fused_dropout_cpu.default") == 2  # fwd, bwd
