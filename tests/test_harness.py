@@ -144,3 +144,28 @@ def test_the_plugin_reports_a_failing_rank_to_pytest(pytester):
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 raised*", "*AssertionError: only rank one says this*"])
+
+
+def _return_early_on_rank_1(pid_dir: str) -> str:
+    """Rank 1 returns at once; rank 0 looks, a while later, whether rank 1's process still runs."""
+    _record_pid(pid_dir)
+    dist.barrier()  # both pid files are written
+    if dist.get_rank() == 1:
+        return "returned"
+    time.sleep(1.0)
+    peer = int(Path(pid_dir, "1.pid").read_text())
+    status = Path(f"/proc/{peer}/status")
+    return "running" if status.exists() and "zombie" not in status.read_text() else "exited"
+
+
+def test_no_rank_exits_before_every_rank_has_returned(tmp_path):
+    """A rank that finishes first stays alive until the slowest returns.
+
+    gloo finishes a connection on one side first: a rank that exited right after building a
+    group broke a slower peer still connecting to it ("Connection closed by peer").
+    """
+    assert run_distributed(_return_early_on_rank_1, world_size=2, args=(str(tmp_path),)) == [
+        "running",
+        "returned",
+    ]
+    _assert_all_gone(tmp_path)

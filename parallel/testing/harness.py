@@ -9,6 +9,7 @@ reported with its rank: a raised exception with its traceback, a death by signal
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -117,9 +118,27 @@ def _rank_main(
     with open(tmp, "wb") as out:
         out.write(data)
     os.replace(tmp, os.path.join(workdir, f"result-{rank}.pkl"))
+    _finish_together()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: the process group needs no goodbye
+    os._exit(0)  # skip interpreter teardown: the closing barrier was the goodbye
+
+
+def _finish_together() -> None:
+    """Wait until every rank has returned before this one exits.
+
+    gloo completes a connection on one side before the other: a rank that has finished
+    building a group may exit while a slower peer is still connecting to it, and that peer
+    fails with "Connection closed by peer". A closing barrier keeps every rank's sockets
+    open until all ranks are done. A barrier that fails means a peer died, which that
+    peer's report names; this rank's result stands.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # a peer died: its own report says why
+        dist.barrier()
 
 
 def _read(path: str) -> str:
@@ -245,9 +264,10 @@ def run_distributed(
                     first = min(failures)
                     why = f"was stopped {_GRACE_AFTER_FAILURE_S:g} s after rank {first} failed"
                 for rank, process in running.items():
-                    failures[rank] = (
-                        f"rank {rank} {why}; it was at:\n{_stack_of(process, workdir, rank)}"
-                    )
+                    if not os.path.exists(os.path.join(workdir, f"result-{rank}.pkl")):
+                        failures[rank] = (
+                            f"rank {rank} {why}; it was at:\n{_stack_of(process, workdir, rank)}"
+                        )
                     process.kill()
                     process.join()
                 running.clear()
