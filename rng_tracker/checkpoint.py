@@ -520,13 +520,14 @@ def _megatron_split_group(args: Sequence[Any]) -> dist.ProcessGroup:
 
 
 def _parallel_state_tp_group() -> dist.ProcessGroup:
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
-    state = get_parallel_state_or_none()
+    state = current_layout()
     if state is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs tp_group=... or an initialised "
-            "parallel state (rng_tracker.parallel.init_model_parallel)"
+            "parallel state (rng_tracker.parallel.init_model_parallel, or Megatron's "
+            "parallel_state.initialize_model_parallel)"
         )
     return state.group("tp")
 

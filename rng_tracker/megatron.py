@@ -416,9 +416,9 @@ def model_parallel_cuda_manual_seed(
 def _placed_on_mesh(plan: SeedPlan) -> SeedPlan:
     """The plan with the mesh's pp/dp/cp coordinates: Megatron folds them into ``seed`` before
     the call, so the plan records where the rank really is and verifies against the mesh."""
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
-    state = get_parallel_state_or_none()
+    state = current_layout()
     if state is None:
         return plan
     placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}
