@@ -1,12 +1,15 @@
 """The process mesh: tensor, pipeline, data, context and expert parallel groups.
 
-Ranks are laid out tp-fastest, as Megatron-LM does ("tp-cp-ep-dp-pp"): the dense mesh
-has dims (pp, dp, cp, tp); the expert mesh refactors the same ranks as
-(pp, edp, ep, etp) with etp = tp, so ep must divide dp * cp.
+Ranks are laid out as Megatron-LM's ``parallel_state`` lays them out for the same ``order``
+(default "tp-cp-ep-dp-pp": tp fastest, pp slowest): the dense mesh has dims (pp, dp, cp, tp);
+the expert mesh refactors the same ranks as (pp, edp, ep, etp) with etp = tp, so ep must
+divide dp * cp. Every rank gets Megatron's coordinates and groups for every order Megatron
+accepts (tests/test_megatron_parallel_state.py checks them against Megatron's own).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -17,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rng_tracker.errors import ParallelConfigError, ParallelStateError
 
 __all__ = [
+    "DEFAULT_ORDER",
     "ParallelState",
     "destroy_model_parallel",
     "get_parallel_state",
@@ -26,6 +30,9 @@ __all__ = [
 
 _DENSE_DIMS = ("pp", "dp", "cp", "tp")
 _EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # Megatron's default: the first token varies fastest
+_ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,44 @@ def _positive(name: str, value: object) -> int:
     return size
 
 
+def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:
+    """Megatron's order string as its tokens, fastest first; tokens it leaves out are
+    appended (allowed only for axes of size 1, as in Megatron)."""
+    if not isinstance(order, str):
+        raise ParallelConfigError(f"order must be a str such as {DEFAULT_ORDER!r}, got {order!r}")
+    tokens = order.lower().split("-")
+    unknown = [t for t in tokens if t not in _ORDER_TOKENS]
+    if unknown or len(set(tokens)) != len(tokens):
+        raise ParallelConfigError(
+            f"order {order!r} must name each of {'-'.join(_ORDER_TOKENS)} at most once, "
+            f"separated by '-' (e.g. {DEFAULT_ORDER!r} or 'tp-cp-ep-pp-dp')"
+        )
+    for token in _ORDER_TOKENS:
+        if token not in tokens:
+            if sizes[token] != 1:
+                raise ParallelConfigError(
+                    f"order {order!r} leaves out {token!r}, whose size is {sizes[token]}; "
+                    "name every axis of size above 1"
+                )
+            tokens.append(token)
+    return tokens
+
+
+def _rank_grid(tokens: list[str], sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
+    """The global ranks as a tensor with dims ``dims`` (order tokens), laid out as Megatron's
+    RankGenerator does: the first token of the order has stride 1."""
+    slowest_first = tokens[::-1]
+    grid = torch.arange(math.prod(sizes.values())).reshape([sizes[t] for t in slowest_first])
+    rest = [t for t in slowest_first if t not in dims]
+    grid = grid.permute([slowest_first.index(t) for t in (*dims, *rest)])
+    return grid.reshape([sizes[t] for t in dims])
+
+
+def _pipeline_groups(grid: torch.Tensor) -> set[tuple[int, ...]]:
+    """The ranks along dim 0 (pp) of ``grid``, one tuple per pipeline."""
+    return {tuple(column) for column in grid.reshape(grid.shape[0], -1).T.tolist()}
+
+
 def init_model_parallel(
     *,
     tensor: int = 1,
@@ -100,8 +145,15 @@ def init_model_parallel(
     context: int = 1,
     expert: int = 1,
     device_type: str | None = None,
+    order: str = DEFAULT_ORDER,
 ) -> ParallelState:
-    """Build the mesh over the initialised default process group; data parallel is inferred."""
+    """Build the mesh over the initialised default process group; data parallel is inferred.
+
+    ``order`` is Megatron's (``parallel_state.initialize_model_parallel(order=...)``): the
+    axes from fastest- to slowest-varying rank, e.g. "tp-cp-ep-dp-pp" or "tp-cp-ep-pp-dp";
+    every rank gets the coordinates and groups Megatron gives it, and orders Megatron
+    refuses raise :class:`ParallelConfigError`.
+    """
     global _STATE
     if not dist.is_initialized():
         raise ParallelStateError(
@@ -128,12 +180,24 @@ def init_model_parallel(
         )
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks = torch.arange(world)
-    mesh = DeviceMesh(device_type, ranks.reshape(pp, dp, cp, tp), mesh_dim_names=_DENSE_DIMS)
     edp = dp * cp // ep
-    expert_mesh = DeviceMesh(
-        device_type, ranks.reshape(pp, edp, ep, tp), mesh_dim_names=_EXPERT_DIMS
-    )
+    dense_sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    expert_sizes = {"tp": tp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    tokens = _order_tokens(order, {**dense_sizes, "ep": ep})
+    dense = _rank_grid(tokens, dense_sizes, ("pp", "dp", "cp", "tp"))
+    experts = _rank_grid(tokens, expert_sizes, ("pp", "dp", "ep", "tp"))
+    if pp > 1 and not order.endswith("pp") and edp != dp:
+        raise ParallelConfigError(
+            f"order {order!r} does not end in 'pp', so the expert data-parallel size ({edp}) "
+            f"must equal the data-parallel size ({dp}), as in Megatron; put 'pp' last"
+        )
+    if _pipeline_groups(dense) != _pipeline_groups(experts):
+        raise ParallelConfigError(
+            f"order {order!r} gives the dense and the expert layers different pipeline groups "
+            "(Megatron refuses it too); put 'pp' last"
+        )
+    mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_DIMS)
+    expert_mesh = DeviceMesh(device_type, experts, mesh_dim_names=_EXPERT_DIMS)
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": tp, "edp": edp}
     coords = {dim: mesh.get_local_rank(dim) for dim in _DENSE_DIMS}
     coords.update({dim: expert_mesh.get_local_rank(dim) for dim in _EXPERT_DIMS[1:]})

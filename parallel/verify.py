@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
 from rng_tracker.errors import ParallelStateError, RNGConsistencyError
-from rng_tracker.parallel.mesh import ParallelState, get_parallel_state_or_none
+from rng_tracker.parallel._megatron_state import current_layout
+from rng_tracker.parallel.mesh import ParallelState
 from rng_tracker.seeds import (
     AXES,
     DATA_PARALLEL_RNG,
@@ -120,7 +121,7 @@ def verify_rng_consistency(
     :class:`RNGConsistencyError` carrying the report.
     """
     tracker = tracker if tracker is not None else get_rng_tracker()
-    state = state if state is not None else get_parallel_state_or_none()
+    state = state if state is not None else current_layout()
     claimed: dict[str, int] = {}
     if state is not None:
         coords = {axis: state.rank(axis) for axis in AXES}

@@ -277,6 +277,29 @@ def _replay_autocast(state: list[tuple[str, bool, torch.dtype]], cache_enabled: 
         yield
 
 
+def _alias_outer_tensors(outputs: Any, args: Sequence[Any]) -> Any:
+    """``outputs`` with every tensor that needs grad and is not an input (under the forward's
+    no_grad that is a tensor made outside: a parameter, a buffer with grad, Megatron MLP's
+    ``bias``) replaced by a detached alias of its storage.
+
+    The Function gives its outputs its own grad_fn; given the outer tensor itself it would
+    rewrite that tensor's history to point at the checkpoint, so the recompute, which returns
+    the same tensor, would backpropagate into the checkpoint again without end. The alias
+    takes the checkpoint's grad_fn instead; the recompute returns the real tensor, which then
+    receives its gradient exactly once.
+    """
+    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+
+    def alias(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in inputs:
+            return value.detach()
+        return value
+
+    if isinstance(outputs, tuple):
+        return tuple(alias(o) for o in outputs)
+    return alias(outputs)
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -296,7 +319,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             torch.no_grad(),
             record.forward() if record is not None else _CheckpointingOnly(),
         ):
-            outputs = run_function(*args)
+            outputs = _alias_outer_tensors(run_function(*args), args)
         ctx.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.input_requires_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         ctx.non_tensors = [None if isinstance(a, torch.Tensor) else a for a in args]
@@ -497,13 +520,14 @@ def _megatron_split_group(args: Sequence[Any]) -> dist.ProcessGroup:
 
 
 def _parallel_state_tp_group() -> dist.ProcessGroup:
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
-    state = get_parallel_state_or_none()
+    state = current_layout()
     if state is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs tp_group=... or an initialised "
-            "parallel state (rng_tracker.parallel.init_model_parallel)"
+            "parallel state (rng_tracker.parallel.init_model_parallel, or Megatron's "
+            "parallel_state.initialize_model_parallel)"
         )
     return state.group("tp")
 

@@ -187,3 +187,11 @@ class DTensorInputTypeError(RNGTrackerError, TypeError):
 
 class InvariantRandomModeError(RNGTrackerError, RuntimeError):
     """invariant_random() enabled or disabled out of order with other torch function modes."""
+
+
+class MegatronVersionError(RNGTrackerError, RuntimeError):
+    """``rng_tracker.megatron.install()`` found no megatron-core, or a version it was not
+    checked against (the message names the version found and the known ones)."""
+
+
+__all__ += ["MegatronVersionError"]

@@ -5,6 +5,9 @@ modules import from it, with Megatron's signatures and positional order. "cuda" 
 name only echoes Megatron's API: the names act on the default generator of the current
 device (CUDA, another ``torch.accelerator`` device, or CPU). Where the behaviour
 differs from Megatron's, ``docs/migrating.md`` says how and why.
+
+``install()`` routes megatron-core's own modules here (one line in a training script);
+``uninstall()`` undoes it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from typing import Any
 
 import torch
 
+from rng_tracker._megatron_install import (
+    KNOWN_MEGATRON_CORE_VERSIONS,
+    install,
+    installed,
+    uninstall,
+)
 from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
 from rng_tracker.checkpoint_without_output import (
     CheckpointWithoutOutput,
@@ -47,6 +56,7 @@ from rng_tracker.tracker import (
 
 __all__ = [
     "HAVE_TE",
+    "KNOWN_MEGATRON_CORE_VERSIONS",
     "CheckpointFunction",
     "CheckpointWithoutOutput",
     "CheckpointWithoutOutputManager",
@@ -60,9 +70,12 @@ __all__ = [
     "get_gtp_remat_rng_tracker_name",
     "get_model_parallel_rng_tracker_name",
     "initialize_rng_tracker",
+    "install",
+    "installed",
     "is_checkpointing",
     "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
+    "uninstall",
 ]
 
 # TransformerEngine is never used here: te_rng_tracker asks for what TE's tracker is,
@@ -403,9 +416,9 @@ def model_parallel_cuda_manual_seed(
 def _placed_on_mesh(plan: SeedPlan) -> SeedPlan:
     """The plan with the mesh's pp/dp/cp coordinates: Megatron folds them into ``seed`` before
     the call, so the plan records where the rank really is and verifies against the mesh."""
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
-    state = get_parallel_state_or_none()
+    state = current_layout()
     if state is None:
         return plan
     placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}

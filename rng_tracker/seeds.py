@@ -207,9 +207,9 @@ def _missing_ranks_source(
     Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
     that is refused rather than guessed.
     """
-    from rng_tracker.parallel.mesh import get_parallel_state_or_none  # lazy: core stays torch-only
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
-    state = get_parallel_state_or_none()
+    state = current_layout()  # ours, else Megatron's initialised parallel_state
     if state is not None:
         return _ranks_of(state)
     import torch.distributed as dist

@@ -1,0 +1,156 @@
+"""rng_tracker.megatron.install(): one call routes megatron-core's own modules to rng_tracker.
+
+Routing is process-wide, so the claims about "imported before / after the call" run in fresh
+Python processes (real megatron-core 0.19.2, no mocks); the version check runs here against
+a real distribution record placed first on sys.path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import rng_tracker.megatron
+from rng_tracker.errors import MegatronVersionError, RNGTrackerError
+
+_ENV = {**os.environ, "NO_VCS_VERSION": "1", "PYTHONWARNINGS": "ignore"}
+
+# Runs in a fresh process: argv[1] is "before" (megatron's modules are imported, then
+# install()) or "after" (install() first, then the modules).
+_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import rng_tracker.megatron as ours
+    from rng_tracker._megatron_install import REPLACED_NAMES
+
+    MODULES = [
+        "megatron.core.tensor_parallel",
+        "megatron.core.transformer.cuda_graphs",
+        "megatron.core.transformer.moe.moe_utils",
+        "megatron.core.full_cuda_graph",
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    ]
+
+    def megatron_namespaces():
+        return {n: dict(vars(m)) for n, m in list(sys.modules.items()) if n.startswith("megatron")}
+
+    def holders(objects):
+        ids = {id(o) for o in objects}
+        return sorted(
+            (n, a) for n, ns in megatron_namespaces().items() for a, v in ns.items() if id(v) in ids
+        )
+
+    if sys.argv[1] == "before":
+        import importlib
+        for name in MODULES:
+            importlib.import_module(name)
+        random = sys.modules["megatron.core.tensor_parallel.random"]
+        originals = [getattr(random, n) for n in REPLACED_NAMES]
+        before = megatron_namespaces()
+        ours.install()
+    else:
+        ours.install()
+        import importlib
+        for name in MODULES:
+            importlib.import_module(name)
+        from rng_tracker._megatron_install import _SWAPS
+        originals = [orig for orig, _ in _SWAPS.values()]
+    ours.install()  # idempotent
+    assert ours.installed()
+    replacements = [getattr(ours, n) for n in REPLACED_NAMES]
+    routed = holders(replacements)
+    assert holders(originals) == [], holders(originals)
+    # megatron-core's own code now runs on the CPU
+    import megatron.core.tensor_parallel as tp
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer import cuda_graphs
+    tp.model_parallel_cuda_manual_seed(1234)
+    with layers.get_cuda_rng_tracker().fork():
+        a = torch.rand(4)
+    assert cuda_graphs.get_cuda_rng_tracker() is ours.get_cuda_rng_tracker()
+    torch.manual_seed(0)
+    with torch.random.fork_rng():
+        ours.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        with ours.get_cuda_rng_tracker().fork():
+            b = torch.rand(4)
+    assert torch.equal(a, b)
+    ours.uninstall()
+    ours.uninstall()  # idempotent
+    assert not ours.installed()
+    assert holders(replacements) == []
+    if sys.argv[1] == "before":
+        after = megatron_namespaces()
+        changed = [
+            (n, a) for n, ns in before.items() for a, v in ns.items() if after[n].get(a) is not v
+        ]
+        assert changed == [], changed
+    else:
+        assert holders(originals) == routed, (holders(originals), routed)
+    print(len(routed), "attributes routed")
+    """
+)
+
+
+def _run(mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, mode],
+        env=_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_install_routes_every_megatron_module_imported_before_or_after_and_uninstall_restores():
+    """Modules imported before install() are patched, modules imported after bind the
+    replacements; nothing still holds one of random's originals (41 attributes on 0.19.2),
+    Megatron's own calls run on the CPU, and uninstall() restores every original."""
+    runs = {mode: _run(mode) for mode in ("before", "after")}
+    for mode, process in runs.items():
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, f"{mode}:\n{out}"
+        assert "41 attributes routed" in out, f"{mode}:\n{out}"
+
+
+def test_importing_rng_tracker_never_imports_megatron():
+    code = (
+        "import sys, rng_tracker, rng_tracker.megatron, rng_tracker.parallel\n"
+        "assert callable(rng_tracker.megatron.install)\n"
+        "leaked = sorted(m for m in sys.modules if m.startswith('megatron'))\n"
+        "assert not leaked, leaked\n"
+    )
+    subprocess.run([sys.executable, "-c", code], env=_ENV, check=True, timeout=120)
+
+
+def _fake_distribution(root: Path, version: str) -> None:
+    info = root / f"megatron_core-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: megatron-core\nVersion: {version}\n"
+    )
+
+
+def test_an_unknown_megatron_core_version_is_refused_by_name_and_nothing_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    _fake_distribution(tmp_path, "0.99.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = {m for m in sys.modules if m.startswith("megatron")}
+    with pytest.raises(MegatronVersionError) as caught:
+        rng_tracker.megatron.install()
+    assert isinstance(caught.value, RNGTrackerError) and isinstance(caught.value, RuntimeError)
+    message = str(caught.value)
+    assert "0.99.0" in message and "0.19.2" in message
+    assert not rng_tracker.megatron.installed()
+    assert {m for m in sys.modules if m.startswith("megatron")} == loaded
+
+
+def test_known_versions_include_the_tested_one():
+    assert "0.19.2" in rng_tracker.megatron.KNOWN_MEGATRON_CORE_VERSIONS

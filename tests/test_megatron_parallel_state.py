@@ -1,0 +1,178 @@
+"""Megatron's parallel state is enough, and init_model_parallel(order=...) is Megatron's layout.
+
+Real megatron-core 0.19.2 ``parallel_state`` on real gloo ranks, in the same processes as
+rng_tracker's own parallel state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rng_tracker.megatron as megatron
+from rng_tracker.errors import ParallelConfigError, ParallelStateError
+from rng_tracker.parallel import verify_rng_consistency
+from rng_tracker.parallel._megatron_state import (
+    MegatronParallelState,
+    current_layout,
+    megatron_parallel_state_or_none,
+)
+from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
+
+# (tensor, pipeline, context, expert) on 8 ranks; data parallel is what is left. Cycling them
+# over the 120 orders gives each size every relative order of its axes above size 1, dense and
+# expert, and includes sizes for which Megatron refuses orders that do not end in "pp".
+_SIZES_8 = ((2, 2, 1, 1), (2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 1, 2), (2, 2, 1, 2))
+_ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "ep", "dp", "pp"))]
+_AXES = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
+
+
+def _layout_of(state) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """axis -> (this rank's coordinate, the global ranks of its group)."""
+    return {
+        axis: (state.rank(axis), tuple(dist.get_process_group_ranks(state.group(axis))))
+        for axis in _AXES
+    }
+
+
+def _compare_order(ps, order: str, sizes: tuple[int, int, int, int]) -> str:
+    tp, pp, cp, ep = sizes
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            order=order,
+            create_gloo_process_groups=False,
+        )
+    except (AssertionError, RuntimeError):
+        with pytest.raises(ParallelConfigError):
+            init_model_parallel(tensor=tp, pipeline=pp, context=cp, expert=ep, order=order)
+        return "refused"
+    try:
+        theirs = _layout_of(MegatronParallelState.from_module(ps))
+    finally:
+        ps.destroy_model_parallel()
+    try:
+        ours = _layout_of(
+            init_model_parallel(tensor=tp, pipeline=pp, context=cp, expert=ep, order=order)
+        )
+    finally:
+        destroy_model_parallel()
+    assert ours == theirs, (order, sizes, ours, theirs)
+    return "same"
+
+
+@pytest.mark.distributed(world_size=8, timeout=480)
+def test_every_megatron_order_gives_megatron_coordinates_and_groups(rank):
+    """For all 120 orders of Megatron's five axes (and orders that leave size-1 axes out),
+    init_model_parallel gives every rank Megatron's coordinate and group on tp, pp, dp, cp,
+    ep, etp and edp, and refuses exactly the orders Megatron refuses."""
+    import megatron.core.parallel_state as ps
+
+    outcomes = {"same": 0, "refused": 0}
+    cases = [(order, _SIZES_8[i % len(_SIZES_8)]) for i, order in enumerate(_ORDERS)]
+    cases += [("tp-pp-dp", (2, 2, 1, 1)), ("tp-dp-pp", (2, 2, 1, 1)), ("pp-tp", (4, 2, 1, 1))]
+    for order, sizes in cases:
+        outcomes[_compare_order(ps, order, sizes)] += 1
+    assert outcomes["same"] > 100 and outcomes["refused"] > 0, outcomes
+    with pytest.raises(ParallelConfigError, match="leaves out 'tp'"):
+        init_model_parallel(tensor=2, order="cp-ep-dp-pp")
+    with pytest.raises(ParallelConfigError, match="at most once"):
+        init_model_parallel(order="tp-tp-dp")
+
+
+def _dropout_block(x: torch.Tensor) -> torch.Tensor:
+    with megatron.get_cuda_rng_tracker().fork():
+        return torch.nn.functional.dropout(x * 2.0, 0.5)
+
+
+@pytest.mark.distributed(world_size=4, timeout=120)
+def test_megatron_parallel_state_alone_serves_seeding_checkpoints_and_verification(rank):
+    """With only Megatron's parallel_state initialised (tp2 ep2 dp2, order "dp-tp-ep"):
+    seeding takes Megatron's tp/ep/etp ranks, distribute_saved_activations its TP group,
+    CheckpointWithoutOutput replays the streams, verify_rng_consistency places every rank by
+    Megatron's coordinates; rng_tracker's own state takes precedence; without either state
+    nothing is guessed."""
+    import megatron.core.parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        order="dp-tp-ep",
+        create_gloo_process_groups=False,
+    )
+    tp, ep, etp = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_expert_model_parallel_rank(),
+        ps.get_expert_tensor_parallel_rank(),
+    )
+    assert isinstance(current_layout(), MegatronParallelState)
+
+    # seeding: Megatron's ranks, never a guess
+    plan = megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    assert (plan.coordinates["tp"], plan.coordinates["ep"], plan.coordinates["etp"]) == (
+        tp,
+        ep,
+        etp,
+    )
+    assert plan.coordinates["dp"] == ps.get_data_parallel_rank()
+    states = megatron.get_cuda_rng_tracker().get_states()
+    megatron.model_parallel_cuda_manual_seed(
+        1234, tp_rank=tp, ep_rank=ep, etp_rank=etp, force_reset_rng=True
+    )
+    explicit = megatron.get_cuda_rng_tracker().get_states()
+    assert all(torch.equal(states[name], explicit[name]) for name in explicit)
+
+    # verify_rng_consistency: coordinates from Megatron
+    report = verify_rng_consistency(plan=plan, strict=True)
+    assert report.coordinates[rank]["tp"] == tp and report.coordinates[rank]["ep"] == ep
+
+    # distribute_saved_activations: Megatron's TP group
+    x = torch.randn(4, 6, requires_grad=True)
+    reference = x.detach().clone().requires_grad_()
+    megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    out = megatron.checkpoint(_dropout_block, True, x)
+    assert x.data.shape == (24 // 2,)  # this rank keeps 1/tp of args[0]
+    out.sum().backward()
+    megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    expected = _dropout_block(reference)
+    expected.sum().backward()
+    assert torch.equal(out, expected) and torch.equal(x.grad, reference.grad)
+
+    # CheckpointWithoutOutput replays the Megatron-seeded streams
+    y = torch.randn(4, 6, requires_grad=True)
+    megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    ckpt = megatron.CheckpointWithoutOutput()
+    h = ckpt.checkpoint(_dropout_block, y)
+    z = h * y
+    ckpt.discard_output_and_register_recompute(z)
+    z.sum().backward()
+    y2 = y.detach().clone().requires_grad_()
+    megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    (_dropout_block(y2) * y2).sum().backward()
+    assert torch.equal(y.grad, y2.grad)
+
+    # rng_tracker's own parallel state comes first
+    ours = init_model_parallel(tensor=4)
+    assert current_layout() is ours
+    destroy_model_parallel()
+
+    # neither state: refused, not guessed
+    ps.destroy_model_parallel()
+    assert megatron_parallel_state_or_none() is None
+    with pytest.raises(ParallelStateError):
+        megatron.model_parallel_cuda_manual_seed(1234)
+
+
+def test_megatron_state_is_read_only_if_megatron_was_imported():
+    loaded = {m for m in sys.modules if m.startswith("megatron")}
+    state = megatron_parallel_state_or_none()
+    assert {m for m in sys.modules if m.startswith("megatron")} == loaded
+    if "megatron.core.parallel_state" not in loaded:
+        assert state is None
