@@ -15,13 +15,14 @@ from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.reference import keep_mask, keep_scale, keep_threshold
 
 # shard.py
-from rng_tracker.kernels.shard import Layout, Region, Shard, layout_of
+from rng_tracker.kernels.shard import MAX_LOGICAL_NUMEL, Layout, Region, Shard, layout_of
 
 # triton_dropout.py
 from rng_tracker.kernels.triton_dropout import HAS_TRITON, triton_runs_on
 
 __all__ = [
     "HAS_TRITON",
+    "MAX_LOGICAL_NUMEL",
     "CompiledKernelFallbackWarning",
     "Impl",
     "Layout",

@@ -10,13 +10,33 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["draw_key_and_base", "drawn_seed", "seed_tensor"]
+from rng_tracker.errors import KernelInputError
+
+__all__ = ["advanced_offset", "draw_key_and_base", "drawn_seed", "seed_tensor"]
+
+_MAX_OFFSET = 2**64 - 1  # a CUDA generator's Philox offset is a uint64
+
+
+def advanced_offset(offset: int, logical_numel: int) -> int:
+    """A CUDA generator's Philox offset after a call over ``logical_numel`` elements.
+
+    Refuses (:class:`KernelInputError`, the generator untouched) an advance past 2**64 - 1:
+    the offset would wrap and later calls would reuse earlier counters, so earlier masks.
+    """
+    advanced = offset + 4 * (-(-logical_numel // 4))
+    if advanced > _MAX_OFFSET:
+        raise KernelInputError(
+            f"the generator's Philox offset {offset} cannot advance by {advanced - offset} for "
+            f"{logical_numel} logical elements: it would pass 2**64 - 1 and wrap, reusing "
+            "earlier masks' counters; reseed the generator (generator.manual_seed(...))"
+        )
+    return advanced
 
 
 def _key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
     if generator.device.type == "cuda":
         offset = generator.get_offset()
-        generator.set_offset(offset + 4 * (-(-logical_numel // 4)))
+        generator.set_offset(advanced_offset(offset, logical_numel))
         return generator.initial_seed(), offset // 4
     draw = torch.empty((), dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=generator)
     return int(draw) & (2**64 - 1), 0

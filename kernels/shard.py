@@ -9,6 +9,12 @@ over merged dims d (outermost first; inner_d = product of the extents after d). 
 extent 1 are dropped and neighbours contiguous in both tensors are merged, so an unsharded
 tensor or a contiguous block is one dim of stride 1 (no division) and an equal-chunk shard
 two dims (one division).
+
+Bound: the logical tensor has at most ``MAX_LOGICAL_NUMEL`` = 2**63 - 1 elements, so every
+global index, offset and stride is an int64 on every path (the torch reference, the
+compiled CPU kernel and Triton). A placement beyond it raises :class:`KernelInputError`
+when the ``Shard``, ``Region`` or ``Layout`` is built, before any path runs or anything is
+drawn (docs/keyed.md, "Huge logical tensors").
 """
 
 from __future__ import annotations
@@ -22,7 +28,18 @@ import torch
 
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["Layout", "Region", "Shard", "ShardSpec", "layout_of"]
+__all__ = ["MAX_LOGICAL_NUMEL", "Layout", "Region", "Shard", "ShardSpec", "layout_of"]
+
+MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
+
+
+def _check_logical_numel(owner: str, what: str, value: int) -> None:
+    if value > MAX_LOGICAL_NUMEL:
+        raise KernelInputError(
+            f"{owner} {what} is {value}, beyond the {MAX_LOGICAL_NUMEL} (2**63 - 1) elements a "
+            "logical tensor may have: global indices must fit in int64 on every kernel path; "
+            "split the logical tensor (e.g. one logical tensor per layer or per micro-batch)"
+        )
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
@@ -68,6 +85,7 @@ class Shard:
             raise KernelInputError(f"Shard needs count >= 1 and 0 <= index < count, got {self}")
         if self.extent is not None:
             _check_int("Shard", "extent", self.extent)
+            _check_logical_numel("Shard", "extent", self.extent)
         elif self.count > 1:
             raise KernelInputError(
                 f"Shard(dim={self.dim}, index={self.index}, count={self.count}) needs extent=, "
@@ -98,6 +116,12 @@ class Region:
                 f"Region has {len(self.global_shape)} global dims but {len(self.offset)} "
                 "offsets; give one offset per dim"
             )
+        for d, (extent, start) in enumerate(zip(self.global_shape, self.offset, strict=True)):
+            _check_logical_numel("Region", f"global_shape[{d}]", extent)
+            _check_logical_numel("Region", f"offset[{d}]", start)
+        _check_logical_numel(
+            "Region", f"global_shape {self.global_shape} numel", math.prod(self.global_shape)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +145,8 @@ class Layout:
     def __post_init__(self) -> None:
         _check_int("Layout", "offset", self.offset)
         _check_int("Layout", "logical_numel", self.logical_numel)
+        _check_logical_numel("Layout", "logical_numel", self.logical_numel)
+        _check_logical_numel("Layout", "offset", self.offset)
         if not isinstance(self.dims, Sequence):
             raise KernelInputTypeError(
                 f"Layout.dims must be a sequence of (extent, stride) pairs, got {self.dims!r}"

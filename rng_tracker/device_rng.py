@@ -40,17 +40,53 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _device_module(device: torch.device) -> object:
+    """The torch module of ``device``'s type, or :class:`TrackerDeviceError` naming what to do
+    when this build or machine has no such device (torch itself raises a bare AssertionError
+    for CUDA on a CPU-only build)."""
+    try:
+        module = torch.get_device_module(device.type)
+    except RuntimeError:
+        module = None
+    is_available = getattr(module, "is_available", None)
+    if is_available is None or not is_available():
+        raise TrackerDeviceError(
+            f"device {str(device)!r} is not available here: this torch {torch.__version__} "
+            f"build or machine has no usable {device.type!r} device, so it has no generator to "
+            f"track; pass device='cpu' (or None for the current accelerator, if any), or run "
+            f"where a {device.type} device is visible"
+        )
+    count = getattr(module, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise TrackerDeviceError(
+            f"device {str(device)!r} does not exist: {count()} {device.type} device(s) are "
+            f"visible; pass an index below {count()}"
+        )
+    return module
+
+
 def _normalize(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         return default_device()
+    if isinstance(device, bool):
+        raise TrackerDeviceError(f"device must be a torch.device, str or int, got {device!r}")
     if isinstance(device, int):
-        return torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        module = torch.get_device_module(device.type)
-        device = torch.device(device.type, module.current_device())
+        device = torch.device("cuda", device)
+    elif isinstance(device, (str, torch.device)):
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:
+            raise TrackerDeviceError(f"{device!r} is not a torch device: {error}") from None
+    else:
+        raise TrackerDeviceError(
+            f"device must be a torch.device, str or int, got {type(device).__name__}"
+        )
     if device.type == "cpu":
-        device = torch.device("cpu")
+        return torch.device("cpu")
+    module = _device_module(device)
+    if device.index is None:
+        current = getattr(module, "current_device", None)
+        device = torch.device(device.type, current() if current is not None else 0)
     return device
 
 

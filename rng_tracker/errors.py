@@ -195,3 +195,30 @@ class MegatronVersionError(RNGTrackerError, RuntimeError):
 
 
 __all__ += ["MegatronVersionError"]
+
+
+class ForkOrderError(RNGTrackerError, RuntimeError):
+    """A fork closed out of LIFO order, or closed when it is not open (checked in every mode, -O too)."""
+
+
+class SeedCoordinateError(RNGTrackerError, KeyError):
+    """A seeding coordinate that names no parallel axis."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SeedCoordinateTypeError(SeedCoordinateError, TypeError):
+    """Seeding coordinates that are not a mapping of axis name to rank; also a :class:`SeedCoordinateError`."""
+
+
+class SeedOverflowError(InvalidSeedError):
+    """A base seed whose scheme would derive a stream seed of 2**64 or more for these coordinates."""
+
+
+__all__ += [
+    "ForkOrderError",
+    "SeedCoordinateError",
+    "SeedCoordinateTypeError",
+    "SeedOverflowError",
+]

@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from rng_tracker.errors import ParallelStateError, RankError, SeedReuseError, SeedSchemeError
+from rng_tracker.errors import (
+    ParallelStateError,
+    RankError,
+    SeedCoordinateError,
+    SeedCoordinateTypeError,
+    SeedOverflowError,
+    SeedReuseError,
+    SeedSchemeError,
+)
 from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker, validate_seed
 
 if TYPE_CHECKING:
@@ -141,6 +149,40 @@ def _nonnegative_int(what: str, value: object) -> int:
     return result
 
 
+def _coordinates(coordinates: object) -> dict[str, int]:
+    """Every axis's rank from ``coordinates`` (missing axes are 0); unknown axis names and
+    ranks that are not ints >= 0 are refused, since a misspelt axis would seed as rank 0."""
+    if coordinates is None:
+        coordinates = {}
+    if not isinstance(coordinates, Mapping):
+        raise SeedCoordinateTypeError(
+            f"coordinates must be a mapping of axis name to rank (axes {', '.join(AXES)}), got "
+            f"{type(coordinates).__name__}"
+        )
+    unknown = [key for key in coordinates if key not in AXES]
+    if unknown:
+        shown = ", ".join(repr(key)[:40] for key in unknown[:5])
+        raise SeedCoordinateError(
+            f"unknown coordinate axis {shown}: the axes are {', '.join(AXES)} (a rank like "
+            "tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
+        )
+    return {axis: _nonnegative_int(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
+
+
+def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: str) -> None:
+    """Refuse a base seed whose derived stream seeds leave [0, 2**64), naming the largest base
+    seed these coordinates allow (Megatron's arithmetic adds offsets to the base seed)."""
+    highest = max(seeds, key=lambda stream: seeds[stream])
+    if seeds[highest] < 2**64:
+        return
+    largest = 2**64 - 1 - (seeds[highest] - seed)
+    raise SeedOverflowError(
+        f"scheme {scheme!r} with seed {seed} at {where} would give stream {highest!r} the seed "
+        f"{seeds[highest]} (the base seed plus {seeds[highest] - seed}), beyond the largest "
+        f"seed 2**64-1; at these coordinates pass a seed of at most {largest}"
+    )
+
+
 def plan_seeds(
     seed: int,
     *,
@@ -150,13 +192,14 @@ def plan_seeds(
 ) -> SeedPlan:
     """The seeds one rank would set, without touching any generator.
 
-    Raises :class:`SeedReuseError` when two tracker streams would share a seed (which
-    Megatron's arithmetic does, e.g. ep_rank 17 and tp_rank 6).
+    ``coordinates`` maps axis names (``AXES``) to ranks; a left-out axis is rank 0 and an
+    unknown one raises :class:`SeedCoordinateError`. Raises :class:`SeedReuseError` when two
+    tracker streams would share a seed (which Megatron's arithmetic does, e.g. ep_rank 17
+    and tp_rank 6), and :class:`SeedOverflowError` when Megatron's arithmetic would take a
+    seed past 2**64-1.
     """
     seed = validate_seed(seed)
-    coords = {
-        axis: _nonnegative_int(f"{axis}_rank", (coordinates or {}).get(axis, 0)) for axis in AXES
-    }
+    coords = _coordinates(coordinates)
     if scheme == "hashed":
         key = _seed_key(seed)
         seeds = {
@@ -172,13 +215,12 @@ def plan_seeds(
         seeds = _megatron_seeds(seed, coords, data_parallel_random_init)
     else:
         raise SeedSchemeError(f"unknown seed scheme {scheme!r}; use 'hashed' or 'megatron'")
-    for value in seeds.values():
-        validate_seed(value)
+    where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
+    _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)
     by_seed: dict[int, str] = {}
     for stream, value in seeds.items():
         if value in by_seed:
-            where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
             raise SeedReuseError(
                 f"scheme {scheme!r} gives streams {by_seed[value]!r} and {stream!r} the same "
                 f"seed {value} at {where}: they would draw identical masks; use "

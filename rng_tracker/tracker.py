@@ -20,6 +20,7 @@ import torch
 from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
     DuplicateStreamError,
+    ForkOrderError,
     InvalidSeedError,
     InvalidSeedTypeError,
     SeedReuseError,
@@ -63,6 +64,30 @@ def validate_seed(seed: Any) -> int:
 
 
 _SERIALS = itertools.count()
+_SHOWN_NAME_CHARS = 80  # a stream name in an error message is cut to about this many characters
+_SHOWN_NAMES = 20  # and a list of known names to this many
+
+
+def _shown(name: object) -> str:
+    """``repr(name)``, cut to a readable length: a 100 kB name must not flood an error message."""
+    text = repr(name) if isinstance(name, str) else f"{name!r} ({type(name).__name__})"
+    if len(text) <= _SHOWN_NAME_CHARS:
+        return text
+    size = f"{len(name)} chars" if isinstance(name, str) else f"{len(text)} chars as repr"
+    return f"{text[: _SHOWN_NAME_CHARS - 20]}...({size})"
+
+
+def _shown_names(names: list[str]) -> str:
+    shown = ", ".join(_shown(n) for n in names[:_SHOWN_NAMES])
+    if len(names) > _SHOWN_NAMES:
+        shown += f", ... ({len(names) - _SHOWN_NAMES} more)"
+    return shown or "none"
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise StreamNameError(f"stream name must be a non-empty str, got {_shown(name)}")
+    return name
 
 
 class _Fork:
@@ -145,6 +170,8 @@ class RNGStatesTracker:
         return tuple(self._stack)
 
     def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            raise StreamNameError(f"stream names are str; asked for {_shown(name)}")
         return name in self._states
 
     def __len__(self) -> int:
@@ -159,18 +186,18 @@ class RNGStatesTracker:
     # -- registration -----------------------------------------------------------------
     def add(self, name: str, seed: int) -> None:
         """Register stream ``name`` starting from ``seed``; the generator is untouched."""
-        if not isinstance(name, str) or not name:
-            raise StreamNameError(f"stream name must be a non-empty str, got {name!r}")
+        _check_name(name)
         seed = validate_seed(seed)
         if name in self._states:
             raise DuplicateStreamError(
-                f"stream {name!r} already exists; call reset() first or pick another name"
+                f"stream {_shown(name)} already exists; call reset() first or pick another name"
             )
         for other, other_seed in self._seeds.items():
             if other_seed == seed:
                 raise SeedReuseError(
-                    f"seed {seed} is already used by stream {other!r}: streams {other!r} and "
-                    f"{name!r} would draw identical values; give {name!r} another seed"
+                    f"seed {seed} is already used by stream {_shown(other)}: streams "
+                    f"{_shown(other)} and {_shown(name)} would draw identical values; give "
+                    f"{_shown(name)} another seed"
                 )
         self._states[name] = self._rng.fresh(seed)
         self._seeds[name] = seed
@@ -187,8 +214,10 @@ class RNGStatesTracker:
 
         On exit the stream keeps its advanced state and the generator gets back the
         state it had on entry (also when the body raises). Forks nest, and re-entering
-        the open stream continues it.
+        the open stream continues it. Forks must close in reverse order of opening: closing
+        one out of order raises :class:`ForkOrderError` and changes nothing.
         """
+        _check_name(name)
         if name not in self._states:
             raise self._unknown(name)
         return _Fork(self, name)
@@ -206,7 +235,14 @@ class RNGStatesTracker:
         self._stack.append(name)
 
     def _exit(self, name: str) -> None:
-        assert self._stack and self._stack[-1] == name, "forks must close in LIFO order"
+        if not self._stack or self._stack[-1] != name:
+            # Checked in every mode (an assert vanishes under python -O): closing the wrong
+            # fork would save one stream's state into another.
+            top = _shown(self._stack[-1]) if self._stack else "none: no fork is open"
+            raise ForkOrderError(
+                f"fork({_shown(name)}) closed out of order (the innermost open fork is {top}); "
+                "forks must close in reverse order of opening: nest them as with-blocks"
+            )
         rng = self._rng
         self._states[name] = rng.live()
         self._stack.pop()
@@ -256,7 +292,7 @@ class RNGStatesTracker:
         missing = [name for name in self._stack if name not in states]
         if missing:
             raise TrackerBusyError(
-                f"set_states() would drop the open fork(s) {missing}; close them first"
+                f"set_states() would drop the open fork(s) {_shown_names(missing)}; close them first"
             )
         self._states = converted
         self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
@@ -300,41 +336,68 @@ class RNGStatesTracker:
         for name, entry in streams.items():
             if not isinstance(name, str) or not name:
                 raise StateDictError(
-                    f"stream names must be non-empty str, got {name!r} "
-                    f"({type(name).__name__}); the state dict was not saved by state_dict()"
+                    f"stream names must be non-empty str, got {_shown(name)}; the state dict "
+                    "was not saved by state_dict()"
                 )
             data = entry.get("state") if isinstance(entry, Mapping) else None
             if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-                raise StateDictError(f"stream {name!r}: 'state' must be a uint8 tensor")
+                raise StateDictError(f"stream {_shown(name)}: 'state' must be a uint8 tensor")
             try:
                 states[name] = self._rng.from_bytes(data)
             except RuntimeError as error:
-                raise StateDictError(f"stream {name!r}: state does not decode: {error}") from None
+                raise StateDictError(
+                    f"stream {_shown(name)}: state does not decode: {error}"
+                ) from None
             if entry.get("seed") is not None:
                 seeds[name] = validate_seed(entry["seed"])
+        self._check_distinct(states, seeds)
         self._states = states
         self._seeds = seeds
 
     # -- helpers -----------------------------------------------------------------
+    def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
+        """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
+        way they would draw identical values)."""
+        by_seed: dict[int, str] = {}
+        for name, seed in seeds.items():
+            if seed in by_seed:
+                raise SeedReuseError(
+                    f"state dict gives streams {_shown(by_seed[seed])} and {_shown(name)} the "
+                    f"same seed {seed}: they would draw identical values; it was not saved by "
+                    "state_dict() of a valid tracker (add() refuses a reused seed)"
+                )
+            by_seed[seed] = name
+        by_state: dict[bytes, str] = {}
+        for name, state in states.items():
+            data = self._rng.to_bytes(state).numpy().tobytes()
+            if data in by_state:
+                raise SeedReuseError(
+                    f"state dict gives streams {_shown(by_state[data])} and {_shown(name)} the "
+                    "same generator state: they would draw identical values; save each stream "
+                    "from its own seed"
+                )
+            by_state[data] = name
+
     def _unknown(self, name: object) -> UnknownStreamError:
-        known = ", ".join(repr(n) for n in self._states) or "none"
         return UnknownStreamError(
-            f"no RNG stream named {name!r} on {self.device} (known: {known}); add it with "
-            "add(name, seed) or model_parallel_seed(...)"
+            f"no RNG stream named {_shown(name)} on {self.device} (known: "
+            f"{_shown_names(list(self._states))}); add it with add(name, seed) or "
+            "model_parallel_seed(...)"
         )
 
     def _require_idle(self, what: str) -> None:
         if self._stack:
-            raise TrackerBusyError(f"{what} inside open fork(s) {self._stack}; call it outside")
+            raise TrackerBusyError(
+                f"{what} inside open fork(s) {_shown_names(self._stack)}; call it outside"
+            )
 
     def _converted(self, name: object, state: object) -> RNGState:
-        if not isinstance(name, str) or not name:
-            raise StreamNameError(f"stream name must be a non-empty str, got {name!r}")
+        _check_name(name)
         try:
             return self._rng.convert(state)
         except TrackerDeviceError as error:
             raise TrackerDeviceError(
-                f"state of stream {name!r} does not fit the tracker of {self.device}: {error}"
+                f"state of stream {_shown(name)} does not fit the tracker of {self.device}: {error}"
             ) from None
 
 
