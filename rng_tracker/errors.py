@@ -28,6 +28,7 @@ __all__ = [
     "RNGTrackerError",
     "RankError",
     "ResumeRefusedError",
+    "SaveTargetError",
     "SeedReuseError",
     "SeedSchemeError",
     "SiteCollisionError",
@@ -38,6 +39,7 @@ __all__ = [
     "TrackerBusyError",
     "TrackerDeviceError",
     "TrackerNotInitializedError",
+    "TrainArgumentError",
     "TrainingCheckpointError",
     "UnknownSiteError",
     "UnknownStreamError",
@@ -187,3 +189,11 @@ class DTensorInputTypeError(RNGTrackerError, TypeError):
 
 class InvariantRandomModeError(RNGTrackerError, RuntimeError):
     """invariant_random() enabled or disabled out of order with other torch function modes."""
+
+
+class TrainArgumentError(RNGTrackerError, ValueError):
+    """A training-job setting that cannot run (a size, a count, a path); refused before any work."""
+
+
+class SaveTargetError(RNGTrackerError, ValueError):
+    """A checkpoint target the job cannot write into, or one holding another run's checkpoint."""
