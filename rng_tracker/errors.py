@@ -28,6 +28,7 @@ __all__ = [
     "RNGTrackerError",
     "RankError",
     "ResumeRefusedError",
+    "SaveTargetError",
     "SeedReuseError",
     "SeedSchemeError",
     "SiteCollisionError",
@@ -38,6 +39,7 @@ __all__ = [
     "TrackerBusyError",
     "TrackerDeviceError",
     "TrackerNotInitializedError",
+    "TrainArgumentError",
     "TrainingCheckpointError",
     "UnknownSiteError",
     "UnknownStreamError",
@@ -222,3 +224,11 @@ __all__ += [
     "SeedCoordinateTypeError",
     "SeedOverflowError",
 ]
+
+
+class TrainArgumentError(RNGTrackerError, ValueError):
+    """A training-job setting that cannot run (a size, a count, a path); refused before any work."""
+
+
+class SaveTargetError(RNGTrackerError, ValueError):
+    """A checkpoint target the job cannot write into, or one holding another run's checkpoint."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,15 +91,18 @@ def _refusals(good: str, megatron_pp2: str, bad: dict[str, str]) -> dict:
     raw = bytearray(flipped.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     flipped.write_bytes(bytes(raw))
-    # a truncated data file whose manifest was re-hashed: only DCP's own read can notice
+    # a truncated data file whose manifest and pointer were re-hashed: only DCP's read can notice
     truncated = Path(bad["truncated"], step_dir, "__0_0.distcp")
     truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 3])
-    record_path = truncated.parent / "manifest.json"
-    record = json.loads(record_path.read_text())
-    record["files"]["__0_0.distcp"] = dcp_checkpoint._sha256(str(truncated))
-    record_path.write_text(json.dumps(record))
-    pointer = Path(bad["mixed"], "COMMITTED")  # names step 1, but the directory holds step 2
-    pointer.write_text(json.dumps({**json.loads(pointer.read_text()), "step": 1}))
+    manifest = read_manifest(good)
+    files = {**manifest.files, "__0_0.distcp": dcp_checkpoint._sha256(str(truncated))}
+    rehashed = replace(manifest, files=files, directory=step_dir)
+    digest = dcp_checkpoint.write_manifest(str(truncated.parent), rehashed)
+    dcp_checkpoint.commit_pointer(bad["truncated"], rehashed, digest)
+    # a pointer, hashed as the job hashes one, that names step 1 of a directory holding step 2
+    mixed = replace(manifest, step=1, directory=step_dir)
+    digest = hashlib.sha256(Path(bad["mixed"], step_dir, "manifest.json").read_bytes())
+    dcp_checkpoint.commit_pointer(bad["mixed"], mixed, digest.hexdigest())
 
     errors = {}
     cases = [("invariant", path, name) for name, path in bad.items()]

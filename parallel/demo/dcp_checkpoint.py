@@ -22,12 +22,13 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,16 +44,22 @@ __all__ = [
     "Manifest",
     "RNGCheckpoint",
     "check_resume",
+    "commit_pointer",
     "load_checkpoint",
     "local_shard",
+    "manifest_bytes",
     "new_run_id",
+    "parse_manifest",
+    "parse_pointer",
+    "pointer_bytes",
     "rank_rng_states",
     "read_manifest",
     "save_checkpoint",
     "tracker_state_of",
+    "write_manifest",
 ]
 
-FORMAT = 2
+FORMAT = 3  # 3: COMMITTED records the manifest's sha256 and its own
 COMMITTED = "COMMITTED"
 MANIFEST = "manifest.json"
 # Test tooling: "RANK:POINT" makes that rank SIGKILL itself at POINT of save_checkpoint.
@@ -89,7 +96,7 @@ class Manifest:
     losses: list[float] = field(hash=False)
     has_optimizer: bool = True
     files: dict[str, str] = field(default_factory=dict, hash=False)  # name -> sha256
-    directory: str = ""
+    directory: str = ""  # the step directory: its name in the file, its path once read
 
 
 def new_run_id() -> str:
@@ -301,9 +308,9 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _write_durably(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -360,73 +367,230 @@ def _commit(
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=True)
     _fault("write")
     files = {f: _sha256(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
-    record = {**asdict(manifest), "files": files, "directory": name}
-    _write_durably(os.path.join(tmp, MANIFEST), json.dumps(record, indent=1))
-    _fsync_dir(tmp)
+    digest = write_manifest(tmp, replace(manifest, files=files, directory=name))
     os.rename(tmp, os.path.join(path, name))
     _fsync_dir(path)
     _fault("rename")
-    pointer = {
-        "format": FORMAT,
-        "directory": name,
-        "run_id": manifest.run_id,
-        "step": manifest.step,
-    }
-    _write_durably(os.path.join(path, COMMITTED + ".tmp"), json.dumps(pointer))
-    _fault("commit")
-    os.replace(os.path.join(path, COMMITTED + ".tmp"), os.path.join(path, COMMITTED))
-    _fsync_dir(path)
+    commit_pointer(path, replace(manifest, directory=name), digest)
     _fault("cleanup")
     for entry in os.listdir(path):
         if entry != name and (entry.startswith("step-") or entry.startswith(".tmp-")):
             shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
 
 
-def read_manifest(path: str) -> Manifest:
-    """The committed checkpoint in ``path``, its files checked against their hashes.
+# --- the manifest and the commit pointer: canonical JSON, hashed, parsed by a strict schema ---
+#
+# COMMITTED names the step directory and records the sha256 of that directory's manifest.json
+# bytes; COMMITTED itself carries the sha256 of its own canonical body. So any change to either
+# file - one flipped bit included - is refused before a field of it is trusted.
 
-    Raises :class:`TrainingCheckpointError` when nothing is committed, the pointer and the
-    manifest name different runs or steps, or a file is missing, extra or altered.
-    """
-    pointer_path = os.path.join(path, COMMITTED)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_STEP_DIR = re.compile(r"step-[0-9]{8}-[0-9a-f]{8}-[0-9a-f]{8}")
+_RNG_MODES = ("megatron", "invariant", "keyed")
+_LAYOUT_FIELDS = {"tp": int, "dp": int, "pp": int, "microbatches": int, "sp": bool}
+_MANIFEST_FIELDS = {
+    "format": int,
+    "run_id": str,
+    "step": int,
+    "rng_mode": str,
+    "seed": int,
+    "global_batch": int,
+    "layout": dict,
+    "losses": list,
+    "has_optimizer": bool,
+    "files": dict,
+    "directory": str,
+}
+_POINTER_FIELDS = {
+    "format": int,
+    "directory": str,
+    "run_id": str,
+    "step": int,
+    "manifest_sha256": str,
+}
+
+
+def _canonical(record: Mapping[str, Any]) -> bytes:
+    """The one byte encoding of a record: sorted keys, no spaces, ASCII, newline-terminated."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return (text + "\n").encode("ascii")
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """What ``manifest.json`` holds for ``manifest`` (its canonical JSON)."""
+    return _canonical(asdict(manifest))
+
+
+def pointer_bytes(pointer: Mapping[str, Any]) -> bytes:
+    """What ``COMMITTED`` holds for a pointer body: its canonical JSON with its own sha256 added."""
+    body = {key: pointer[key] for key in _POINTER_FIELDS}
+    return _canonical({**body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()})
+
+
+def write_manifest(directory: str, manifest: Manifest) -> str:
+    """Write ``manifest.json`` into ``directory`` durably; returns the sha256 of its bytes."""
+    raw = manifest_bytes(manifest)
+    _write_durably(os.path.join(directory, MANIFEST), raw)
+    _fsync_dir(directory)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def commit_pointer(path: str, manifest: Manifest, manifest_sha256: str) -> None:
+    """Atomically point ``path/COMMITTED`` at ``manifest.directory`` (a name inside ``path``)."""
+    pointer = {
+        "format": FORMAT,
+        "directory": manifest.directory,
+        "run_id": manifest.run_id,
+        "step": manifest.step,
+        "manifest_sha256": manifest_sha256,
+    }
+    _write_durably(os.path.join(path, COMMITTED + ".tmp"), pointer_bytes(pointer))
+    _fault("commit")
+    os.replace(os.path.join(path, COMMITTED + ".tmp"), os.path.join(path, COMMITTED))
+    _fsync_dir(path)
+
+
+def _corrupt(where: str, what: str) -> TrainingCheckpointError:
+    return TrainingCheckpointError(
+        f"{where}: {what}; the checkpoint is corrupt or was not written by this version of the "
+        "job - resume from another checkpoint"
+    )
+
+
+def _fields(record: Any, schema: Mapping[str, type], where: str, what: str) -> dict[str, Any]:
+    """``record`` as a dict with exactly the keys of ``schema``, each of exactly its type."""
+    if not isinstance(record, dict):
+        raise _corrupt(where, f"{what} is a {type(record).__name__}, not an object")
+    if set(record) != set(schema):
+        missing, extra = sorted(set(schema) - set(record)), sorted(set(record) - set(schema))
+        raise _corrupt(where, f"{what} has missing keys {missing} and unknown keys {extra}")
+    for key, kind in schema.items():
+        if type(record[key]) is not kind:  # exact: a bool is no int here, an int no float
+            raise _corrupt(
+                where,
+                f"{what} field {key!r} is a {type(record[key]).__name__}, not {kind.__name__}",
+            )
+    return record
+
+
+def _load_json(raw: bytes, where: str) -> Any:
     try:
-        with open(pointer_path) as f:
-            pointer = json.load(f)
-        directory = os.path.join(path, pointer["directory"])
-        with open(os.path.join(directory, MANIFEST)) as f:
-            record = json.load(f)
-    except FileNotFoundError as exc:
+        return json.loads(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt(where, f"not valid JSON ({exc})") from None
+
+
+def parse_pointer(raw: bytes, where: str) -> dict[str, Any]:
+    """The pointer body of ``COMMITTED``'s bytes, checked against its own hash and schema."""
+    record = _load_json(raw, where)
+    if isinstance(record, dict) and "sha256" not in record and record.get("format") in (1, 2):
         raise TrainingCheckpointError(
-            f"{path} holds no committed checkpoint ({exc.filename} is missing): the save that "
-            "wrote it did not finish; resume from an earlier checkpoint"
-        ) from None
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise TrainingCheckpointError(
-            f"{path}: the commit pointer or manifest is unreadable ({exc}); the checkpoint is corrupt"
-        ) from None
-    if pointer.get("format") != FORMAT or record.get("format") != FORMAT:
-        raise TrainingCheckpointError(
-            f"{path} is not an rng_tracker training checkpoint of format {FORMAT}"
+            f"{where}: format {record['format']}, older than this job's checkpoint format "
+            f"{FORMAT}; resume it with the version of rng_tracker that wrote it"
         )
-    if (record.get("run_id"), record.get("step")) != (pointer["run_id"], pointer["step"]):
+    record = _fields(record, {**_POINTER_FIELDS, "sha256": str}, where, "the commit pointer")
+    if pointer_bytes(record) != raw:
+        raise _corrupt(where, "its bytes do not match the hash it records")
+    if not (
+        _STEP_DIR.fullmatch(record["directory"])
+        and _RUN_ID.fullmatch(record["run_id"])
+        and _HEX64.fullmatch(record["manifest_sha256"])
+        and record["step"] >= 0
+    ):
+        raise _corrupt(where, "a field is out of its range")
+    return record
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """The :class:`Manifest` in ``manifest.json``'s bytes, checked against the schema."""
+    record = _fields(_load_json(raw, where), _MANIFEST_FIELDS, where, "the manifest")
+    layout = _fields(record["layout"], _LAYOUT_FIELDS, where, "the manifest's layout")
+    if record["format"] != FORMAT:
+        raise _corrupt(where, f"format {record['format']} is not {FORMAT}")
+    if not (
+        _RUN_ID.fullmatch(record["run_id"])
+        and _STEP_DIR.fullmatch(record["directory"])
+        and record["rng_mode"] in _RNG_MODES
+        and record["step"] >= 0
+        and 0 <= record["seed"] < 2**64
+        and record["global_batch"] >= 1
+        and all(layout[axis] >= 1 for axis in ("tp", "dp", "pp", "microbatches"))
+        and len(record["losses"]) == record["step"]
+        and all(type(loss) is float for loss in record["losses"])
+        and all(
+            type(name) is str
+            and os.path.basename(name) == name
+            and name not in ("", ".", "..")
+            and type(digest) is str
+            and _HEX64.fullmatch(digest)
+            for name, digest in record["files"].items()
+        )
+    ):
+        raise _corrupt(where, "a field is out of its range or of the wrong type")
+    if manifest_bytes(Manifest(**{**record, "layout": Layout(**layout)})) != raw:
+        raise _corrupt(where, "it is not in the canonical form the job writes")
+    return Manifest(**{**record, "layout": Layout(**layout)})
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_manifest(path: str) -> Manifest:
+    """The committed checkpoint in ``path``, its manifest and files checked against their hashes.
+
+    Raises :class:`TrainingCheckpointError` naming the file at fault when ``path`` does not
+    exist or holds nothing committed, when ``COMMITTED`` or ``manifest.json`` is altered or
+    does not fit the schema, when the pointer and the manifest name different runs or steps,
+    or when a data file is missing, extra or altered.
+    """
+    if not os.path.isdir(path):
+        raise TrainingCheckpointError(
+            f"{path} does not exist or is not a directory; give the directory a run saved to"
+        )
+    pointer_path = os.path.join(path, COMMITTED)
+    if not os.path.isfile(pointer_path):
+        raise TrainingCheckpointError(
+            f"{path} holds no committed checkpoint ({pointer_path} is missing): it is not a "
+            "checkpoint directory, or the save that wrote it did not finish; resume from an "
+            "earlier checkpoint"
+        )
+    pointer = parse_pointer(_read_bytes(pointer_path), pointer_path)
+    directory = os.path.join(path, pointer["directory"])
+    manifest_path = os.path.join(directory, MANIFEST)
+    try:
+        raw = _read_bytes(manifest_path)
+    except OSError as exc:
+        raise TrainingCheckpointError(
+            f"{pointer_path} names {manifest_path}, which cannot be read ({exc.strerror}); the "
+            "checkpoint is incomplete - resume from another one"
+        ) from None
+    if hashlib.sha256(raw).hexdigest() != pointer["manifest_sha256"]:
+        raise _corrupt(manifest_path, f"its bytes do not match the sha256 {pointer_path} records")
+    manifest = parse_manifest(raw, manifest_path)
+    if (manifest.run_id, manifest.step, manifest.directory) != (
+        pointer["run_id"],
+        pointer["step"],
+        pointer["directory"],
+    ):
         raise TrainingCheckpointError(
             f"{path}: COMMITTED names run {pointer['run_id']} step {pointer['step']} but "
-            f"{pointer['directory']} holds run {record.get('run_id')} step {record.get('step')}; "
+            f"{pointer['directory']} holds run {manifest.run_id} step {manifest.step}; "
             "the directory mixes checkpoints - resume from another one"
         )
     present = sorted(f for f in os.listdir(directory) if f != MANIFEST)
-    if present != sorted(record["files"]):
+    if present != sorted(manifest.files):
         raise TrainingCheckpointError(
-            f"{directory}: files {present} differ from the manifest's {sorted(record['files'])}"
+            f"{directory}: files {present} differ from the manifest's {sorted(manifest.files)}"
         )
-    for name, digest in record["files"].items():
+    for name, digest in manifest.files.items():
         if _sha256(os.path.join(directory, name)) != digest:
             raise TrainingCheckpointError(
                 f"{directory}/{name} does not match its recorded hash: the checkpoint is corrupt"
             )
-    record["layout"] = Layout(**record["layout"])
-    record["directory"] = directory
-    return Manifest(**record)
+    return replace(manifest, directory=directory)
 
 
 def check_resume(

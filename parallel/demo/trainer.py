@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import SaveTargetError, TrainArgumentError, TrainingCheckpointError
 from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.demo.corpus import Corpus
 from rng_tracker.parallel.demo.dcp_checkpoint import (
+    COMMITTED,
     FORMAT,
     Layout,
     LogicalTensor,
@@ -32,6 +34,7 @@ from rng_tracker.parallel.demo.dcp_checkpoint import (
     load_checkpoint,
     local_shard,
     new_run_id,
+    parse_pointer,
     rank_rng_states,
     read_manifest,
     save_checkpoint,
@@ -44,7 +47,17 @@ from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
 from rng_tracker.seeds import SeedPlan, model_parallel_seed
 from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
 
-__all__ = ["Job", "TrainConfig", "TrainResult", "build", "train", "train_step"]
+__all__ = [
+    "Job",
+    "TrainConfig",
+    "TrainResult",
+    "build",
+    "check_save_target",
+    "preflight",
+    "train",
+    "train_step",
+    "validate_config",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +86,7 @@ class TrainConfig:
     probe_masks: bool = False
     log_every: int = 1
     quiet: bool = False
+    overwrite: bool = False  # let ``save`` replace another run's checkpoint in that directory
 
 
 @dataclass
@@ -140,16 +154,170 @@ def _specs(model: TinyGPT, stages: int, tp: int) -> list[LogicalTensor]:
     return specs
 
 
+# --- checks before any work: every rank reaches the same verdict from the same inputs -------
+
+_CHOICES = {
+    "schedule": ("1f1b", "gpipe"),
+    "recompute": ("none", "full", "selective"),
+    "rng_mode": ("megatron", "invariant", "keyed"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _tp_fits(model: GPTConfig, tp: int, sp: bool) -> bool:
+    """Whether TinyGPT's vocab, heads, widths (and, with SP, its sequence) divide by ``tp``."""
+    sizes = [model.vocab, model.heads, model.hidden, model.ffn] + ([model.seq_len] if sp else [])
+    return all(size % tp == 0 for size in sizes)
+
+
+def validate_config(cfg: TrainConfig, *, world: int | None = None, dp: int | None = None) -> int:
+    """Refuse a run that cannot work, before any rank builds or trains anything.
+
+    ``world`` is the number of processes (unknown: None) and ``dp`` the data-parallel size asked
+    for (None: what remains of the world). Returns the data-parallel size (1 if ``world`` is
+    None). Raises :class:`TrainArgumentError` saying which setting to change and to what.
+    """
+    counts = ("tp", "pp", "microbatches", "global_batch", "steps", "log_every")
+    for name in counts:
+        value = getattr(cfg, name)
+        if type(value) is not int or value < 1:
+            raise TrainArgumentError(f"{_flag(name)} must be a positive integer, got {value!r}")
+    if type(cfg.seed) is not int or not 0 <= cfg.seed < 2**64:
+        raise TrainArgumentError(f"--seed must be an integer in [0, 2**64), got {cfg.seed!r}")
+    for name, choices in _CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise TrainArgumentError(
+                f"{_flag(name)} must be one of {', '.join(choices)}; got {getattr(cfg, name)!r}"
+            )
+    if not (type(cfg.lr) is float and cfg.lr > 0):
+        raise TrainArgumentError(f"lr must be a positive float, got {cfg.lr!r}")
+    model = cfg.model
+    if not _tp_fits(model, cfg.tp, cfg.sp):
+        fits = [t for t in range(1, model.heads + 1) if _tp_fits(model, t, cfg.sp)]
+        parts = f"vocab {model.vocab}, heads {model.heads}, hidden {model.hidden}, ffn {model.ffn}"
+        if cfg.sp:
+            parts += f", and with --sp the sequence length {model.seq_len}"
+        choices = " or ".join(filter(None, [", ".join(map(str, fits[:-1])), str(fits[-1])]))
+        raise TrainArgumentError(
+            f"--tp {cfg.tp} cannot split TinyGPT ({parts} must all divide by it); "
+            f"use --tp {choices}"
+        )
+    if cfg.pp > model.layers:
+        raise TrainArgumentError(
+            f"--pp {cfg.pp} exceeds TinyGPT's {model.layers} layers (a stage needs one); "
+            f"use --pp 1 to {model.layers}"
+        )
+    if dp is not None and (type(dp) is not int or dp < 1):
+        raise TrainArgumentError(f"--dp must be a positive integer, got {dp!r}")
+    if world is None:
+        dp = dp or 1
+    else:
+        if world % (cfg.tp * cfg.pp):
+            raise TrainArgumentError(
+                f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} does not divide the "
+                f"{world} processes; choose sizes whose product divides {world}"
+            )
+        if dp is not None and cfg.tp * dp * cfg.pp != world:
+            raise TrainArgumentError(
+                f"--tp {cfg.tp} x --dp {dp} x --pp {cfg.pp} must equal the number of processes "
+                f"({world}); leave out --dp to use {world // (cfg.tp * cfg.pp)}"
+            )
+        dp = world // (cfg.tp * cfg.pp)
+    if cfg.global_batch % (dp * cfg.microbatches):
+        raise TrainArgumentError(
+            f"--global-batch {cfg.global_batch} must divide into dp={dp} ranks x "
+            f"{cfg.microbatches} microbatches; choose a multiple of {dp * cfg.microbatches}"
+        )
+    return dp
+
+
+def _committed_run(path: str) -> str | None:
+    """The run id ``path/COMMITTED`` names; "" for a pointer that cannot be read; None: no file."""
+    pointer = os.path.join(path, COMMITTED)
+    if not os.path.lexists(pointer):
+        return None
+    try:
+        with open(pointer, "rb") as f:
+            return parse_pointer(f.read(), pointer)["run_id"]
+    except (OSError, TrainingCheckpointError):
+        return ""
+
+
+def check_save_target(save: str, *, overwrite: bool = False, resume: str | None = None) -> None:
+    """Refuse a ``save`` directory the job could not commit into, before training starts.
+
+    It must be a directory (or creatable as one) that this process can write. If it holds a
+    committed checkpoint of another run than the one ``resume`` continues, saving would replace
+    that run's checkpoint: refused unless ``overwrite``. Raises :class:`SaveTargetError`.
+    """
+    if os.path.lexists(save) and not os.path.isdir(save):
+        raise SaveTargetError(
+            f"--save {save} exists and is not a directory; a checkpoint is a directory - "
+            "give a new or existing directory"
+        )
+    existing = os.path.abspath(save)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise SaveTargetError(
+            f"--save {save} cannot be created: {existing} is a file, not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SaveTargetError(
+            f"--save {save} cannot be written: {existing} is not writable by this user"
+        )
+    if existing != os.path.abspath(save) or overwrite:
+        return
+    held = _committed_run(save)
+    if held is None or (resume is not None and held and held == _committed_run(resume)):
+        return  # empty of checkpoints, or this run's own checkpoint that the resume continues
+    whose = f"run {held[:8]}" if held else "an unreadable checkpoint"
+    raise SaveTargetError(
+        f"--save {save} holds {whose}'s committed checkpoint, which this run would replace; "
+        "pass --overwrite to replace it, or save to another directory"
+    )
+
+
+def preflight(cfg: TrainConfig, *, world: int, dp: int | None = None) -> Manifest | None:
+    """Every check a run can make before any rank starts: arguments, save target, resume point.
+
+    Returns the manifest of ``cfg.resume`` (None without one). Raises
+    :class:`TrainArgumentError`, :class:`SaveTargetError`, or for the checkpoint to resume,
+    :class:`TrainingCheckpointError` / :class:`ResumeRefusedError`.
+    """
+    dp = validate_config(cfg, world=world, dp=dp)
+    if cfg.save is not None:
+        check_save_target(cfg.save, overwrite=cfg.overwrite, resume=cfg.resume)
+    if cfg.resume is None:
+        return None
+    if not os.path.exists(cfg.resume):
+        raise TrainArgumentError(f"--resume {cfg.resume} does not exist; check the path")
+    manifest = read_manifest(cfg.resume)
+    _check_steps_left(cfg, manifest)
+    layout = Layout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
+    check_resume(
+        manifest, rng_mode=cfg.rng_mode, seed=cfg.seed, global_batch=cfg.global_batch, layout=layout
+    )
+    return manifest
+
+
+def _check_steps_left(cfg: TrainConfig, manifest: Manifest) -> None:
+    if cfg.steps <= manifest.step:
+        raise TrainArgumentError(
+            f"--resume {cfg.resume} is at step {manifest.step} and --steps {cfg.steps} counts "
+            f"from step 0, so this run would train nothing; pass --steps above {manifest.step}"
+        )
+
+
 def build(cfg: TrainConfig) -> Job:
     """Mesh, seeds, this rank's pipeline stage, schedule and optimizer (the default group)."""
+    validate_config(cfg, world=dist.get_world_size())
     destroy_model_parallel()
     state = init_model_parallel(tensor=cfg.tp, pipeline=cfg.pp)
     dp = state.size("dp")
-    if cfg.microbatches < 1 or cfg.global_batch % (dp * cfg.microbatches):
-        raise ParallelConfigError(
-            f"global batch {cfg.global_batch} must divide into dp={dp} ranks x "
-            f"{cfg.microbatches} microbatches; choose a multiple of {dp * max(cfg.microbatches, 1)}"
-        )
     device = _device()
     tracker = get_rng_tracker(device)
     plan = model_parallel_seed(cfg.seed, tracker=tracker)
@@ -362,7 +530,13 @@ def _load(job: Job, path: str) -> Manifest:
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Train TinyGPT on the default process group with ``cfg``; every rank returns its result."""
+    """Train TinyGPT on the default process group with ``cfg``; every rank returns its result.
+
+    ``cfg`` and its save target are checked first (:func:`validate_config`,
+    :func:`check_save_target`), so a run that could not finish or save fails before training.
+    """
+    if cfg.save is not None:
+        check_save_target(cfg.save, overwrite=cfg.overwrite, resume=cfg.resume)
     job = build(cfg)
     tracker = get_rng_tracker(job.device)
     gpt = job.stage.config
@@ -370,6 +544,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     talk = dist.get_rank() == 0 and not cfg.quiet
     if cfg.resume:
         manifest = _load(job, cfg.resume)
+        _check_steps_left(cfg, manifest)
         step, losses, run_id = manifest.step, list(manifest.losses), manifest.run_id
         if talk:
             old = manifest.layout

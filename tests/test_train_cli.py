@@ -1,0 +1,188 @@
+"""scripts/train.py refuses every argument it cannot run before any rank starts work.
+
+Each refusal is a typed error (an ``RNGTrackerError`` and a ``ValueError``) printed as one line
+on stderr, exit status 2, no traceback, nothing trained or written. Most cases call the
+script's ``main`` in this process (it returns before any process group exists); a few run it as
+a real process, alone and with ``--nproc-per-node``, to show the same from the outside.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from rng_tracker.errors import RNGTrackerError, SaveTargetError, TrainArgumentError
+from rng_tracker.parallel.demo.dcp_checkpoint import (
+    FORMAT,
+    Layout,
+    Manifest,
+    commit_pointer,
+    read_manifest,
+    write_manifest,
+)
+from rng_tracker.parallel.demo.trainer import TrainConfig, check_save_target, preflight
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "train.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train_script = _script()
+
+
+def _checkpoint(path: Path, *, step: int = 3, run_id: str = "ab" * 16) -> Path:
+    """A committed checkpoint (keyed, seed 1234, batch 16, one rank) written without training."""
+    name = f"step-{step:08d}-{run_id[:8]}-0000cafe"
+    (path / name).mkdir(parents=True)
+    manifest = Manifest(
+        format=FORMAT,
+        run_id=run_id,
+        step=step,
+        rng_mode="keyed",
+        seed=1234,
+        global_batch=16,
+        layout=Layout(tp=1, dp=1, pp=1, microbatches=1, sp=False),
+        losses=[4.0] * step,
+        has_optimizer=step > 0,
+        files={},
+        directory=name,
+    )
+    commit_pointer(str(path), manifest, write_manifest(str(path / name), manifest))
+    return path
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """Run main(argv) here: it must exit 2 with one line on stderr and start nothing."""
+    try:
+        code = train_script.main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, out, err)
+    assert out == "" and not dist.is_initialized(), argv  # nothing started
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--steps", "0"], "TrainArgumentError: --steps must be a positive integer"),
+        (["--steps", "-3"], "--steps must be a positive integer"),
+        (["--tp", "0"], "--tp must be a positive integer"),
+        (["--tp", "3"], "use --tp 1, 2 or 4"),
+        (["--tp", "8"], "use --tp 1, 2 or 4"),
+        (["--pp", "0"], "--pp must be a positive integer"),
+        (["--pp", "3"], "exceeds TinyGPT's 2 layers"),
+        (["--dp", "0"], "--dp must be a positive integer"),
+        (["--dp", "2"], "must equal the number of processes (1)"),
+        (["--microbatches", "0"], "--microbatches must be a positive integer"),
+        (["--microbatches", "3"], "choose a multiple of 3"),
+        (["--global-batch", "0"], "--global-batch must be a positive integer"),
+        (["--log-every", "0"], "--log-every must be a positive integer"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**64)"),
+        (["--seed", str(2**64)], "--seed must be an integer in [0, 2**64)"),
+        (["--nproc-per-node", "2", "--tp", "3"], "use --tp 1, 2 or 4"),
+        (["--nproc-per-node", "4", "--tp", "2", "--microbatches", "3"], "multiple of 6"),
+        (["--nproc-per-node", "3", "--tp", "2"], "does not divide the 3 processes"),
+        (["--nproc-per-node", "0"], "--nproc-per-node must be a positive integer"),
+        (["--steps", "abc"], "invalid int value: 'abc'"),
+        (["--rng-mode", "fast"], "invalid choice: 'fast'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_bad_argument_is_one_line_and_exit_2_before_any_work(capsys, argv, words):
+    """Each of these crashed mid-run or trained on main (IndexError, ZeroDivisionError, a
+    'multiple of 1' hint, a --tp the vocab cannot split): now refused before anything starts."""
+    assert words in _refused(capsys, argv)
+
+
+def test_a_save_target_that_is_a_file_is_refused_before_training(capsys, tmp_path):
+    """--save onto an existing file, or below one, is refused up front; the file is untouched."""
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    line = _refused(capsys, ["--steps", "1", "--save", str(target)])
+    assert "SaveTargetError" in line and "not a directory" in line
+    assert "cannot be created" in _refused(capsys, ["--save", str(target / "ckpt")])
+    assert target.read_text() == "mine"
+    with pytest.raises(SaveTargetError) as info:
+        check_save_target(str(target))
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+
+
+def test_saving_over_another_runs_checkpoint_needs_overwrite(capsys, tmp_path):
+    """A directory holding another run's committed checkpoint is refused without --overwrite;
+    with it, or when the run resumes from that very checkpoint, the target is accepted."""
+    other = _checkpoint(tmp_path / "other", run_id="cd" * 16)
+    line = _refused(capsys, ["--rng-mode", "keyed", "--save", str(other)])
+    assert "run cdcdcdcd" in line and "--overwrite" in line
+    assert read_manifest(str(other)).run_id == "cd" * 16  # untouched
+    preflight(
+        TrainConfig(rng_mode="keyed", global_batch=16, save=str(other), overwrite=True), world=1
+    )
+    own = TrainConfig(
+        rng_mode="keyed", global_batch=16, steps=5, save=str(other), resume=str(other)
+    )
+    assert preflight(own, world=1).step == 3
+    mine = _checkpoint(tmp_path / "mine", run_id="ef" * 16)
+    with pytest.raises(SaveTargetError, match="run cdcdcdcd"):  # resuming another run
+        check_save_target(str(other), resume=str(mine))
+
+
+def test_a_resume_that_would_train_nothing_says_so(capsys, tmp_path):
+    """--steps at or below the checkpoint's step exited 0 having trained nothing on main."""
+    ckpt = _checkpoint(tmp_path / "ckpt", step=3)
+    for steps in ("3", "2"):
+        line = _refused(capsys, ["--rng-mode", "keyed", "--steps", steps, "--resume", str(ckpt)])
+        assert "TrainArgumentError" in line and "would train nothing" in line
+        assert "pass --steps above 3" in line
+
+
+def test_a_mistyped_resume_path_is_named_as_missing(capsys, tmp_path):
+    """Not 'the save that wrote it did not finish', as main said."""
+    line = _refused(capsys, ["--resume", str(tmp_path / "ckpy")])
+    assert "does not exist" in line and "did not finish" not in line
+    with pytest.raises(TrainArgumentError):
+        preflight(TrainConfig(resume=str(tmp_path / "ckpy")), world=1)
+
+
+def test_a_resume_the_checkpoint_refuses_is_refused_before_any_rank_starts(capsys, tmp_path):
+    """Another seed than the checkpoint's: ResumeRefusedError, one line, before any work."""
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    argv = ["--rng-mode", "keyed", "--steps", "5", "--seed", "7", "--resume", str(ckpt)]
+    assert "ResumeRefusedError" in _refused(capsys, argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "0"], ["--nproc-per-node", "2", "--tp", "3"], ["--tp", "two"]],
+    ids=["alone", "nproc-per-node", "argparse"],
+)
+def test_as_a_process_the_refusal_is_one_line_and_exit_2(argv):
+    """The real script, run as a user runs it: exit 2, one stderr line, no traceback; with
+    --nproc-per-node the check runs before torchrun would start any rank."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
