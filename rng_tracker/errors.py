@@ -187,3 +187,22 @@ class DTensorInputTypeError(RNGTrackerError, TypeError):
 
 class InvariantRandomModeError(RNGTrackerError, RuntimeError):
     """invariant_random() enabled or disabled out of order with other torch function modes."""
+
+
+class InvariantRandomConfigError(RNGTrackerError, ValueError):
+    """invariant_random() given an unknown init mode, a bad seed, or keyed init without a model."""
+
+
+class InvariantRandomUnsupportedError(RNGTrackerError, TypeError):
+    """A random op under invariant_random() that has no layout-invariant draw for these inputs."""
+
+
+class RNGStateLayoutError(RNGTrackerError, ValueError):
+    """Saved per-rank RNG states loaded on another layout, where they cannot be restored exactly."""
+
+
+__all__ += [
+    "InvariantRandomConfigError",
+    "InvariantRandomUnsupportedError",
+    "RNGStateLayoutError",
+]
