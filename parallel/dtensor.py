@@ -574,8 +574,6 @@ _REFUSED_ON_DTENSOR: dict[Any, str] = {
     torch.rand_like: "torch.rand_like",
     torch.randn_like: "torch.randn_like",
     torch.randint_like: "torch.randint_like",
-    torch.nn.init.orthogonal_: "nn.init.orthogonal_",
-    torch.nn.init.sparse_: "nn.init.sparse_",
     F.rrelu: "F.rrelu",
     torch.rrelu: "torch.rrelu",
 }
