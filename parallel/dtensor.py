@@ -19,7 +19,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -33,16 +33,21 @@ from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import (
     DTensorInputTypeError,
     DTensorPlacementError,
+    InvariantRandomConfigError,
     InvariantRandomModeError,
+    InvariantRandomUnsupportedError,
     RNGConsistencyError,
 )
 from rng_tracker.kernels import Layout, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels.dropout import _check_p
+from rng_tracker.kernels.reference import keep_scale
 from rng_tracker.parallel._placement import Box, LocalIndex, local_index_of
+from rng_tracker.parallel.keyed_init import KeyedInit, keyed_normal_, keyed_uniform_
 
 __all__ = [
+    "InitMode",
     "assert_same_generator_state",
     "bias_dropout_add",
     "disable_invariant_random",
@@ -322,102 +327,348 @@ def assert_same_generator_state(
 
 # --- routing torch's own calls -------------------------------------------------------
 
+InitMode = Literal["full", "keyed"]
+_INIT_MODES = ("full", "keyed")
 
-def _f_dropout(
-    input: DTensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> DTensor:
-    out = dropout(input, p, training=training)
+
+def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout of a DTensor or a plain tensor: the same kernel, so one device equals any mesh."""
+    if isinstance(x, DTensor):
+        return dropout(x, p, training=training)
+    return _kernel_dropout(x, p, training=training)
+
+
+def _keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The keep mask (bool, x's shape and placements) dropout(x, p) would draw."""
+    if isinstance(x, DTensor):
+        x = _without_partial(x)
+        ones = _wrap(torch.ones(x.to_local().shape, device=x.device), x)
+        return dropout(ones, p) != 0
+    return _kernel_dropout(torch.ones(x.shape, device=x.device), p) != 0
+
+
+def _inplace(input: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
     if inplace and out is not input:
         return input.copy_(out)
     return out
 
 
-def _torch_dropout(input: DTensor, p: float, train: bool) -> DTensor:
-    return dropout(input, p, training=train)
+def _f_dropout(
+    ctx: _InvariantRandomMode,
+    input: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+) -> torch.Tensor:
+    return _inplace(input, _drop(input, p, training), inplace)
 
 
-def _init_uniform(
-    tensor: DTensor, a: float = 0.0, b: float = 1.0, generator: torch.Generator | None = None
-) -> DTensor:
-    return uniform_(tensor, a, b, generator=generator)
+def _torch_dropout(
+    ctx: _InvariantRandomMode, input: torch.Tensor, p: float, train: bool
+) -> torch.Tensor:
+    return _drop(input, p, train)
 
 
-def _init_normal(
-    tensor: DTensor, mean: float = 0.0, std: float = 1.0, generator: torch.Generator | None = None
-) -> DTensor:
-    return normal_(tensor, mean, std, generator=generator)
+_ALPHA = 1.7580993408473766  # SELU's alpha: alpha dropout keeps mean 0 and variance 1
 
 
-def _method_uniform(
-    self: DTensor,
-    from_: float = 0.0,
-    to: float = 1.0,
+def _alpha(input: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """torch's alpha-dropout arithmetic on our keep mask."""
+    a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+    noise = keep.to(input.dtype)
+    bias = (noise - 1) * (_ALPHA * a) + _ALPHA * a * p
+    return input * (noise * a) + bias
+
+
+def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
+    """The per-(sample, channel) keep mask of a feature dropout, broadcastable to ``input``.
+
+    Drawn on the logical (N, C) tensor by every rank alike, then cut to this rank's part.
+    """
+    batched = input.dim() > _FEATURE_UNBATCHED_DIMS.get(func, 0)
+    features = 2 if batched else 1
+    shape = tuple(input.shape[:features])
+    keep = _kernel_dropout(torch.ones(shape, device=input.device), p) != 0  # (N, C) or (C,)
+    if isinstance(input, DTensor):
+        index = local_index_of(input)
+        for dim in range(features):
+            if index.indices[dim] != tuple(range(shape[dim])):
+                rows = torch.tensor(index.indices[dim], dtype=torch.int64, device=keep.device)
+                keep = keep.index_select(dim, rows)
+    return keep.reshape(keep.shape + (1,) * (input.dim() - features))
+
+
+def _feature(alpha: bool) -> Callable[..., torch.Tensor]:
+    def route(
+        ctx: _InvariantRandomMode,
+        input: torch.Tensor,
+        p: float = 0.5,
+        training: bool = not alpha,
+        inplace: bool = False,
+        *,
+        _func: Any = None,
+    ) -> torch.Tensor:
+        p = _check_p(p)
+        if not training or p == 0.0:
+            return input
+        if alpha and p == 1.0:
+            return _inplace(input, input.mul(0.0), inplace)
+        x = _without_partial(input) if isinstance(input, DTensor) else input
+        local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
+        keep = _feature_keep(_func, x, p)
+        out = _alpha(local, keep, p) if alpha else local * (keep.to(local.dtype) * keep_scale(p))
+        result = _wrap(out, x) if isinstance(x, DTensor) else out
+        return _inplace(input, result, inplace)
+
+    return route
+
+
+def _alpha_dropout(
+    ctx: _InvariantRandomMode,
+    input: torch.Tensor,
+    p: float = 0.5,
+    training: bool = False,
+    inplace: bool = False,
+) -> torch.Tensor:
+    p = _check_p(p)
+    if not training or p == 0.0:
+        return input
+    if p == 1.0:
+        return _inplace(input, input.mul(0.0), inplace)
+    x = _without_partial(input) if isinstance(input, DTensor) else input
+    keep = _keep(x, p)
+    if isinstance(x, DTensor):
+        out = _wrap(_alpha(x.to_local(), keep.to_local(), p), x)
+    else:
+        out = _alpha(x, keep, p)
+    return _inplace(input, out, inplace)
+
+
+def _bernoulli_(
+    ctx: _InvariantRandomMode,
+    self: torch.Tensor,
+    p: float | torch.Tensor = 0.5,
     *,
     generator: torch.Generator | None = None,
-    **kwargs: float,
-) -> DTensor:
-    return uniform_(self, kwargs.get("from", from_), to, generator=generator)
+) -> torch.Tensor:
+    if isinstance(p, torch.Tensor) or generator is not None:
+        raise InvariantRandomUnsupportedError(
+            "Tensor.bernoulli_ under invariant_random() takes a float p and the default "
+            "generator; a tensor of probabilities or a generator= has no layout-invariant "
+            "draw here - draw it outside the block, or use a float p"
+        )
+    keep = _keep(self, 1.0 - _check_p(p))
+    with torch.no_grad():
+        return self.copy_(keep)
 
 
-def _method_normal(
-    self: DTensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
-) -> DTensor:
-    return normal_(self, mean, std, generator=generator)
+def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[..., Any]:
+    """A route for uniform_/normal_: keyed by name in keyed mode, else torch's own draw on the
+    full tensor (a DTensor keeps its part; a plain tensor is the full tensor)."""
+
+    def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if ctx.keyed is not None and kwargs.get("generator") is None:
+            name = ctx.keyed.name_of(tensor)
+            if name is not None:
+                values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
+                for i, value in enumerate(args[:2]):
+                    values[i] = value
+                for i, key in enumerate(names):
+                    values[i] = kwargs.get(key, values[i])
+                fill = keyed_uniform_ if kind == "uniform" else keyed_normal_
+                return fill(
+                    tensor, float(values[0]), float(values[1]), name=name, seed=ctx.keyed.seed
+                )
+        if isinstance(tensor, DTensor):
+            return _init_(tensor, lambda full: torch_func(full, *args, **kwargs))
+        return torch_func(tensor, *args, **kwargs)
+
+    return route
 
 
-def _init_kaiming_uniform(tensor: DTensor, *args: Any, **kwargs: Any) -> DTensor:
-    # It dispatches as itself, so its inner Tensor.uniform_ would run with the mode off:
-    # run the whole init on a full tensor instead (its fan is the global shape's).
-    return _init_(tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs))
+def _init_kaiming_uniform(
+    ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    # kaiming_uniform_ dispatches as itself, so its inner Tensor.uniform_ would run with the
+    # mode off: compute its bound from the global shape here and draw through the routes.
+    if ctx.keyed is not None and ctx.keyed.name_of(tensor) is not None:
+        bound = _kaiming_bound(tensor, *args, **kwargs)
+        return _ROUTES[torch.Tensor.uniform_](ctx, tensor, -bound, bound)
+    if isinstance(tensor, DTensor):
+        return _init_(tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs))
+    return torch.nn.init.kaiming_uniform_(tensor, *args, **kwargs)
 
 
-_ROUTES: dict[Any, Callable[..., DTensor]] = {
-    F.dropout: _f_dropout,
-    torch.dropout: _torch_dropout,
-    torch.nn.init.uniform_: _init_uniform,
-    torch.nn.init.normal_: _init_normal,
-    torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
-    torch.Tensor.uniform_: _method_uniform,
-    torch.Tensor.normal_: _method_normal,
+def _kaiming_bound(
+    tensor: torch.Tensor,
+    a: float = 0.0,
+    mode: str = "fan_in",
+    nonlinearity: str = "leaky_relu",
+    generator: torch.Generator | None = None,
+) -> float:
+    if 0 in tensor.shape:
+        return 0.0
+    fan = torch.nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
+    gain = torch.nn.init.calculate_gain(nonlinearity, a)  # type: ignore[arg-type]
+    return math.sqrt(3.0) * gain / math.sqrt(fan)
+
+
+def _refuse_on_dtensor(name: str) -> Callable[..., Any]:
+    def route(ctx: _InvariantRandomMode, *args: Any, **kwargs: Any) -> Any:
+        raise InvariantRandomUnsupportedError(
+            f"{name} on a DTensor under invariant_random() has no layout-invariant draw (each "
+            "shard would draw from the same generator state on its own); draw it on a plain "
+            "tensor and distribute it, or leave the block"
+        )
+
+    return route
+
+
+# F.dropout1d/2d/3d and feature_alpha_dropout: inputs of more dims than this carry a batch dim.
+_FEATURE_UNBATCHED_DIMS: dict[Any, int] = {
+    F.dropout1d: 2,
+    F.dropout2d: 2,  # torch treats a 3-D input to dropout2d as batched (N, C, L)
+    F.dropout3d: 4,
+    F.feature_alpha_dropout: 1,
 }
 
 
+def _bind_feature(func: Any, alpha: bool) -> Callable[..., torch.Tensor]:
+    route = _feature(alpha)
+
+    def bound(ctx: _InvariantRandomMode, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return route(ctx, *args, _func=func, **kwargs)
+
+    return bound
+
+
+_ROUTES: dict[Any, Callable[..., Any]] = {
+    F.dropout: _f_dropout,
+    torch.dropout: _torch_dropout,
+    F.dropout1d: _bind_feature(F.dropout1d, alpha=False),
+    F.dropout2d: _bind_feature(F.dropout2d, alpha=False),
+    F.dropout3d: _bind_feature(F.dropout3d, alpha=False),
+    F.alpha_dropout: _alpha_dropout,
+    F.feature_alpha_dropout: _bind_feature(F.feature_alpha_dropout, alpha=True),
+    torch.Tensor.bernoulli_: _bernoulli_,
+    torch.nn.init.uniform_: _init_route(torch.nn.init.uniform_, "uniform", ("a", "b")),
+    torch.nn.init.normal_: _init_route(torch.nn.init.normal_, "normal", ("mean", "std")),
+    torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
+    torch.Tensor.uniform_: _init_route(torch.Tensor.uniform_, "uniform", ("from", "to")),
+    torch.Tensor.normal_: _init_route(torch.Tensor.normal_, "normal", ("mean", "std")),
+}
+
+# Random ops with no invariant route: refused on a DTensor; on a plain tensor they run
+# torch's own code (a documented pass-through: a tensor that is plain on every layout).
+_REFUSED_ON_DTENSOR: dict[Any, str] = {
+    torch.Tensor.random_: "Tensor.random_",
+    torch.Tensor.exponential_: "Tensor.exponential_",
+    torch.Tensor.cauchy_: "Tensor.cauchy_",
+    torch.Tensor.log_normal_: "Tensor.log_normal_",
+    torch.Tensor.geometric_: "Tensor.geometric_",
+    torch.Tensor.bernoulli: "Tensor.bernoulli",
+    torch.bernoulli: "torch.bernoulli",
+    torch.normal: "torch.normal",
+    torch.poisson: "torch.poisson",
+    torch.multinomial: "torch.multinomial",
+    torch.rand_like: "torch.rand_like",
+    torch.randn_like: "torch.randn_like",
+    torch.randint_like: "torch.randint_like",
+    F.rrelu: "F.rrelu",
+    torch.rrelu: "torch.rrelu",
+}
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> object:
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
 class _InvariantRandomMode(TorchFunctionMode):
-    """Sends the random ops of _ROUTES to the invariant ops when their tensor is a DTensor."""
+    """Sends the random ops of _ROUTES, on plain tensors and DTensors alike, to the invariant
+    ops; refuses the random ops that have none on a DTensor."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        init: InitMode = "full",
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if init not in _INIT_MODES:
+            raise InvariantRandomConfigError(
+                f"init must be 'full' (torch's values on the full tensor) or 'keyed' (values "
+                f"keyed by parameter name, computed per shard), got {init!r}"
+            )
+        if init == "full" and seed is not None:
+            raise InvariantRandomConfigError(
+                "seed= keys init='keyed' only; init='full' draws from the default generator "
+                "(seed it with torch.manual_seed on every rank)"
+            )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise InvariantRandomConfigError(
+                f"model must be an nn.Module or None, got {type(model).__name__}"
+            )
+        self.init = init
+        self.keyed: KeyedInit | None = None
+        if init == "keyed":
+            if model is None:
+                raise InvariantRandomConfigError(
+                    "init='keyed' needs model=: its parameter names key the values"
+                )
+            self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         route = _ROUTES.get(func)
-        if route is not None:
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            if isinstance(first, DTensor):
-                return route(*args, **kwargs)
+        if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
+            return route(self, *args, **kwargs)
+        if func in _REFUSED_ON_DTENSOR and any(
+            isinstance(a, DTensor) for a in (*args, *kwargs.values())
+        ):
+            return _refuse_on_dtensor(_REFUSED_ON_DTENSOR[func])(self)
         return func(*args, **kwargs)
 
 
 @contextmanager
-def invariant_random() -> Iterator[None]:
-    """Within the block, dropout and init on DTensors draw layout-invariant randomness.
+def invariant_random(
+    model: torch.nn.Module | None = None, *, init: InitMode = "full", seed: int | None = None
+) -> Iterator[None]:
+    """Within the block, dropout and init draw the same values on one device and on any mesh.
 
-    Routes ``F.dropout``/``nn.Dropout``/``torch.dropout``, ``nn.init.uniform_``/``normal_``/
-    ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` whose tensor is a DTensor (so
-    ``xavier_*``, ``kaiming_normal_`` and ``trunc_normal_`` too); every other call, and
-    every call on a plain tensor, runs torch's own code. Per thread (torch function modes are).
+    Routes, on plain tensors and DTensors alike: ``F.dropout`` (so ``nn.Dropout``),
+    ``torch.dropout``, ``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``
+    and ``Tensor.bernoulli_`` to the layout-invariant kernel; ``nn.init.uniform_``/``normal_``/
+    ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` (so ``xavier_*``,
+    ``kaiming_normal_`` and ``trunc_normal_`` too) to the init of ``init``:
+
+    - ``"full"``: torch's own draw on the full tensor (bitwise a plain single-device torch
+      init from the same generator state; each rank draws the whole tensor);
+    - ``"keyed"``: values a pure function of (``seed``, the parameter's name in ``model``,
+      the element's global index); each rank computes only its shard. ``seed`` defaults to
+      ``torch.initial_seed()``; tensors that are not parameters or buffers of ``model`` get
+      the full-tensor draw.
+
+    Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
+    and run torch's own code on a plain tensor. Per thread (torch function modes are).
     """
-    with _InvariantRandomMode():
+    with _InvariantRandomMode(model, init=init, seed=seed):
         yield
 
 
 _ENABLED: list[_InvariantRandomMode] = []
 
 
-def enable_invariant_random() -> None:
-    """Turn ``invariant_random()`` on until ``disable_invariant_random()`` (idempotent)."""
+def enable_invariant_random(
+    model: torch.nn.Module | None = None, *, init: InitMode = "full", seed: int | None = None
+) -> None:
+    """Turn ``invariant_random(...)`` on until ``disable_invariant_random()`` (idempotent:
+    a second call while on changes nothing)."""
     if _ENABLED:
         return
-    mode = _InvariantRandomMode()
+    mode = _InvariantRandomMode(model, init=init, seed=seed)
     mode.__enter__()
     _ENABLED.append(mode)
 

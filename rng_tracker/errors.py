@@ -232,3 +232,22 @@ class TrainArgumentError(RNGTrackerError, ValueError):
 
 class SaveTargetError(RNGTrackerError, ValueError):
     """A checkpoint target the job cannot write into, or one holding another run's checkpoint."""
+
+
+class InvariantRandomConfigError(RNGTrackerError, ValueError):
+    """invariant_random() given an unknown init mode, a bad seed, or keyed init without a model."""
+
+
+class InvariantRandomUnsupportedError(RNGTrackerError, TypeError):
+    """A random op under invariant_random() that has no layout-invariant draw for these inputs."""
+
+
+class RNGStateLayoutError(RNGTrackerError, ValueError):
+    """Saved per-rank RNG states loaded on another layout, where they cannot be restored exactly."""
+
+
+__all__ += [
+    "InvariantRandomConfigError",
+    "InvariantRandomUnsupportedError",
+    "RNGStateLayoutError",
+]

@@ -1,0 +1,111 @@
+/*
+ * Keyed init on CPU: element values that are a pure function of (key, name, global index).
+ *
+ * Element g of a parameter's logical tensor takes word g % 4 of
+ * Philox4x32-10(key, counter (lo32(g / 4), hi32(g / 4), name_lo, name_hi)). uniform maps the
+ * word to u = (w >> 8) * 2^-24 in [0, 1) and writes u * scale + shift; normal pairs words
+ * (0, 1) and (2, 3) of the block by Box-Muller (lanes 0 and 2 the cosine, 1 and 3 the sine)
+ * and writes z * scale + shift. All in fp32, scalar libm calls, no FMA (-ffp-contract=off):
+ * an element's bits do not depend on where in the local tensor it sits.
+ *
+ * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
+ * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
+ * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py (plain C11, ctypes).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define RT_KEYED_ABI 1
+#define RT_MAX_DIMS 64
+
+int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
+
+static void philox(uint64_t block, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                   uint32_t w[4]) {
+    uint32_t x0 = (uint32_t)block, x1 = (uint32_t)(block >> 32), x2 = c2, x3 = c3;
+    for (int round = 0; round < 10; round++) {
+        uint64_t product0 = (uint64_t)0xD2511F53u * x0;
+        uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
+        uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ k0;
+        uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ k1;
+        x1 = (uint32_t)product1;
+        x3 = (uint32_t)product0;
+        x0 = next0;
+        x2 = next2;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    w[0] = x0;
+    w[1] = x1;
+    w[2] = x2;
+    w[3] = x3;
+}
+
+static void values(int kind, const uint32_t w[4], float scale, float shift, float v[4]) {
+    if (kind == 0) {
+        for (int j = 0; j < 4; j++) v[j] = (float)(w[j] >> 8) * 0x1p-24f * scale + shift;
+        return;
+    }
+    for (int pair = 0; pair < 2; pair++) {
+        float u1 = (float)((w[2 * pair] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
+        float u2 = (float)(w[2 * pair + 1] >> 8) * 0x1p-24f;
+        float radius = sqrtf(-2.0f * logf(u1));
+        float angle = 6.2831853071795864769f * u2;
+        v[2 * pair] = radius * cosf(angle) * scale + shift;
+        v[2 * pair + 1] = radius * sinf(angle) * scale + shift;
+    }
+}
+
+/* Fill out (the local shard, contiguous) for kind 0 (uniform) or 1 (normal). index holds the
+   per-dim index lists one after another; sizes[d] is the length of dim d's list. Returns 0,
+   or -1 for bad arguments. */
+int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int64_t *index,
+                      const int64_t *gstride, uint64_t key, uint64_t name, int64_t kind,
+                      float scale, float shift) {
+    if (ndims < 0 || ndims > RT_MAX_DIMS || (kind != 0 && kind != 1)) return -1;
+    const int64_t *lists[RT_MAX_DIMS + 1];
+    int64_t at[RT_MAX_DIMS + 1];
+    int64_t numel = 1, offset = 0;
+    for (int64_t d = 0; d < ndims; d++) {
+        lists[d] = index + offset;
+        offset += sizes[d];
+        numel *= sizes[d];
+    }
+    if (numel == 0) return 0;
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    uint32_t c2 = (uint32_t)name, c3 = (uint32_t)(name >> 32);
+    if (ndims == 0) {
+        uint32_t w[4];
+        float v[4];
+        philox(0, c2, c3, k0, k1, w);
+        values((int)kind, w, scale, shift, v);
+        out[0] = v[0];
+        return 0;
+    }
+    int64_t last = ndims - 1, row = sizes[last];
+    const int64_t *columns = lists[last];
+    int64_t column_stride = gstride[last];
+    for (int64_t d = 0; d < ndims; d++) at[d] = 0;
+    uint64_t cached = UINT64_MAX;
+    uint32_t w[4];
+    float v[4];
+    for (int64_t start = 0; start < numel; start += row) {
+        int64_t row_base = 0;
+        for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
+        for (int64_t i = 0; i < row; i++) {
+            uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
+            uint64_t block = g >> 2;
+            if (block != cached) {
+                philox(block, c2, c3, k0, k1, w);
+                values((int)kind, w, scale, shift, v);
+                cached = block;
+            }
+            out[start + i] = v[g & 3];
+        }
+        for (int64_t d = last - 1; d >= 0; d--) { /* odometer over the outer dims */
+            if (++at[d] < sizes[d]) break;
+            at[d] = 0;
+        }
+    }
+    return 0;
+}

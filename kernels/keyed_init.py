@@ -1,0 +1,257 @@
+"""Keyed init: parameter values that are a pure function of (seed, name, global element index).
+
+Element g of the parameter called ``name`` takes word g % 4 of Philox4x32-10 under the key of
+``seed`` at counter (lo32(g // 4), hi32(g // 4), lo32(h), hi32(h)), h a 64-bit hash of the
+name; ``uniform`` maps the word to [a, b), ``normal`` pairs words by Box-Muller (see
+``keyed_init.c``). Nothing is read from or written to a generator, so a rank computes exactly
+its local shard: no full-size buffer, work in proportion to the shard, and the same values for
+any mesh, placement, pipeline split, meta-device materialisation or construction order.
+
+These are *not* torch's values (torch's draws depend on the whole tensor's size and order):
+``invariant_random(init="full")`` keeps those. The compiled C kernel is built once with the
+system C compiler (like the CPU dropout kernel); without one, keyed init raises
+:class:`KernelUnavailableError` (the full-tensor mode needs no compiler).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.resources
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
+from rng_tracker.kernels.cpu_compiled import _FLAGS, _cache_dir, _compiler
+from rng_tracker.kernels.philox import philox4x32
+
+__all__ = ["init_key", "keyed_normal_", "keyed_uniform_", "keyed_uniform_reference", "name_hash"]
+
+_ABI_VERSION = 1
+_MASK64 = 2**64 - 1
+_INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
+_UNIFORM, _NORMAL = 0, 1
+_lock = threading.Lock()
+_state: dict[str, object] = {"library": None, "failed": None}
+
+
+def init_key(seed: int) -> int:
+    """The 64-bit Philox key of ``seed`` for init (a bijection: splitmix64's finaliser)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise KernelInputTypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2**64:
+        raise KernelInputError(f"seed must be in [0, 2**64), got {seed}")
+    z = (seed ^ _INIT_DOMAIN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def name_hash(name: str) -> int:
+    """The 64-bit hash of a parameter's stable name (BLAKE2b of its UTF-8 bytes)."""
+    if not isinstance(name, str) or not name:
+        raise KernelInputTypeError(f"name must be a non-empty str, got {name!r}")
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8, person=b"rng_tracker.init")
+    return int.from_bytes(digest.digest(), "little")
+
+
+def _source() -> bytes:
+    return importlib.resources.files("rng_tracker.kernels").joinpath("keyed_init.c").read_bytes()
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256(_source() + " ".join(_FLAGS).encode() + sys.platform.encode())
+    return _cache_dir() / f"keyed_init-{key.hexdigest()[:20]}.so"
+
+
+def _build(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        source = Path(scratch) / "keyed_init.c"
+        source.write_bytes(_source())
+        built = Path(scratch) / target.name
+        result = subprocess.run(
+            [_compiler(), *_FLAGS, str(source), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling keyed_init.c failed: {result.stderr.strip()[-2000:]}")
+        built.replace(target)
+
+
+def _library() -> ctypes.CDLL:
+    library = _state["library"]
+    if library is not None:
+        return library  # type: ignore[return-value]
+    with _lock:
+        if _state["library"] is None and _state["failed"] is None:
+            try:
+                path = _library_path()
+                if not path.exists():
+                    _build(path)
+                loaded = ctypes.CDLL(str(path))
+                if loaded.rt_keyed_abi_version() != _ABI_VERSION:
+                    raise RuntimeError(f"{path} has another ABI than {_ABI_VERSION}")
+                loaded.rt_keyed_fill.restype = ctypes.c_int64
+                loaded.rt_keyed_fill.argtypes = [
+                    ctypes.c_void_p,
+                    ctypes.c_int64,
+                    *(ctypes.POINTER(ctypes.c_int64),) * 3,
+                    ctypes.c_uint64,
+                    ctypes.c_uint64,
+                    ctypes.c_int64,
+                    ctypes.c_float,
+                    ctypes.c_float,
+                ]
+                _state["library"] = loaded
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _state["failed"] = error
+    if _state["library"] is None:
+        raise KernelUnavailableError(
+            f"keyed init needs its compiled CPU kernel, which cannot be built here "
+            f"({_state['failed']}); install a C compiler (cc, gcc or clang, or set CC), or use "
+            "invariant_random(init='full')"
+        )
+    return _state["library"]  # type: ignore[return-value]
+
+
+def _index_lists(
+    shape: Sequence[int], global_shape: Sequence[int], indices: Sequence[Sequence[int]] | None
+) -> list[Sequence[int]]:
+    if indices is None:
+        if tuple(shape) != tuple(global_shape):
+            raise KernelInputError(
+                f"a local tensor of shape {tuple(shape)} needs the global indices it holds "
+                f"(indices=) in a tensor of shape {tuple(global_shape)}"
+            )
+        return [range(n) for n in global_shape]
+    if len(indices) != len(global_shape) or [len(i) for i in indices] != list(shape):
+        raise KernelInputError(
+            f"indices must list, per dim, the {tuple(shape)} global indices the local tensor "
+            f"holds; got lengths {[len(i) for i in indices]} for global shape {tuple(global_shape)}"
+        )
+    return list(indices)
+
+
+def _fill(
+    local: torch.Tensor,
+    kind: int,
+    scale: float,
+    shift: float,
+    *,
+    seed: int,
+    name: str,
+    global_shape: Sequence[int] | None,
+    indices: Sequence[Sequence[int]] | None,
+) -> torch.Tensor:
+    if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
+        raise KernelInputError(
+            "keyed init runs on CPU tensors (materialise on CPU, then move); got "
+            f"{type(local).__name__} on {getattr(local, 'device', None)}"
+        )
+    if not local.is_floating_point():
+        raise KernelInputTypeError(f"keyed init fills floating tensors, got {local.dtype}")
+    global_shape = tuple(local.shape) if global_shape is None else tuple(global_shape)
+    lists = _index_lists(local.shape, global_shape, indices)
+    library = _library()
+    key, hashed = init_key(seed), name_hash(name)
+    strides = [1] * len(global_shape)
+    for d in range(len(global_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * global_shape[d + 1]
+    flat = [int(i) for lst in lists for i in lst]
+    c_sizes = (ctypes.c_int64 * max(1, len(lists)))(*[len(lst) for lst in lists])
+    c_index = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+    c_strides = (ctypes.c_int64 * max(1, len(strides)))(*strides)
+    direct = local.dtype == torch.float32 and local.is_contiguous()
+    out = local if direct else torch.empty(local.shape, dtype=torch.float32)  # (local shape)
+    status = library.rt_keyed_fill(
+        out.data_ptr(), len(lists), c_sizes, c_index, c_strides, key, hashed, kind, scale, shift
+    )
+    if status != 0:
+        raise KernelInputError(f"keyed init refused a tensor of {len(lists)} dims (max 64)")
+    if not direct:
+        local.copy_(out)
+    return local
+
+
+def keyed_uniform_(
+    local: torch.Tensor,
+    a: float = 0.0,
+    b: float = 1.0,
+    *,
+    seed: int,
+    name: str,
+    global_shape: Sequence[int] | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Fill ``local`` (the elements ``indices`` of a ``global_shape`` tensor) from U[a, b), keyed.
+
+    Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
+    """
+    with torch.no_grad():
+        return _fill(
+            local,
+            _UNIFORM,
+            b - a,
+            a,
+            seed=seed,
+            name=name,
+            global_shape=global_shape,
+            indices=indices,
+        )
+
+
+def keyed_normal_(
+    local: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    *,
+    seed: int,
+    name: str,
+    global_shape: Sequence[int] | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
+    with torch.no_grad():
+        return _fill(
+            local,
+            _NORMAL,
+            std,
+            mean,
+            seed=seed,
+            name=name,
+            global_shape=global_shape,
+            indices=indices,
+        )
+
+
+def keyed_uniform_reference(
+    global_shape: Sequence[int], a: float = 0.0, b: float = 1.0, *, seed: int, name: str
+) -> torch.Tensor:
+    """The full tensor :func:`keyed_uniform_` defines, in plain torch (for tests)."""
+    numel = 1
+    for n in global_shape:
+        numel *= n
+    key, hashed = init_key(seed), name_hash(name)
+    blocks = torch.arange((numel + 3) // 4, dtype=torch.int64)
+    counters = torch.stack(
+        [
+            blocks & 0xFFFFFFFF,
+            blocks >> 32,
+            torch.full_like(blocks, hashed & 0xFFFFFFFF),
+            torch.full_like(blocks, hashed >> 32),
+        ],
+        dim=-1,
+    )
+    words = philox4x32((key & 0xFFFFFFFF, key >> 32), counters).reshape(-1)[:numel]
+    u = (words >> 8).to(torch.float32) * 2.0**-24
+    scale = torch.tensor(b - a, dtype=torch.float32)
+    shift = torch.tensor(a, dtype=torch.float32)
+    return (u * scale + shift).reshape(tuple(global_shape))

@@ -1,0 +1,134 @@
+"""Keyed init of a model's parameters: values a pure function of (seed, stable name, global index).
+
+Each rank computes only its local shard with the compiled kernel of
+``rng_tracker.kernels.keyed_init``: no full-size buffer, work in proportion to the shard,
+nothing drawn from any generator. So a parameter's full tensor is the same for any TP, FSDP
+or PP layout (and on one device), whether it was built on the meta device and materialised
+later, and whatever order the modules were built or initialised in: only the seed and the
+parameter's name count. ``invariant_random(model, init="keyed")`` routes ``nn.init`` and
+``Tensor.uniform_``/``normal_`` here; the values differ from torch's own draws (use
+``init="full"`` for those). See docs/dtensor.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rng_tracker.errors import InvariantRandomConfigError
+from rng_tracker.kernels import keyed_init as _kernel
+from rng_tracker.parallel._placement import local_index_of
+
+__all__ = ["KeyedInit", "keyed_normal_", "keyed_uniform_", "stable_name"]
+
+# Wrapper modules that put a component into parameter names without changing the model.
+_WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def stable_name(fqn: str) -> str:
+    """``fqn`` without the parts activation checkpointing, torch.compile and FSDP1 insert."""
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _fill(t: torch.Tensor, kind: str, lo: float, hi: float, *, name: str, seed: int) -> None:
+    draw = _kernel.keyed_uniform_ if kind == "uniform" else _kernel.keyed_normal_
+    if isinstance(t, DTensor):
+        from rng_tracker.parallel.dtensor import _partial_fill  # (dtensor imports this module)
+
+        index = local_index_of(t)
+        holds = _partial_fill(t)
+        local = t.to_local()  # (local shape of t)
+        indices: Sequence[Sequence[int]] | None = index.indices
+        global_shape: Sequence[int] = tuple(t.shape)
+    else:
+        local, holds, indices, global_shape = t, True, None, tuple(t.shape)
+    if local.device.type == "meta":
+        return  # nothing to fill: values come when the tensor is materialised and initialised
+    with torch.no_grad():
+        if not holds:
+            local.zero_()
+            return
+        target = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
+        draw(target, lo, hi, seed=seed, name=name, global_shape=global_shape, indices=indices)
+        if target is not local:
+            local.copy_(target)
+
+
+def keyed_uniform_(
+    t: torch.Tensor, a: float = 0.0, b: float = 1.0, *, name: str, seed: int
+) -> torch.Tensor:
+    """Fill ``t`` (a plain tensor or a DTensor of any placements) from U[a, b), keyed by ``name``."""
+    _fill(t, "uniform", a, b, name=name, seed=seed)
+    return t
+
+
+def keyed_normal_(
+    t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, name: str, seed: int
+) -> torch.Tensor:
+    """Fill ``t`` (a plain tensor or a DTensor) from N(mean, std²), keyed by ``name``."""
+    _fill(t, "normal", mean, std, name=name, seed=seed)
+    return t
+
+
+def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if local.device.type == "meta":
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+
+
+class KeyedInit:
+    """The names of a model's parameters and buffers, for keyed init under ``invariant_random``.
+
+    A tensor is found by identity (the parameter object ``nn.init`` receives) or by its
+    storage (``param.data``); the map is rebuilt when a lookup misses, so parameters that
+    ``to_empty``, FSDP or TP replaced after this was made are found too.
+    """
+
+    def __init__(self, model: torch.nn.Module, seed: int) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise InvariantRandomConfigError(
+                f"init='keyed' needs model= (the nn.Module whose parameter names key the "
+                f"values), got {type(model).__name__}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise InvariantRandomConfigError(
+                f"seed must be an int in [0, 2**64), got {seed!r}; pass the run's seed (the same "
+                "on every rank)"
+            )
+        self.model = model
+        self.seed = seed
+        self._by_id: dict[int, str] = {}
+        self._by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._by_id.clear()
+        self._by_storage.clear()
+        named = [
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ]
+        for fqn, tensor in named:
+            name = stable_name(fqn)
+            self._by_id.setdefault(id(tensor), name)  # a tied weight keeps its first name
+            key = _local_key(tensor)
+            if key is not None:
+                self._by_storage.setdefault(key, name)
+
+    def _lookup(self, t: torch.Tensor) -> str | None:
+        name = self._by_id.get(id(t))
+        if name is None:
+            key = _local_key(t)
+            name = None if key is None else self._by_storage.get(key)
+        return name
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        """``t``'s stable name in the model, or None if it is none of its parameters or buffers."""
+        name = self._lookup(t)
+        if name is None:
+            self._rebuild()
+            name = self._lookup(t)
+        return name

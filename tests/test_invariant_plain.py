@@ -1,0 +1,147 @@
+"""invariant_random() on plain tensors: one device draws what any DTensor placement draws.
+
+Claim: under ``invariant_random()`` every routed dropout and init op on a plain tensor gives
+bitwise the full tensor the same op gives on a DTensor of any placements (1-D and 2-D
+meshes, FSDP-style strided shards), from the same generator state, and leaves the generator
+in the same state; ops without an invariant route are a typed error on a DTensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rng_tracker.errors import (
+    InvariantRandomConfigError,
+    InvariantRandomUnsupportedError,
+    RNGTrackerError,
+)
+from rng_tracker.kernels import dropout as kernel_dropout
+from rng_tracker.parallel.dtensor import (
+    disable_invariant_random,
+    enable_invariant_random,
+    invariant_random,
+)
+
+
+def _ops() -> dict[str, object]:
+    """name -> op(x) for each routed random op; x is (4, 6, 8), float32."""
+    return {
+        "F.dropout": lambda x: F.dropout(x, 0.3),
+        "nn.Dropout": lambda x: torch.nn.Dropout(0.4)(x),
+        "torch.dropout": lambda x: torch.dropout(x, 0.5, True),
+        "dropout1d": lambda x: F.dropout1d(x, 0.5),
+        "dropout2d": lambda x: F.dropout2d(x.unsqueeze(-1), 0.5).squeeze(-1),
+        "dropout3d": lambda x: F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), 0.5).flatten(2),
+        "alpha_dropout": lambda x: F.alpha_dropout(x, 0.2, training=True),
+        "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x, 0.2, training=True),
+        "bernoulli_": lambda x: torch.empty_like(x).bernoulli_(0.7),
+        "uniform_": lambda x: torch.nn.init.uniform_(torch.empty_like(x), -2.0, 3.0),
+        "normal_": lambda x: torch.nn.init.normal_(torch.empty_like(x), 0.5, 2.0),
+        "trunc_normal_": lambda x: torch.nn.init.trunc_normal_(torch.empty_like(x), std=0.02),
+        "kaiming_uniform_": lambda x: torch.nn.init.kaiming_uniform_(torch.empty_like(x), a=1.0),
+        "kaiming_normal_": lambda x: torch.nn.init.kaiming_normal_(torch.empty_like(x)),
+        "xavier_uniform_": lambda x: torch.nn.init.xavier_uniform_(torch.empty_like(x)),
+        "xavier_normal_": lambda x: torch.nn.init.xavier_normal_(torch.empty_like(x)),
+        "Tensor.uniform_": lambda x: torch.empty_like(x).uniform_(-1.0, 1.0),
+        "Tensor.normal_": lambda x: torch.empty_like(x).normal_(1.0, 0.5),
+    }
+
+
+def test_plain_dropout_is_the_invariant_kernel_and_init_is_torch() -> None:
+    """On a plain tensor, F.dropout draws rng_tracker.kernels.dropout's mask (torch's own
+    F.dropout draws another), and init="full" draws torch's own values."""
+    x = torch.randn(64, 32)
+    torch.manual_seed(5)
+    want = kernel_dropout(x, 0.3)
+    want_state = torch.get_rng_state()
+    torch.manual_seed(5)
+    with invariant_random():
+        got = F.dropout(x, 0.3)
+        assert torch.equal(torch.get_rng_state(), want_state)
+        init = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02)
+    torch.manual_seed(5)
+    assert not torch.equal(F.dropout(x, 0.3), got)  # torch's own mask is another one
+    torch.manual_seed(5)
+    kernel_dropout(x, 0.3)
+    assert torch.equal(got, want)
+    assert torch.equal(init, torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02))
+
+
+def test_config_and_unsupported_errors_are_typed() -> None:
+    with pytest.raises(InvariantRandomConfigError, match="init must be"):
+        enable_invariant_random(init="sharded")  # type: ignore[arg-type]
+    with pytest.raises(InvariantRandomConfigError, match="needs model="):
+        enable_invariant_random(init="keyed")
+    with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
+        enable_invariant_random(torch.nn.Linear(2, 2), init="keyed", seed=-1)
+    with pytest.raises(InvariantRandomConfigError, match="seed= keys init='keyed' only"):
+        enable_invariant_random(seed=3)
+    disable_invariant_random()  # none of them was turned on: a no-op
+    assert issubclass(InvariantRandomConfigError, RNGTrackerError)
+    assert issubclass(InvariantRandomConfigError, ValueError)
+    state = torch.get_rng_state()
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="float p"):
+        torch.empty(4).bernoulli_(torch.full((4,), 0.5))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert issubclass(InvariantRandomUnsupportedError, TypeError)
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_one_device_equals_any_mesh(rank: int) -> None:
+    """Every routed op on a plain tensor == the same op on DTensors over (4,) and (2, 2) meshes
+    (Shard, Replicate, FSDP-style _StridedShard + Shard): gathered bitwise, and the same
+    generator state after; init="keyed" too; unrouted random ops on a DTensor are refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    meshes = {s: init_device_mesh("cpu", s) for s in [(4,), (2, 2)]}
+    layouts = [
+        ((4,), [Shard(0)]),
+        ((4,), [Shard(2)]),
+        ((4,), [Replicate()]),
+        ((2, 2), [Shard(1), Shard(2)]),
+        ((2, 2), [_StridedShard(2, split_factor=2), Shard(2)]),
+    ]
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
+    for name, op in _ops().items():
+        torch.manual_seed(11)
+        with invariant_random():
+            want = op(base.clone())
+        want_state = torch.get_rng_state()
+        for mesh_shape, placements in layouts:
+            x = distribute_tensor(base.clone(), meshes[mesh_shape], placements)
+            torch.manual_seed(11)
+            with invariant_random():
+                got = op(x)
+            assert torch.equal(got.full_tensor(), want), (name, mesh_shape, placements)
+            assert torch.equal(torch.get_rng_state(), want_state), (name, placements)
+
+    # keyed init: the plain module and its DTensor-sharded twin hold the same values
+    model = torch.nn.Linear(8, 12)
+    with invariant_random(model, init="keyed", seed=7):
+        model.reset_parameters()
+    weight_layouts = [
+        ((4,), [Shard(1)]),
+        ((2, 2), [Shard(0), Shard(1)]),
+        ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+    ]
+    for mesh_shape, placements in weight_layouts:
+        sharded = torch.nn.Linear(8, 12)
+        sharded.weight = torch.nn.Parameter(
+            distribute_tensor(sharded.weight.detach(), meshes[mesh_shape], placements)
+        )
+        state = torch.get_rng_state()
+        with invariant_random(sharded, init="keyed", seed=7):
+            sharded.reset_parameters()
+        assert torch.equal(torch.get_rng_state(), state)  # keyed: nothing drawn
+        assert torch.equal(sharded.weight.full_tensor(), model.weight)
+        assert torch.equal(sharded.bias, model.bias)
+
+    x = distribute_tensor(base.clone(), meshes[(4,)], [Shard(0)])
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="exponential_"):
+        x.exponential_()
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="rand_like"):
+        torch.rand_like(x)
