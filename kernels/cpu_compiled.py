@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._torch_private import dispatch_mode_depth, functorch_transforms_active
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels.ops import (
     _fake,
@@ -301,31 +302,22 @@ fused_dropout_cpu_op.register_autograd(
 )
 
 
-# Private torch predicates: without them (another torch release) every call takes the op.
-_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
 def may_skip_dispatch(x: torch.Tensor) -> bool:
     """Whether an eager call may run the kernel without the op dispatcher (about 50 us less per
     call): nothing traces or intercepts ops (torch.compile, export, make_fx, torch.jit.trace,
     fake tensors, dispatch modes, functorch transforms), so the op would only forward to the
     kernel."""
     return (
-        _dispatch_modes is not None
-        and _functorch_active is not None
-        and type(x) is torch.Tensor
+        type(x) is torch.Tensor
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
-        and _dispatch_modes() == 0
-        and not _functorch_active()
+        and dispatch_mode_depth() == 0
+        and functorch_transforms_active() is False
     )
 
 
 def _profiled(*args: Any) -> torch.Tensor:
     """``fused_dropout_compiled``, named as the op it stands in for in a profiler's trace."""
-    if not torch.autograd._profiler_enabled():
-        return fused_dropout_compiled(*args)
     with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
         return fused_dropout_compiled(*args)
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorPlacementError
 
 __all__ = ["Box", "LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
 
+_StridedShard = strided_shard_type()
 _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
 
 

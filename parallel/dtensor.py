@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.overrides import TorchFunctionMode
 
+from rng_tracker._torch_private import correct_fan, is_innermost_function_mode
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import (
     DTensorInputTypeError,
@@ -508,7 +509,7 @@ def _kaiming_bound(
 ) -> float:
     if 0 in tensor.shape:
         return 0.0
-    fan = torch.nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
+    fan = correct_fan(tensor, mode)
     gain = torch.nn.init.calculate_gain(nonlinearity, a)  # type: ignore[arg-type]
     return math.sqrt(3.0) * gain / math.sqrt(fan)
 
@@ -677,7 +678,7 @@ def disable_invariant_random() -> None:
     """Turn off what ``enable_invariant_random()`` turned on (a no-op if it is off)."""
     if not _ENABLED:
         return
-    if _get_current_function_mode() is not _ENABLED[0]:
+    if not is_innermost_function_mode(_ENABLED[0]):
         raise InvariantRandomModeError(
             "another torch function mode was entered after enable_invariant_random() and is "
             "still active; exit it first (modes form a stack)"

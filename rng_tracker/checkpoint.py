@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import _disable_current_modes
 
+from rng_tracker._torch_private import checkpoint_valid, disable_current_dispatch_modes
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
@@ -101,7 +101,7 @@ class _RNGRecord:
         self.forward_log: RandomOpLog | None = None
 
     def capture(self) -> RNGSnapshot:
-        with _disable_current_modes():
+        with disable_current_dispatch_modes():
             return RNGSnapshot.capture(self.devices, self.trackers)
 
     def forward(self) -> _Forward:
@@ -156,7 +156,7 @@ class _Replay:
         record = self._record
         assert record.start is not None, "recompute before forward"
         found = record.capture()
-        with _disable_current_modes():
+        with disable_current_dispatch_modes():
             record.start.restore()
         log = RandomOpLog() if record.check else None
         self._open.append((found, log))
@@ -179,7 +179,7 @@ class _Replay:
                     mismatch.append(divergence)
         finally:
             _leave_checkpointing()
-            with _disable_current_modes():
+            with disable_current_dispatch_modes():
                 found.restore()
         if mismatch:
             raise CheckpointRNGMismatchError(
@@ -339,7 +339,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
-        if not torch.autograd._is_checkpoint_valid():
+        if not checkpoint_valid():
             raise CheckpointUsageError(
                 "When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad() or "
                 "passing an `inputs` parameter to .backward(). The reentrant recompute cannot "

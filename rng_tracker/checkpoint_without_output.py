@@ -25,14 +25,13 @@ from typing import Any
 
 import torch
 
+from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker.checkpoint import _backward_recomputed
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
-
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -51,7 +50,9 @@ def _refcount_of_an_unheld_base() -> int:
 def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
     """Whether a tensor other than ``outputs`` (which share one storage) and the bases they
     are views of holds that storage, or a Python object other than the views holds a base."""
-    if _use_count is None:  # no way to tell: keep it
+    storage = outputs[0].untyped_storage()
+    uses = storage_use_count(storage)
+    if uses is None:  # no way to tell: keep it
         return True
     impls = {id(o) for o in outputs}
     for output in outputs:
@@ -62,9 +63,8 @@ def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
             ):  # e.g. a parameter the output views
                 return True
             impls.add(id(base))
-    storage = outputs[0].untyped_storage()
     # One reference per TensorImpl on the storage, plus ``storage`` itself.
-    return _use_count(storage._cdata) - 1 > len(impls)
+    return uses - 1 > len(impls)
 
 
 class _RunWithoutSavingOutput(torch.autograd.Function):
@@ -208,7 +208,7 @@ class CheckpointWithoutOutput:
         """Rebuild the outputs (a tensor hook; Megatron's manager calls it too)."""
         if self._recomputed is not None:
             return
-        if not torch.autograd._is_checkpoint_valid():
+        if not checkpoint_valid():
             raise CheckpointUsageError(
                 "Checkpointing is not compatible with .grad(), please use .backward() if "
                 "possible: CheckpointWithoutOutput recomputes from a backward hook, which "

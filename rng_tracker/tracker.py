@@ -7,9 +7,9 @@ torch op (and every rng_tracker kernel) inside the body draws from that stream.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
-import sys
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -112,7 +112,7 @@ class _Fork:
             changed = not torch.equal(self._cpu_before, torch.default_generator.get_state())
             self._cpu_before = None
             if changed:
-                self._tracker._warn_cpu_changed(sys._getframe(1), self._name)
+                self._tracker._warn_cpu_changed(inspect.currentframe(), self._name)
 
 
 class RNGStatesTracker:
@@ -252,7 +252,16 @@ class RNGStatesTracker:
             rng.install(self._outer)
             self._outer = None
 
-    def _warn_cpu_changed(self, frame: Any, name: str) -> None:
+    def _warn_cpu_changed(self, exit_frame: Any, name: str) -> None:
+        """Warn once per ``with`` site, at the caller of the fork's ``__exit__``."""
+        frame = exit_frame.f_back if exit_frame is not None else None
+        if frame is None:  # an interpreter without frame introspection
+            warnings.warn(
+                f"the CPU generator advanced inside fork({name!r})",
+                CPURNGChangedWarning,
+                stacklevel=3,
+            )
+            return
         site = (frame.f_code.co_filename, frame.f_lineno)
         if site in self._warned_sites:
             return

@@ -364,12 +364,10 @@ def _sync_grads(stage: GPTStage, state: ParallelState) -> None:
     for grads, group in groups:
         if not grads:
             continue
-        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        for grad, synced in zip(
-            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-        ):
-            grad.copy_(synced)
+        for grad, synced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(synced.view_as(grad))
 
 
 def train_step(job: Job, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -408,7 +406,7 @@ def _replicated_equal(stage: GPTStage, state: ParallelState) -> bool:
     tensors = [p.detach() for p in stage.parameters() if getattr(p, "tp_shard_dim", None) is None]
     if not stage.config.sequence_parallel and stage.last_hidden is not None:
         tensors.append(stage.last_hidden)
-    flat = torch._utils._flatten_dense_tensors(tensors).contiguous()
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     gathered = [torch.empty_like(flat) for _ in range(state.size("tp"))]
     dist.all_gather(gathered, flat, group=state.group("tp"))
     return all(torch.equal(gathered[0], g) for g in gathered[1:])

@@ -1,0 +1,99 @@
+"""Every private torch API rng_tracker uses, each named here with its guard.
+
+torch offers no public equivalent of these. Keeping them in one module means a torch
+release that moves one breaks a single import site, and each guard below says what the
+library does when the name is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.overrides
+
+__all__ = [
+    "checkpoint_valid",
+    "correct_fan",
+    "disable_current_dispatch_modes",
+    "dispatch_mode_depth",
+    "functorch_transforms_active",
+    "is_innermost_function_mode",
+    "storage_use_count",
+    "strided_shard_type",
+]
+
+# torch.autograd._is_checkpoint_valid: False inside torch.autograd.grad(), where a
+# reentrant checkpoint cannot recompute. Without it, every backward is taken as valid.
+_is_checkpoint_valid = getattr(torch.autograd, "_is_checkpoint_valid", None)
+
+
+def checkpoint_valid() -> bool:
+    """Whether a reentrant recompute may run here (False inside ``torch.autograd.grad``)."""
+    return True if _is_checkpoint_valid is None else bool(_is_checkpoint_valid())
+
+
+# torch._C._storage_Use_Count: how many tensors share a storage. Without it, selective
+# recompute frees no output storage (it cannot tell whether another tensor uses it).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """References to ``storage`` (one per tensor on it, plus each storage object), or None
+    where torch cannot say."""
+    if _storage_use_count is None:
+        return None
+    return int(_storage_use_count(storage._cdata))
+
+
+# torch._C._len_torch_dispatch_stack and _are_functorch_transforms_active: whether any
+# dispatch mode or functorch transform is active. Without them, the CPU kernel always goes
+# through its registered op (correct, about 50 us slower per call).
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def dispatch_mode_depth() -> int | None:
+    """How many torch dispatch modes are active, or None where torch cannot say."""
+    return None if _dispatch_stack_len is None else int(_dispatch_stack_len())
+
+
+def functorch_transforms_active() -> bool | None:
+    """Whether a functorch transform (vmap, grad, ...) is active, or None where torch cannot say."""
+    return None if _functorch_active is None else bool(_functorch_active())
+
+
+# torch.overrides._get_current_function_mode: the innermost torch function mode, which
+# disable_invariant_random checks to refuse closing a mode out of order. Without it the
+# check is skipped.
+_get_current_function_mode = getattr(torch.overrides, "_get_current_function_mode", None)
+
+
+def is_innermost_function_mode(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost active ``TorchFunctionMode`` (True where torch cannot say)."""
+    return _get_current_function_mode is None or _get_current_function_mode() is mode
+
+
+def disable_current_dispatch_modes() -> Any:
+    """torch.utils._python_dispatch._disable_current_modes: the checkpoint's recompute runs
+    with the caller's dispatch modes popped, as torch.utils.checkpoint's does. Required."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def strided_shard_type() -> type:
+    """torch.distributed.tensor.placement_types._StridedShard, FSDP2 + TP's placement.
+
+    Required by the DTensor path (torch >= 2.5); loaded on call so the core never imports
+    DTensor.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def correct_fan(tensor: torch.Tensor, mode: str) -> int:
+    """torch.nn.init._calculate_correct_fan: the fan ``kaiming_*`` scales by, with torch's
+    own checks, so an invariant init's bound is torch's to the bit. Required."""
+    return torch.nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
