@@ -6,8 +6,8 @@ gradients bitwise equal to no recompute, selective ``mlp`` with Megatron's defau
 included (it hung before); dropout masks differ across TP ranks where the activations are
 sharded and are identical where they are replicated; a second run with the same seed is
 bitwise equal. Sequence parallel is not here: megatron-core's own sequence-parallel mappings
-allocate on ``torch.cuda.current_device()`` and need reduce-scatter, which gloo lacks, so
-Megatron's SP cannot run on CPU ranks at all. Reproduce with ``bash scripts/test.sh tests/test_megatron_core_model.py``.
+allocate their buffers on ``torch.cuda.current_device()``, so Megatron's SP cannot run on CPU
+ranks. Reproduce with ``bash scripts/test.sh tests/test_megatron_core_model.py``.
 """
 
 from __future__ import annotations
