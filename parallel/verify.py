@@ -113,7 +113,7 @@ def verify_rng_consistency(
     """Check every rank's RNG states against the policy; collective over the default group.
 
     Ranks are placed by their coordinates in ``state`` (default: the initialised parallel
-    state). ``plan`` (the :class:`SeedPlan` that ``model_parallel_seed`` returned) says how
+    state, else Megatron's initialised ``parallel_state``). ``plan`` (the :class:`SeedPlan` that ``model_parallel_seed`` returned) says how
     the streams were seeded; every coordinate it claims is checked against the mesh, so a
     rank seeded as another rank is named. Without a mesh the plan's coordinates are taken as
     given. With several ranks and neither, :class:`ParallelStateError` is raised rather than

@@ -154,3 +154,17 @@ def test_an_unknown_megatron_core_version_is_refused_by_name_and_nothing_changes
 
 def test_known_versions_include_the_tested_one():
     assert "0.19.2" in rng_tracker.megatron.KNOWN_MEGATRON_CORE_VERSIONS
+
+
+def test_migrating_guide_shows_the_one_line_first_and_keeps_megatrons_parallel_state():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
+    first_code = text.split("```python", 1)[1].split("```", 1)[0]
+    assert "rng_tracker.megatron.install()" in first_code
+    sentences = " ".join(text.split()).split(". ")
+    told_to_replace = [
+        s
+        for s in sentences
+        if "initialize_model_parallel" in s
+        and ("call `rng_tracker.parallel.init_model_parallel" in s or "replace" in s.lower())
+    ]
+    assert not told_to_replace, told_to_replace
