@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _memory import PeakHeap, heap_bytes  # noqa: E402
+from _memory import PeakHeap, heap_bytes
 
-from rng_tracker.parallel.testing.harness import run_distributed  # noqa: E402
+from rng_tracker.parallel.testing.harness import run_distributed
 
 
 def _shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, int], int]]:
@@ -36,7 +36,7 @@ def _shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, int
             (f"layers.{i}.feed_forward.w2.weight", (dim, 4 * dim), 1),
             (f"layers.{i}.feed_forward.w3.weight", (4 * dim, dim), 0),
         ]
-    return out + [("output.weight", (vocab, dim), 0)]
+    return [*out, ("output.weight", (vocab, dim), 0)]
 
 
 def _model(layout: str, shapes: list[tuple[str, tuple[int, int], int]]) -> torch.nn.Module:
