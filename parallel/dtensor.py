@@ -579,6 +579,27 @@ _REFUSED_ON_DTENSOR: dict[Any, str] = {
 }
 
 
+def _global_any(x: DTensor) -> DTensor:
+    """``x.any()`` over the whole logical tensor, Replicate on every rank.
+
+    torch's ``trunc_normal_`` resamples while ``mask.any()``; on a DTensor that is the local
+    shard's answer, so ranks would take different branches and draw different amounts.
+    """
+    mesh = x.device_mesh
+    if any(isinstance(p, Partial) for p in x.placements):
+        flag = x.full_tensor().any()
+    else:
+        count = x.to_local().any().to(torch.int64).reshape(1)
+        for axis in range(mesh.ndim):
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        flag = count[0].bool()
+    return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+# Whole-tensor reductions made global on a DTensor, so data-dependent init loops agree.
+_GLOBAL_REDUCTIONS = frozenset({torch.Tensor.any, torch.any})
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> object:
     return args[0] if args else next(iter(kwargs.values()), None)
 
@@ -625,6 +646,8 @@ class _InvariantRandomMode(TorchFunctionMode):
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
             return route(self, *args, **kwargs)
+        if func in _GLOBAL_REDUCTIONS and len(args) == 1 and isinstance(args[0], DTensor):
+            return _global_any(args[0])
         if func in _REFUSED_ON_DTENSOR and any(
             isinstance(a, DTensor) for a in (*args, *kwargs.values())
         ):
