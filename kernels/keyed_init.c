@@ -56,6 +56,62 @@ static void values(int kind, const uint32_t w[4], float scale, float shift, floa
     }
 }
 
+#define CHUNK 64 /* Philox blocks per batch: 256 elements */
+
+/* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
+   vectorises (the same arithmetic as philox(), lane by lane). */
+static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
+                        uint32_t k1, uint32_t *restrict words) {
+    uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
+    for (int i = 0; i < m; i++) {
+        x0[i] = (uint32_t)(first + (uint64_t)i);
+        x1[i] = (uint32_t)((first + (uint64_t)i) >> 32);
+        x2[i] = c2;
+        x3[i] = c3;
+    }
+    for (int round = 0; round < 10; round++) {
+        for (int i = 0; i < m; i++) {
+            uint64_t product0 = (uint64_t)0xD2511F53u * x0[i];
+            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2[i];
+            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1[i] ^ k0;
+            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3[i] ^ k1;
+            x1[i] = (uint32_t)product1;
+            x3[i] = (uint32_t)product0;
+            x0[i] = next0;
+            x2[i] = next2;
+        }
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    for (int i = 0; i < m; i++) {
+        words[4 * i] = x0[i];
+        words[4 * i + 1] = x1[i];
+        words[4 * i + 2] = x2[i];
+        words[4 * i + 3] = x3[i];
+    }
+}
+
+/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch. */
+static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, uint32_t c3,
+                     uint32_t k0, uint32_t k1, float scale, float shift) {
+    uint32_t words[4 * CHUNK];
+    float vals[4 * CHUNK];
+    uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
+    for (uint64_t block = g0 >> 2; block <= last; block += CHUNK) {
+        int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
+        philox_many(m, block, c2, c3, k0, k1, words);
+        if (kind == 0) {
+            for (int i = 0; i < 4 * m; i++)
+                vals[i] = (float)(words[i] >> 8) * 0x1p-24f * scale + shift;
+        } else {
+            for (int i = 0; i < m; i++) values(kind, words + 4 * i, scale, shift, vals + 4 * i);
+        }
+        uint64_t lo = block * 4 > g0 ? block * 4 : g0;
+        uint64_t hi = (block + (uint64_t)m) * 4 < end ? (block + (uint64_t)m) * 4 : end;
+        for (uint64_t g = lo; g < hi; g++) out[g - g0] = vals[g - block * 4];
+    }
+}
+
 /* Fill out (the local shard, contiguous) for kind 0 (uniform) or 1 (normal). index holds the
    per-dim index lists one after another; sizes[d] is the length of dim d's list. Returns 0,
    or -1 for bad arguments. */
@@ -92,6 +148,11 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     for (int64_t start = 0; start < numel; start += row) {
         int64_t row_base = 0;
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
+        if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
+            fill_run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0,
+                     k1, scale, shift);
+            goto next_row;
+        }
         for (int64_t i = 0; i < row; i++) {
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;
@@ -102,6 +163,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
             }
             out[start + i] = v[g & 3];
         }
+    next_row:
         for (int64_t d = last - 1; d >= 0; d--) { /* odometer over the outer dims */
             if (++at[d] < sizes[d]) break;
             at[d] = 0;

@@ -469,6 +469,8 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
     def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if ctx.keyed is not None and kwargs.get("generator") is None:
             name = ctx.keyed.name_of(tensor)
+            if name is None:  # a buffer of the init itself (trunc_normal_'s resampling)
+                name = ctx.keyed.anonymous_name()
             if name is not None:
                 values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
                 for i, value in enumerate(args[:2]):
@@ -671,8 +673,8 @@ def invariant_random(
       init from the same generator state; each rank draws the whole tensor);
     - ``"keyed"``: values a pure function of (``seed``, the parameter's name in ``model``,
       the element's global index); each rank computes only its shard. ``seed`` defaults to
-      ``torch.initial_seed()``; tensors that are not parameters or buffers of ``model`` get
-      the full-tensor draw.
+      ``torch.initial_seed()``; a tensor that is no parameter or buffer of ``model`` (e.g.
+      ``trunc_normal_``'s resampling buffer) is keyed by its place among such draws in the block.
 
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).

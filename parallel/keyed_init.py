@@ -102,7 +102,14 @@ class KeyedInit:
         self.seed = seed
         self._by_id: dict[int, str] = {}
         self._by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
+        self._anonymous = 0
         self._rebuild()
+
+    def anonymous_name(self) -> str:
+        """A name for the next draw into a tensor that is none of the model's (e.g. a resampling
+        buffer): its place among such draws, the same on every layout that runs the same init."""
+        self._anonymous += 1
+        return f"<anonymous>.{self._anonymous}"
 
     def _rebuild(self) -> None:
         self._by_id.clear()
