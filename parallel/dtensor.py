@@ -592,8 +592,11 @@ def _global_any(x: DTensor) -> DTensor:
         flag = x.full_tensor().any()
     else:
         count = x.to_local().any().to(torch.int64).reshape(1)
-        for axis in range(mesh.ndim):
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        if mesh.size() == dist.get_world_size():  # one collective over the world
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        else:
+            for axis in range(mesh.ndim):
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
         flag = count[0].bool()
     return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
