@@ -6,11 +6,11 @@ op leaves it. So ``result.full_tensor()`` is bitwise the same for any mesh and a
 placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as long as
 every rank of the mesh starts from the same generator state (the replicated stream).
 
-``invariant_random()`` routes ``F.dropout``/``nn.Dropout``, ``nn.init.uniform_``/
-``normal_``/``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` on DTensors through
-these ops, so a model
-parallelized with ``parallelize_module`` gets them without an edit. See docs/dtensor.md
-for the torch internals this relies on.
+``invariant_random()`` routes torch's dropout and init calls on plain tensors and DTensors
+alike through these ops and the same kernels, so a single-device run draws what any mesh
+draws, and a model parallelized with ``parallelize_module`` (or torchtitan) gets them
+without an edit; ``init="keyed"`` computes each rank's shard of a parameter from (seed, name,
+index) alone. See docs/dtensor.md for the routed calls and the torch internals this relies on.
 """
 
 from __future__ import annotations
