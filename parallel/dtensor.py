@@ -651,7 +651,8 @@ class _InvariantRandomMode(TorchFunctionMode):
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
             return route(self, *args, **kwargs)
-        if func in _GLOBAL_REDUCTIONS and len(args) == 1 and isinstance(args[0], DTensor):
+        whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
+        if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):
             return _global_any(args[0])
         if func in _REFUSED_ON_DTENSOR and any(
             isinstance(a, DTensor) for a in (*args, *kwargs.values())
