@@ -5,7 +5,8 @@
  * Philox4x32-10(key, counter (lo32(g / 4), hi32(g / 4), name_lo, name_hi)). uniform maps the
  * word to u = (w >> 8) * 2^-24 in [0, 1) and writes u * scale + shift; normal pairs words
  * (0, 1) and (2, 3) of the block by Box-Muller (lanes 0 and 2 the cosine, 1 and 3 the sine)
- * and writes z * scale + shift. All in fp32, scalar libm calls, no FMA (-ffp-contract=off):
+ * and writes z * scale + shift. All in fp32 with fixed branch-free formulas for ln, cos and sin (no libm), no FMA
+ * (-ffp-contract=off):
  * an element's bits do not depend on where in the local tensor it sits.
  *
  * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
@@ -14,8 +15,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-#define RT_KEYED_ABI 1
+#define RT_KEYED_ABI 2
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
@@ -41,6 +43,52 @@ static void philox(uint64_t block, uint32_t c2, uint32_t c3, uint32_t k0, uint32
     w[3] = x3;
 }
 
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* ln(x) for a normal float x > 0, branch-free (so loops of it vectorise): x = 2^e * m with m in
+   [sqrt(1/2), sqrt(2)), ln(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172, by its series
+   to t^9 (error below 1e-8). A fixed formula, so the same bits wherever x sits. */
+static inline float keyed_log(float x) {
+    uint32_t bits = f32_to_bits(x);
+    int32_t e = (int32_t)((bits >> 23) & 0xffu) - 127;
+    float m = bits_to_f32((bits & 0x7fffffu) | 0x3f800000u);
+    uint32_t big = (uint32_t)(m > 1.41421356f);
+    m = bits_to_f32(f32_to_bits(m) - (big << 23)); /* m / 2, exactly */
+    e += (int32_t)big;
+    float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+    float series = 2.0f + t2 * (0.66666667f + t2 * (0.4f + t2 * (0.28571429f + t2 * 0.22222222f)));
+    return t * series + (float)e * 0.69314718f;
+}
+
+/* cos and sin of 2 pi u, u in [0, 1): the nearest quarter turn k, the rest r in [-pi/4, pi/4]
+   by Taylor series to r^9 / r^8 (errors below 4e-7), rotated by k quarter turns. */
+static inline void keyed_sincos(float u, float *c_out, float *s_out) {
+    float q = u * 4.0f;
+    int k = (int)(q + 0.5f);
+    float r = (q - (float)k) * 1.57079633f, r2 = r * r;
+    float s = r * (1.0f + r2 * (-0.16666667f + r2 * (0.0083333333f + r2 * (-1.9841270e-4f +
+                                                                                r2 * 2.7557319e-6f))));
+    float c = 1.0f + r2 * (-0.5f + r2 * (0.041666667f + r2 * (-0.0013888889f + r2 * 2.4801587e-5f)));
+    /* rotate by k quarter turns with bit selects (no branches): odd k swaps cos and sin,
+       k = 1, 2 negate the cosine, k = 2, 3 the sine */
+    uint32_t swap = 0u - (uint32_t)(k & 1), cb = f32_to_bits(c), sb = f32_to_bits(s);
+    uint32_t cos_bits = (cb & ~swap) | (sb & swap), sin_bits = (sb & ~swap) | (cb & swap);
+    cos_bits ^= (uint32_t)((k + 1) & 2) << 30;
+    sin_bits ^= (uint32_t)(k & 2) << 30;
+    *c_out = bits_to_f32(cos_bits);
+    *s_out = bits_to_f32(sin_bits);
+}
+
 static void values(int kind, const uint32_t w[4], float scale, float shift, float v[4]) {
     if (kind == 0) {
         for (int j = 0; j < 4; j++) v[j] = (float)(w[j] >> 8) * 0x1p-24f * scale + shift;
@@ -49,10 +97,75 @@ static void values(int kind, const uint32_t w[4], float scale, float shift, floa
     for (int pair = 0; pair < 2; pair++) {
         float u1 = (float)((w[2 * pair] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
         float u2 = (float)(w[2 * pair + 1] >> 8) * 0x1p-24f;
-        float radius = sqrtf(-2.0f * logf(u1));
-        float angle = 6.2831853071795864769f * u2;
-        v[2 * pair] = radius * cosf(angle) * scale + shift;
-        v[2 * pair + 1] = radius * sinf(angle) * scale + shift;
+        float radius = sqrtf(-2.0f * keyed_log(u1));
+        float c, s;
+        keyed_sincos(u2, &c, &s);
+        v[2 * pair] = radius * c * scale + shift;
+        v[2 * pair + 1] = radius * s * scale + shift;
+    }
+}
+
+#define CHUNK 64 /* Philox blocks per batch: 256 elements */
+
+/* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
+   vectorises (the same arithmetic as philox(), lane by lane). */
+static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
+                        uint32_t k1, uint32_t *restrict words) {
+    uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
+    for (int i = 0; i < m; i++) {
+        x0[i] = (uint32_t)(first + (uint64_t)i);
+        x1[i] = (uint32_t)((first + (uint64_t)i) >> 32);
+        x2[i] = c2;
+        x3[i] = c3;
+    }
+    for (int round = 0; round < 10; round++) {
+        for (int i = 0; i < m; i++) {
+            uint64_t product0 = (uint64_t)0xD2511F53u * x0[i];
+            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2[i];
+            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1[i] ^ k0;
+            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3[i] ^ k1;
+            x1[i] = (uint32_t)product1;
+            x3[i] = (uint32_t)product0;
+            x0[i] = next0;
+            x2[i] = next2;
+        }
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    for (int i = 0; i < m; i++) {
+        words[4 * i] = x0[i];
+        words[4 * i + 1] = x1[i];
+        words[4 * i + 2] = x2[i];
+        words[4 * i + 3] = x3[i];
+    }
+}
+
+/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch. */
+static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, uint32_t c3,
+                     uint32_t k0, uint32_t k1, float scale, float shift) {
+    uint32_t words[4 * CHUNK];
+    float vals[4 * CHUNK];
+    uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
+    for (uint64_t block = g0 >> 2; block <= last; block += CHUNK) {
+        int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
+        philox_many(m, block, c2, c3, k0, k1, words);
+        if (kind == 0) {
+            for (int i = 0; i < 4 * m; i++)
+                vals[i] = (float)(words[i] >> 8) * 0x1p-24f * scale + shift;
+        } else {
+            for (int i = 0; i < 2 * m; i++) { /* pair i: words 2i (radius), 2i + 1 (angle) */
+                float u1 = (float)((words[2 * i] >> 8) + 1u) * 0x1p-24f;
+                float u2 = (float)(words[2 * i + 1] >> 8) * 0x1p-24f;
+                float radius = sqrtf(-2.0f * keyed_log(u1));
+                float c, s;
+                keyed_sincos(u2, &c, &s);
+                vals[2 * i] = radius * c * scale + shift;
+                vals[2 * i + 1] = radius * s * scale + shift;
+            }
+        }
+        uint64_t lo = block * 4 > g0 ? block * 4 : g0;
+        uint64_t hi = (block + (uint64_t)m) * 4 < end ? (block + (uint64_t)m) * 4 : end;
+        for (uint64_t g = lo; g < hi; g++) out[g - g0] = vals[g - block * 4];
     }
 }
 
@@ -92,6 +205,11 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     for (int64_t start = 0; start < numel; start += row) {
         int64_t row_base = 0;
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
+        if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
+            fill_run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0,
+                     k1, scale, shift);
+            goto next_row;
+        }
         for (int64_t i = 0; i < row; i++) {
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;
@@ -102,6 +220,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
             }
             out[start + i] = v[g & 3];
         }
+    next_row:
         for (int64_t d = last - 1; d >= 0; d--) { /* odometer over the outer dims */
             if (++at[d] < sizes[d]) break;
             at[d] = 0;

@@ -33,7 +33,7 @@ from rng_tracker.kernels.philox import philox4x32
 
 __all__ = ["init_key", "keyed_normal_", "keyed_uniform_", "keyed_uniform_reference", "name_hash"]
 
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _MASK64 = 2**64 - 1
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL = 0, 1
@@ -66,7 +66,7 @@ def _source() -> bytes:
 
 
 def _library_path() -> Path:
-    key = hashlib.sha256(_source() + " ".join(_FLAGS).encode() + sys.platform.encode())
+    key = hashlib.sha256(_source() + " ".join(_FLAGS).encode() + sys.platform.encode() + b"O3")
     return _cache_dir() / f"keyed_init-{key.hexdigest()[:20]}.so"
 
 
@@ -77,7 +77,7 @@ def _build(target: Path) -> None:
         source.write_bytes(_source())
         built = Path(scratch) / target.name
         result = subprocess.run(
-            [_compiler(), *_FLAGS, str(source), "-o", str(built), "-lm"],
+            [_compiler(), *_FLAGS, "-O3", "-fno-math-errno", str(source), "-o", str(built), "-lm"],
             capture_output=True,
             text=True,
         )

@@ -6,11 +6,11 @@ op leaves it. So ``result.full_tensor()`` is bitwise the same for any mesh and a
 placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as long as
 every rank of the mesh starts from the same generator state (the replicated stream).
 
-``invariant_random()`` routes ``F.dropout``/``nn.Dropout``, ``nn.init.uniform_``/
-``normal_``/``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` on DTensors through
-these ops, so a model
-parallelized with ``parallelize_module`` gets them without an edit. See docs/dtensor.md
-for the torch internals this relies on.
+``invariant_random()`` routes torch's dropout and init calls on plain tensors and DTensors
+alike through these ops and the same kernels, so a single-device run draws what any mesh
+draws, and a model parallelized with ``parallelize_module`` (or torchtitan) gets them
+without an edit; ``init="keyed"`` computes each rank's shard of a parameter from (seed, name,
+index) alone. See docs/dtensor.md for the routed calls and the torch internals this relies on.
 """
 
 from __future__ import annotations
@@ -470,6 +470,8 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
     def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if ctx.keyed is not None and kwargs.get("generator") is None:
             name = ctx.keyed.name_of(tensor)
+            if name is None:  # a buffer of the init itself (trunc_normal_'s resampling)
+                name = ctx.keyed.anonymous_name()
             if name is not None:
                 values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
                 for i, value in enumerate(args[:2]):
@@ -580,6 +582,30 @@ _REFUSED_ON_DTENSOR: dict[Any, str] = {
 }
 
 
+def _global_any(x: DTensor) -> DTensor:
+    """``x.any()`` over the whole logical tensor, Replicate on every rank.
+
+    torch's ``trunc_normal_`` resamples while ``mask.any()``; on a DTensor that is the local
+    shard's answer, so ranks would take different branches and draw different amounts.
+    """
+    mesh = x.device_mesh
+    if any(isinstance(p, Partial) for p in x.placements):
+        flag = x.full_tensor().any()
+    else:
+        count = x.to_local().any().to(torch.int64).reshape(1)
+        if mesh.size() == dist.get_world_size():  # one collective over the world
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        else:
+            for axis in range(mesh.ndim):
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        flag = count[0].bool()
+    return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+# Whole-tensor reductions made global on a DTensor, so data-dependent init loops agree.
+_GLOBAL_REDUCTIONS = frozenset({torch.Tensor.any, torch.any})
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> object:
     return args[0] if args else next(iter(kwargs.values()), None)
 
@@ -626,6 +652,9 @@ class _InvariantRandomMode(TorchFunctionMode):
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
             return route(self, *args, **kwargs)
+        whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
+        if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):
+            return _global_any(args[0])
         if func in _REFUSED_ON_DTENSOR and any(
             isinstance(a, DTensor) for a in (*args, *kwargs.values())
         ):
@@ -649,8 +678,8 @@ def invariant_random(
       init from the same generator state; each rank draws the whole tensor);
     - ``"keyed"``: values a pure function of (``seed``, the parameter's name in ``model``,
       the element's global index); each rank computes only its shard. ``seed`` defaults to
-      ``torch.initial_seed()``; tensors that are not parameters or buffers of ``model`` get
-      the full-tensor draw.
+      ``torch.initial_seed()``; a tensor that is no parameter or buffer of ``model`` (e.g.
+      ``trunc_normal_``'s resampling buffer) is keyed by its place among such draws in the block.
 
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).

@@ -102,15 +102,27 @@ class KeyedInit:
         self.seed = seed
         self._by_id: dict[int, str] = {}
         self._by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
+        self._ids: list[int] = []
+        self._anonymous = 0
         self._rebuild()
+
+    def anonymous_name(self) -> str:
+        """A name for the next draw into a tensor that is none of the model's (e.g. a resampling
+        buffer): its place among such draws, the same on every layout that runs the same init."""
+        self._anonymous += 1
+        return f"<anonymous>.{self._anonymous}"
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ]
 
     def _rebuild(self) -> None:
         self._by_id.clear()
         self._by_storage.clear()
-        named = [
-            *self.model.named_parameters(remove_duplicate=False),
-            *self.model.named_buffers(remove_duplicate=False),
-        ]
+        named = self._named()
+        self._ids = [id(t) for _, t in named]
         for fqn, tensor in named:
             name = stable_name(fqn)
             self._by_id.setdefault(id(tensor), name)  # a tied weight keeps its first name
@@ -128,7 +140,7 @@ class KeyedInit:
     def name_of(self, t: torch.Tensor) -> str | None:
         """``t``'s stable name in the model, or None if it is none of its parameters or buffers."""
         name = self._lookup(t)
-        if name is None:
-            self._rebuild()
+        if name is None and [id(t) for _, t in self._named()] != self._ids:
+            self._rebuild()  # parameters were replaced (to_empty, FSDP, TP) since the last look
             name = self._lookup(t)
         return name

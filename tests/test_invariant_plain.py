@@ -40,6 +40,13 @@ def _ops() -> dict[str, object]:
         "uniform_": lambda x: torch.nn.init.uniform_(torch.empty_like(x), -2.0, 3.0),
         "normal_": lambda x: torch.nn.init.normal_(torch.empty_like(x), 0.5, 2.0),
         "trunc_normal_": lambda x: torch.nn.init.trunc_normal_(torch.empty_like(x), std=0.02),
+        # torch's rejection samplers: resample while mask.any() (made global on a DTensor)
+        "trunc_normal_ resampled": lambda x: torch.nn.init.trunc_normal_(
+            torch.empty_like(x), a=-1.0, b=1.0
+        ),
+        "trunc_normal_ narrow": lambda x: torch.nn.init.trunc_normal_(
+            torch.empty_like(x), a=-0.2, b=0.2
+        ),
         "kaiming_uniform_": lambda x: torch.nn.init.kaiming_uniform_(torch.empty_like(x), a=1.0),
         "kaiming_normal_": lambda x: torch.nn.init.kaiming_normal_(torch.empty_like(x)),
         "xavier_uniform_": lambda x: torch.nn.init.xavier_uniform_(torch.empty_like(x)),

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker.dcp import RankStates
 from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
 
 __all__ = [
@@ -114,35 +115,9 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class RNGCheckpoint:
-    """The RNG part of a checkpoint: exact per-rank states, and the keyed state logically.
-
-    A DCP ``Stateful`` (the protocol: ``state_dict`` and ``load_state_dict``).
-
-    ``per_rank`` maps a global rank to its states (``cpu``, optional ``device``, and
-    ``streams``: name -> {state, seed} as uint8 tensors); each lands under ``rank<r>``. The
-    keyed state (seed, step, sites, as JSON) is the same on every rank and is stored once.
-    """
-
-    def __init__(
-        self,
-        per_rank: dict[int, dict[str, Any]] | None = None,
-        keyed: str | None = None,
-    ) -> None:
-        self.per_rank = per_rank or {}
-        self.keyed = keyed
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f"rank{r}": states for r, states in self.per_rank.items()}
-        if self.keyed is not None:
-            out["keyed"] = self.keyed
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.per_rank = {
-            int(key[4:]): value for key, value in state_dict.items() if key.startswith("rank")
-        }
-        self.keyed = state_dict.get("keyed")
+# The RNG part of a checkpoint: the library's Stateful of several ranks' exact states (each
+# under its own ``rank<r>`` key) and the keyed state, stored once.
+RNGCheckpoint = RankStates
 
 
 # --- per-rank RNG states as one flat uint8 tensor, for a tensor gather -----------------------

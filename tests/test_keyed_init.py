@@ -1,0 +1,102 @@
+"""Keyed init: values a pure function of (seed, parameter name, global element index).
+
+Claims: the compiled kernel's uniform values are bitwise the plain-torch Philox reference; any
+shard (index lists) is bitwise the slice of the full tensor, for uniform and normal; the
+values do not depend on the generator, on meta-device materialisation, on module
+construction order or on which other modules a (pipeline) stage holds; nothing is drawn
+from the generator. The multi-rank TP, TP x FSDP and torchtitan cases are in
+tests/test_invariant_plain.py and tests/test_torchtitan.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rng_tracker.errors import InvariantRandomConfigError, KernelInputError, RNGTrackerError
+from rng_tracker.kernels.keyed_init import keyed_normal_, keyed_uniform_, keyed_uniform_reference
+from rng_tracker.parallel.dtensor import invariant_random
+from rng_tracker.parallel.keyed_init import KeyedInit, stable_name
+
+
+def test_kernel_is_the_reference_and_shards_are_slices() -> None:
+    full = torch.empty(37, 29)
+    keyed_uniform_(full, -0.5, 2.0, seed=9, name="w")
+    assert torch.equal(full, keyed_uniform_reference((37, 29), -0.5, 2.0, seed=9, name="w"))
+    rows, cols = [3, 4, 5, 20, 36], [0, 7, 8, 9, 28]
+    for fill in (keyed_uniform_, keyed_normal_):
+        whole = fill(torch.empty(37, 29), 0.25, 3.0, seed=9, name="w")
+        part = fill(
+            torch.empty(5, 5), 0.25, 3.0, seed=9, name="w", global_shape=(37, 29),
+            indices=[rows, cols],
+        )  # fmt: skip
+        assert torch.equal(part, whole[rows][:, cols])
+    other = keyed_uniform_(torch.empty(37, 29), -0.5, 2.0, seed=9, name="v")
+    assert not torch.equal(other, full)
+    assert not torch.equal(keyed_uniform_(torch.empty(37, 29), -0.5, 2.0, seed=8, name="w"), full)
+    normal = keyed_normal_(torch.empty(512, 512), 1.0, 2.0, seed=1, name="n")
+    assert abs(normal.mean().item() - 1.0) < 0.02 and abs(normal.std().item() - 2.0) < 0.02
+    bf16 = keyed_uniform_(torch.empty(37, 29, dtype=torch.bfloat16), -0.5, 2.0, seed=9, name="w")
+    assert torch.equal(bf16, full.to(torch.bfloat16))
+    with pytest.raises(KernelInputError, match="indices"):
+        keyed_uniform_(torch.empty(2, 2), seed=1, name="w", global_shape=(4, 4))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, reverse: bool) -> None:
+        super().__init__()
+        if reverse:  # other construction (and registration) order, same names
+            self.proj = torch.nn.Linear(16, 8)
+            self.fc = torch.nn.Linear(8, 16)
+        else:
+            self.fc = torch.nn.Linear(8, 16)
+            self.proj = torch.nn.Linear(16, 8)
+
+
+def _init(model: torch.nn.Module) -> None:
+    torch.nn.init.trunc_normal_(model.fc.weight, std=0.5, a=-0.6, b=0.6)  # resamples
+    torch.nn.init.normal_(model.proj.weight, std=0.02)
+    torch.nn.init.kaiming_uniform_(model.proj.weight, a=1.0)
+    torch.nn.init.xavier_uniform_(model.proj.weight)
+    torch.nn.init.uniform_(model.fc.bias, -0.1, 0.1)
+    torch.nn.init.zeros_(model.proj.bias)
+
+
+def test_values_depend_on_seed_name_index_only() -> None:
+    torch.manual_seed(0)
+    plain = _Block(reverse=False)
+    state = torch.get_rng_state()
+    with torch.no_grad(), invariant_random(plain, init="keyed", seed=5):
+        _init(plain)
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn from the generator
+    torch.manual_seed(123)  # another generator state changes nothing
+    with torch.device("meta"):
+        late = _Block(reverse=True)  # built on meta, other order
+    late.to_empty(device="cpu")  # materialised: new parameter objects
+    with torch.no_grad(), invariant_random(late, init="keyed", seed=5):
+        _init(late)
+    for (name, a), (_, b) in zip(
+        sorted(plain.named_parameters()), sorted(late.named_parameters()), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert (plain.fc.weight.abs() <= 0.6).all()
+    # a pipeline stage that holds only `proj` (same FQNs) initialises it to the same values
+    stage = _Block(reverse=False)
+    del stage.fc
+    with torch.no_grad(), invariant_random(stage, init="keyed", seed=5):
+        torch.nn.init.xavier_uniform_(stage.proj.weight)
+    assert torch.equal(stage.proj.weight, plain.proj.weight)
+
+
+def test_names_are_stable_and_errors_typed() -> None:
+    assert stable_name("layers.0._checkpoint_wrapped_module.attn._orig_mod.w") == "layers.0.attn.w"
+    model = torch.nn.Linear(2, 2)
+    keyed = KeyedInit(model, 1)
+    assert keyed.name_of(model.weight) == "weight"
+    assert keyed.name_of(model.weight.data) == "weight"  # found by storage
+    assert keyed.name_of(torch.empty(2)) is None
+    with pytest.raises(InvariantRandomConfigError, match="needs model="):
+        KeyedInit("not a module", 1)  # type: ignore[arg-type]
+    with pytest.raises(InvariantRandomConfigError) as info:
+        KeyedInit(model, 2**64)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
