@@ -111,6 +111,14 @@ def test_the_named_largest_seed_is_exactly_the_boundary(coordinates, dp_random_i
             2**64 - 1, scheme="megatron", tracker=t, **{f"{a}_rank": 0 for a in AXES}
         ),
         lambda t: model_parallel_cuda_manual_seed(2**64 - 1, tp_rank=0, ep_rank=0, etp_rank=0),
+        lambda t: model_parallel_cuda_manual_seed(  # the base passes, its GTP-remat stream not
+            2**64 - 1 - 2718,
+            tp_rank=0,
+            ep_rank=0,
+            etp_rank=0,
+            gtp_remat_rank=0,
+            gtp_remat_world_size=2,
+        ),
     ],
 )
 def test_seeding_calls_refuse_the_overflow_before_touching_anything(call, tracker):
