@@ -34,6 +34,7 @@ from rng_tracker.checkpoint_without_output import (
 from rng_tracker.device_rng import RNGState, default_generator, device_rng
 from rng_tracker.errors import (
     ParallelStateError,
+    SeedOverflowError,
     SeedReuseError,
     TrackerDeviceError,
     TrackerNotInitializedError,
@@ -51,7 +52,6 @@ from rng_tracker.tracker import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     _set_process_tracker,
-    validate_seed,
 )
 
 __all__ = [
@@ -385,7 +385,12 @@ def model_parallel_cuda_manual_seed(
     }
     used = {value: name for name, value in plan.stream_seeds.items()}
     for name, value in extra.items():
-        validate_seed(value)
+        if value >= 2**64:  # Megatron's arithmetic added offsets past the largest seed
+            raise SeedOverflowError(
+                f"Megatron's arithmetic gives {name!r} the seed {value} (the base seed {seed} "
+                f"plus {value - seed}), beyond the largest seed 2**64-1; at these ranks pass a "
+                f"seed of at most {2**64 - 1 - (value - seed)}"
+            )
         if value in used:
             raise SeedReuseError(
                 f"Megatron's arithmetic gives {name!r} the seed {value} of {used[value]!r}: "

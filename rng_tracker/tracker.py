@@ -321,7 +321,11 @@ class RNGStatesTracker:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore streams saved by :meth:`state_dict`, on this or a restarted process."""
+        """Restore streams saved by :meth:`state_dict`, on this or a restarted process.
+
+        Refuses what :meth:`add` refuses, two streams of one seed (or of one state), with
+        :class:`SeedReuseError`; nothing changes if the state dict is refused.
+        """
         self._require_idle("load_state_dict()")
         if not isinstance(state_dict, Mapping):
             raise StateDictError(f"expected a mapping, got {type(state_dict).__name__}")
@@ -378,7 +382,7 @@ class RNGStatesTracker:
             by_seed[seed] = name
         by_state: dict[bytes, str] = {}
         for name, state in states.items():
-            data = self._rng.to_bytes(state).numpy().tobytes()
+            data = bytes(self._rng.to_bytes(state).tolist())  # no numpy needed
             if data in by_state:
                 raise SeedReuseError(
                     f"state dict gives streams {_shown(by_state[data])} and {_shown(name)} the "
