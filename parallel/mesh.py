@@ -9,6 +9,7 @@ accepts (tests/test_megatron_parallel_state.py checks them against Megatron's ow
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class ParallelState:
 
 
 _STATE: ParallelState | None = None
+_GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes created
 
 
 def _positive(name: str, value: object) -> int:
@@ -154,7 +156,7 @@ def init_model_parallel(
     every rank gets the coordinates and groups Megatron gives it, and orders Megatron
     refuses raise :class:`ParallelConfigError`.
     """
-    global _STATE
+    global _STATE, _GROUPS
     if not dist.is_initialized():
         raise ParallelStateError(
             "torch.distributed is not initialised; call torch.distributed.init_process_group "
@@ -202,7 +204,18 @@ def init_model_parallel(
     coords = {dim: mesh.get_local_rank(dim) for dim in _DENSE_DIMS}
     coords.update({dim: expert_mesh.get_local_rank(dim) for dim in _EXPERT_DIMS[1:]})
     _STATE = ParallelState(mesh=mesh, expert_mesh=expert_mesh, sizes=sizes, ranks=coords)
+    _GROUPS = _groups_created_by(mesh, expert_mesh)
     return _STATE
+
+
+def _groups_created_by(*meshes: DeviceMesh) -> tuple[dist.ProcessGroup, ...]:
+    groups: list[dist.ProcessGroup] = []
+    for mesh in meshes:
+        for dim in mesh.mesh_dim_names or ():
+            group = mesh.get_group(dim)
+            if group is not dist.group.WORLD and all(group is not g for g in groups):
+                groups.append(group)
+    return tuple(groups)
 
 
 def get_parallel_state() -> ParallelState:
@@ -220,6 +233,19 @@ def get_parallel_state_or_none() -> ParallelState | None:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the parallel state (the default process group stays)."""
-    global _STATE
-    _STATE = None
+    """Forget the parallel state and destroy the process groups its meshes created (each gloo
+    group holds threads; a job that re-initialises would otherwise accumulate them). The
+    default process group stays.
+
+    A collective over the default group, like ``init_model_parallel``: call it on every rank.
+    """
+    global _STATE, _GROUPS
+    groups, _STATE, _GROUPS = _GROUPS, None, ()
+    if not dist.is_initialized():
+        return  # destroy_process_group() already destroyed every group
+    if groups:
+        # a rank must not close its end of a group while a peer is still connecting to it
+        dist.barrier()
+    for group in groups:
+        with contextlib.suppress(ValueError):  # the caller destroyed this group already
+            dist.destroy_process_group(group)
