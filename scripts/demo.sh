@@ -12,8 +12,9 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/_venv.sh
-# install this checkout unless the venv already imports it from here
-python -c 'import os, sys, rng_tracker; sys.exit(not rng_tracker.__file__.startswith(os.getcwd() + os.sep))' \
+# install this checkout unless the venv already imports it from here (-I: not from the current
+# directory, where the source folder rng_tracker/ would be found without being installed)
+python -I -c 'import os, sys, rng_tracker; sys.exit(not rng_tracker.__file__.startswith(os.getcwd() + os.sep))' \
     2>/dev/null || python -m pip install --quiet -e .
 steps=${DEMO_STEPS:-20}
 ckpt="$out/ckpt"
