@@ -5,7 +5,10 @@
  * Philox4x32-10(key, counter (lo32(g / 4), hi32(g / 4), name_lo, name_hi)). uniform maps the
  * word to u = (w >> 8) * 2^-24 in [0, 1) and writes u * scale + shift; normal pairs words
  * (0, 1) and (2, 3) of the block by Box-Muller (lanes 0 and 2 the cosine, 1 and 3 the sine)
- * and writes z * scale + shift. All in fp32 with fixed branch-free formulas for ln, cos and sin (no libm), no FMA
+ * and writes z * scale + shift; truncated normal maps the word's u to u' = lo + (u + 2^-25) * width
+ * inside [Phi(alpha), Phi(beta)] and writes clamp(mean + std * sqrt(2) * erfinv(2u' - 1), a, b)
+ * (inverse-CDF sampling: no rejection loop, so no data-dependent control flow across ranks;
+ * erfinv by Giles' single-precision polynomials). All in fp32 with fixed branch-free formulas for ln, cos and sin (no libm), no FMA
  * (-ffp-contract=off):
  * an element's bits do not depend on where in the local tensor it sits.
  *
@@ -17,7 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define RT_KEYED_ABI 2
+#define RT_KEYED_ABI 3
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
@@ -89,9 +92,65 @@ static inline void keyed_sincos(float u, float *c_out, float *s_out) {
     *s_out = bits_to_f32(sin_bits);
 }
 
-static void values(int kind, const uint32_t w[4], float scale, float shift, float v[4]) {
+/* condition ? x : y by bit masks, so the loops that use it stay branch-free and vectorise. */
+static inline float keyed_select(int condition, float x, float y) {
+    uint32_t mask = 0u - (uint32_t)condition;
+    return bits_to_f32((f32_to_bits(x) & mask) | (f32_to_bits(y) & ~mask));
+}
+
+/* erfinv(x) for x in (-1, 1): M. Giles' single-precision polynomials ("Approximating the erfinv
+   function", GPU Computing Gems, 2011), both branches computed and one selected so loops of it
+   vectorise; relative error about 4e-7. */
+static inline float keyed_erfinv(float x) {
+    float w = -keyed_log((1.0f - x) * (1.0f + x));
+    float c = w - 2.5f;
+    float central = 2.81022636e-08f;
+    central = 3.43273939e-07f + central * c;
+    central = -3.5233877e-06f + central * c;
+    central = -4.39150654e-06f + central * c;
+    central = 0.00021858087f + central * c;
+    central = -0.00125372503f + central * c;
+    central = -0.00417768164f + central * c;
+    central = 0.246640727f + central * c;
+    central = 1.50140941f + central * c;
+    float t = sqrtf(w) - 3.0f;
+    float tail = -0.000200214257f;
+    tail = 0.000100950558f + tail * t;
+    tail = 0.00134934322f + tail * t;
+    tail = -0.00367342844f + tail * t;
+    tail = 0.00573950773f + tail * t;
+    tail = -0.0076224613f + tail * t;
+    tail = 0.00943887047f + tail * t;
+    tail = 1.00167406f + tail * t;
+    tail = 2.83297682f + tail * t;
+    return keyed_select(w < 5.0f, central, tail) * x;
+}
+
+/* Parameters of a fill: uniform and normal use scale and shift; truncated normal the rest. */
+typedef struct {
+    float scale, shift;           /* uniform: u * scale + shift; normal: z * scale + shift */
+    float lo, width, mean, std, a, b; /* truncated normal */
+} fill_params;
+
+static inline float truncated(uint32_t word, float lo, float width, float mean, float std,
+                              float a, float b) {
+    float u = ((float)(word >> 8) + 0.5f) * 0x1p-24f; /* (0, 1), never 0 or 1 */
+    float q = lo + u * width;
+    float z = 1.41421356f * keyed_erfinv(2.0f * q - 1.0f);
+    float v = z * std + mean;
+    v = keyed_select(v < a, a, v);
+    return keyed_select(v > b, b, v);
+}
+
+static void values(int kind, const uint32_t w[4], const fill_params *p, float v[4]) {
+    float scale = p->scale, shift = p->shift;
     if (kind == 0) {
         for (int j = 0; j < 4; j++) v[j] = (float)(w[j] >> 8) * 0x1p-24f * scale + shift;
+        return;
+    }
+    if (kind == 2) {
+        for (int j = 0; j < 4; j++)
+            v[j] = truncated(w[j], p->lo, p->width, p->mean, p->std, p->a, p->b);
         return;
     }
     for (int pair = 0; pair < 2; pair++) {
@@ -142,7 +201,8 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
 
 /* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch. */
 static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, uint32_t c3,
-                     uint32_t k0, uint32_t k1, float scale, float shift) {
+                     uint32_t k0, uint32_t k1, const fill_params *p) {
+    float scale = p->scale, shift = p->shift;
     uint32_t words[4 * CHUNK];
     float vals[4 * CHUNK];
     uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
@@ -152,6 +212,9 @@ static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, 
         if (kind == 0) {
             for (int i = 0; i < 4 * m; i++)
                 vals[i] = (float)(words[i] >> 8) * 0x1p-24f * scale + shift;
+        } else if (kind == 2) {
+            float lo = p->lo, width = p->width, mean = p->mean, std = p->std, a = p->a, b = p->b;
+            for (int i = 0; i < 4 * m; i++) vals[i] = truncated(words[i], lo, width, mean, std, a, b);
         } else {
             for (int i = 0; i < 2 * m; i++) { /* pair i: words 2i (radius), 2i + 1 (angle) */
                 float u1 = (float)((words[2 * i] >> 8) + 1u) * 0x1p-24f;
@@ -169,13 +232,16 @@ static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, 
     }
 }
 
-/* Fill out (the local shard, contiguous) for kind 0 (uniform) or 1 (normal). index holds the
-   per-dim index lists one after another; sizes[d] is the length of dim d's list. Returns 0,
-   or -1 for bad arguments. */
+/* Fill out (the local shard, contiguous) for kind 0 (uniform), 1 (normal) or 2 (truncated
+   normal); params holds the 8 floats of fill_params in order. index holds the per-dim index
+   lists one after another; sizes[d] is the length of dim d's list. Returns 0, or -1 for bad
+   arguments. */
 int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int64_t *index,
                       const int64_t *gstride, uint64_t key, uint64_t name, int64_t kind,
-                      float scale, float shift) {
-    if (ndims < 0 || ndims > RT_MAX_DIMS || (kind != 0 && kind != 1)) return -1;
+                      const float *params) {
+    if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2) return -1;
+    fill_params p = {params[0], params[1], params[2], params[3],
+                     params[4], params[5], params[6], params[7]};
     const int64_t *lists[RT_MAX_DIMS + 1];
     int64_t at[RT_MAX_DIMS + 1];
     int64_t numel = 1, offset = 0;
@@ -191,7 +257,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
         uint32_t w[4];
         float v[4];
         philox(0, c2, c3, k0, k1, w);
-        values((int)kind, w, scale, shift, v);
+        values((int)kind, w, &p, v);
         out[0] = v[0];
         return 0;
     }
@@ -207,7 +273,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
         if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
             fill_run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0,
-                     k1, scale, shift);
+                     k1, &p);
             goto next_row;
         }
         for (int64_t i = 0; i < row; i++) {
@@ -215,7 +281,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
             uint64_t block = g >> 2;
             if (block != cached) {
                 philox(block, c2, c3, k0, k1, w);
-                values((int)kind, w, scale, shift, v);
+                values((int)kind, w, &p, v);
                 cached = block;
             }
             out[start + i] = v[g & 3];

@@ -2,8 +2,8 @@
 
 Element g of the parameter called ``name`` takes word g % 4 of Philox4x32-10 under the key of
 ``seed`` at counter (lo32(g // 4), hi32(g // 4), lo32(h), hi32(h)), h a 64-bit hash of the
-name; ``uniform`` maps the word to [a, b), ``normal`` pairs words by Box-Muller (see
-``keyed_init.c``). Nothing is read from or written to a generator, so a rank computes exactly
+name; ``uniform`` maps the word to [a, b), ``normal`` pairs words by Box-Muller, ``truncated
+normal`` maps it through the inverse normal CDF restricted to [a, b] (see ``keyed_init.c``). Nothing is read from or written to a generator, so a rank computes exactly
 its local shard: no full-size buffer, work in proportion to the shard, and the same values for
 any mesh, placement, pipeline split, meta-device materialisation or construction order.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.resources
+import math
 import subprocess
 import sys
 import tempfile
@@ -31,12 +32,19 @@ from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUna
 from rng_tracker.kernels.cpu_compiled import _FLAGS, _cache_dir, _compiler
 from rng_tracker.kernels.philox import philox4x32
 
-__all__ = ["init_key", "keyed_normal_", "keyed_uniform_", "keyed_uniform_reference", "name_hash"]
+__all__ = [
+    "init_key",
+    "keyed_normal_",
+    "keyed_trunc_normal_",
+    "keyed_uniform_",
+    "keyed_uniform_reference",
+    "name_hash",
+]
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _MASK64 = 2**64 - 1
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
-_UNIFORM, _NORMAL = 0, 1
+_UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _lock = threading.Lock()
 _state: dict[str, object] = {"library": None, "failed": None}
 
@@ -107,8 +115,7 @@ def _library() -> ctypes.CDLL:
                     ctypes.c_uint64,
                     ctypes.c_uint64,
                     ctypes.c_int64,
-                    ctypes.c_float,
-                    ctypes.c_float,
+                    ctypes.POINTER(ctypes.c_float),
                 ]
                 _state["library"] = loaded
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
@@ -143,8 +150,7 @@ def _index_lists(
 def _fill(
     local: torch.Tensor,
     kind: int,
-    scale: float,
-    shift: float,
+    params: Sequence[float],
     *,
     seed: int,
     name: str,
@@ -171,8 +177,9 @@ def _fill(
     c_strides = (ctypes.c_int64 * max(1, len(strides)))(*strides)
     direct = local.dtype == torch.float32 and local.is_contiguous()
     out = local if direct else torch.empty(local.shape, dtype=torch.float32)  # (local shape)
+    c_params = (ctypes.c_float * 8)(*params, *[0.0] * (8 - len(params)))
     status = library.rt_keyed_fill(
-        out.data_ptr(), len(lists), c_sizes, c_index, c_strides, key, hashed, kind, scale, shift
+        out.data_ptr(), len(lists), c_sizes, c_index, c_strides, key, hashed, kind, c_params
     )
     if status != 0:
         raise KernelInputError(f"keyed init refused a tensor of {len(lists)} dims (max 64)")
@@ -199,8 +206,7 @@ def keyed_uniform_(
         return _fill(
             local,
             _UNIFORM,
-            b - a,
-            a,
+            (b - a, a),
             seed=seed,
             name=name,
             global_shape=global_shape,
@@ -223,8 +229,46 @@ def keyed_normal_(
         return _fill(
             local,
             _NORMAL,
-            std,
-            mean,
+            (std, mean),
+            seed=seed,
+            name=name,
+            global_shape=global_shape,
+            indices=indices,
+        )
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def keyed_trunc_normal_(
+    local: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    *,
+    seed: int,
+    name: str,
+    global_shape: Sequence[int] | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Fill ``local`` from N(mean, std²) truncated to [a, b], keyed, by inverse-CDF sampling.
+
+    One draw per element (no rejection loop), so no rank ever needs another's answer: the cost
+    is the shard's, whatever the layout. ``std`` must be positive and ``a < b``.
+    """
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b):
+        raise KernelInputError(
+            f"a truncated normal needs a finite mean, std > 0 and a < b; got mean={mean}, "
+            f"std={std}, a={a}, b={b}"
+        )
+    lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
+    with torch.no_grad():
+        return _fill(
+            local,
+            _TRUNCATED_NORMAL,
+            (0.0, 0.0, lo, hi - lo, mean, std, a, b),
             seed=seed,
             name=name,
             global_shape=global_shape,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -29,7 +30,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
-from rng_tracker._torch_private import correct_fan, is_innermost_function_mode
+from rng_tracker._torch_private import (
+    correct_fan,
+    is_innermost_function_mode,
+    set_trunc_normal_impl,
+    trunc_normal_impl,
+)
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import (
     DTensorInputTypeError,
@@ -45,7 +51,12 @@ from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels.dropout import _check_p
 from rng_tracker.kernels.reference import keep_scale
 from rng_tracker.parallel._placement import Box, LocalIndex, local_index_of
-from rng_tracker.parallel.keyed_init import KeyedInit, keyed_normal_, keyed_uniform_
+from rng_tracker.parallel.keyed_init import (
+    KeyedInit,
+    keyed_normal_,
+    keyed_trunc_normal_,
+    keyed_uniform_,
+)
 
 __all__ = [
     "InitMode",
@@ -610,6 +621,63 @@ def _first_tensor(args: tuple, kwargs: dict) -> object:
     return args[0] if args else next(iter(kwargs.values()), None)
 
 
+# Keyed blocks open in this thread (innermost last); nn.init.trunc_normal_ is routed while any
+# thread has one open, and the route draws keyed only for the thread that has.
+_KEYED_BLOCKS = threading.local()
+_TRUNC_ROUTE_LOCK = threading.Lock()
+_TRUNC_ROUTE: dict[str, Any] = {"users": 0, "torch": None}
+
+
+def _keyed_blocks() -> list[_InvariantRandomMode]:
+    if not hasattr(_KEYED_BLOCKS, "modes"):
+        _KEYED_BLOCKS.modes = []
+    return _KEYED_BLOCKS.modes
+
+
+def _keyed_trunc_normal(
+    tensor: torch.Tensor,
+    mean: float,
+    std: float,
+    a: float,
+    b: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """torch's ``_no_grad_trunc_normal_`` inside a keyed block: a parameter of the block's model
+    gets one keyed inverse-CDF draw per element; anything else runs torch's own."""
+    blocks = _keyed_blocks()
+    keyed = blocks[-1].keyed if blocks else None
+    name = None if keyed is None or generator is not None else keyed.name_of(tensor)
+    valid = math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b
+    if name is None or not valid:
+        return _TRUNC_ROUTE["torch"](tensor, mean, std, a, b, generator=generator)
+    return keyed_trunc_normal_(tensor, mean, std, a, b, name=name, seed=keyed.seed)
+
+
+def _open_keyed_block(mode: _InvariantRandomMode) -> None:
+    with _TRUNC_ROUTE_LOCK:
+        if _TRUNC_ROUTE["users"] == 0:
+            torch_impl = trunc_normal_impl()
+            if torch_impl is not None:
+                _TRUNC_ROUTE["torch"] = torch_impl
+                set_trunc_normal_impl(_keyed_trunc_normal)
+        _TRUNC_ROUTE["users"] += 1
+    _keyed_blocks().append(mode)
+
+
+def _close_keyed_block(mode: _InvariantRandomMode) -> None:
+    blocks = _keyed_blocks()
+    if mode in blocks:
+        blocks.reverse()
+        blocks.remove(mode)  # the innermost entry of this mode
+        blocks.reverse()
+    with _TRUNC_ROUTE_LOCK:
+        _TRUNC_ROUTE["users"] -= 1
+        if _TRUNC_ROUTE["users"] == 0 and _TRUNC_ROUTE["torch"] is not None:
+            if trunc_normal_impl() is _keyed_trunc_normal:
+                set_trunc_normal_impl(_TRUNC_ROUTE["torch"])
+            _TRUNC_ROUTE["torch"] = None
+
+
 class _InvariantRandomMode(TorchFunctionMode):
     """Sends the random ops of _ROUTES, on plain tensors and DTensors alike, to the invariant
     ops; refuses the random ops that have none on a DTensor."""
@@ -645,6 +713,23 @@ class _InvariantRandomMode(TorchFunctionMode):
                 )
             self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
 
+    def __enter__(self) -> _InvariantRandomMode:
+        if self.keyed is not None:
+            _open_keyed_block(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            if self.keyed is not None:
+                _close_keyed_block(self)
+            raise
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            if self.keyed is not None:
+                _close_keyed_block(self)
+
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
@@ -677,9 +762,11 @@ def invariant_random(
     - ``"full"``: torch's own draw on the full tensor (bitwise a plain single-device torch
       init from the same generator state; each rank draws the whole tensor);
     - ``"keyed"``: values a pure function of (``seed``, the parameter's name in ``model``,
-      the element's global index); each rank computes only its shard. ``seed`` defaults to
-      ``torch.initial_seed()``; a tensor that is no parameter or buffer of ``model`` (e.g.
-      ``trunc_normal_``'s resampling buffer) is keyed by its place among such draws in the block.
+      the element's global index); each rank computes only its shard, with no collective.
+      ``trunc_normal_`` on a parameter is one inverse-CDF draw per element (torch's resampling
+      loop would need every rank's answer). ``seed`` defaults to ``torch.initial_seed()``; a
+      tensor that is no parameter or buffer of ``model`` is keyed by its place among such
+      draws in the block.
 
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).

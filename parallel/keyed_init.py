@@ -6,13 +6,14 @@ nothing drawn from any generator. So a parameter's full tensor is the same for a
 or PP layout (and on one device), whether it was built on the meta device and materialised
 later, and whatever order the modules were built or initialised in: only the seed and the
 parameter's name count. ``invariant_random(model, init="keyed")`` routes ``nn.init`` and
-``Tensor.uniform_``/``normal_`` here; the values differ from torch's own draws (use
-``init="full"`` for those). See docs/dtensor.md.
+``Tensor.uniform_``/``normal_`` here, and ``nn.init.trunc_normal_`` to one inverse-CDF draw per
+element (torch resamples out-of-range values in a data-dependent loop); the values differ from
+torch's own draws (use ``init="full"`` for those). See docs/dtensor.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,7 +22,13 @@ from rng_tracker.errors import InvariantRandomConfigError
 from rng_tracker.kernels import keyed_init as _kernel
 from rng_tracker.parallel._placement import local_index_of
 
-__all__ = ["KeyedInit", "keyed_normal_", "keyed_uniform_", "stable_name"]
+__all__ = [
+    "KeyedInit",
+    "keyed_normal_",
+    "keyed_trunc_normal_",
+    "keyed_uniform_",
+    "stable_name",
+]
 
 # Wrapper modules that put a component into parameter names without changing the model.
 _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
@@ -32,8 +39,9 @@ def stable_name(fqn: str) -> str:
     return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_PARTS)
 
 
-def _fill(t: torch.Tensor, kind: str, lo: float, hi: float, *, name: str, seed: int) -> None:
-    draw = _kernel.keyed_uniform_ if kind == "uniform" else _kernel.keyed_normal_
+def _fill(
+    t: torch.Tensor, draw: Callable[..., torch.Tensor], *params: float, name: str, seed: int
+) -> None:
     if isinstance(t, DTensor):
         from rng_tracker.parallel.dtensor import _partial_fill  # (dtensor imports this module)
 
@@ -51,7 +59,7 @@ def _fill(t: torch.Tensor, kind: str, lo: float, hi: float, *, name: str, seed: 
             local.zero_()
             return
         target = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
-        draw(target, lo, hi, seed=seed, name=name, global_shape=global_shape, indices=indices)
+        draw(target, *params, seed=seed, name=name, global_shape=global_shape, indices=indices)
         if target is not local:
             local.copy_(target)
 
@@ -60,7 +68,7 @@ def keyed_uniform_(
     t: torch.Tensor, a: float = 0.0, b: float = 1.0, *, name: str, seed: int
 ) -> torch.Tensor:
     """Fill ``t`` (a plain tensor or a DTensor of any placements) from U[a, b), keyed by ``name``."""
-    _fill(t, "uniform", a, b, name=name, seed=seed)
+    _fill(t, _kernel.keyed_uniform_, a, b, name=name, seed=seed)
     return t
 
 
@@ -68,7 +76,23 @@ def keyed_normal_(
     t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, name: str, seed: int
 ) -> torch.Tensor:
     """Fill ``t`` (a plain tensor or a DTensor) from N(mean, std²), keyed by ``name``."""
-    _fill(t, "normal", mean, std, name=name, seed=seed)
+    _fill(t, _kernel.keyed_normal_, mean, std, name=name, seed=seed)
+    return t
+
+
+def keyed_trunc_normal_(
+    t: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    *,
+    name: str,
+    seed: int,
+) -> torch.Tensor:
+    """Fill ``t`` (a plain tensor or a DTensor) from N(mean, std²) truncated to [a, b], keyed by
+    ``name``: one inverse-CDF draw per element, so a rank never waits on another's values."""
+    _fill(t, _kernel.keyed_trunc_normal_, mean, std, a, b, name=name, seed=seed)
     return t
 
 

@@ -19,8 +19,10 @@ __all__ = [
     "dispatch_mode_depth",
     "functorch_transforms_active",
     "is_innermost_function_mode",
+    "set_trunc_normal_impl",
     "storage_use_count",
     "strided_shard_type",
+    "trunc_normal_impl",
 ]
 
 # torch.autograd._is_checkpoint_valid: False inside torch.autograd.grad(), where a
@@ -97,3 +99,24 @@ def correct_fan(tensor: torch.Tensor, mode: str) -> int:
     """torch.nn.init._calculate_correct_fan: the fan ``kaiming_*`` scales by, with torch's
     own checks, so an invariant init's bound is torch's to the bit. Required."""
     return torch.nn.init._calculate_correct_fan(tensor, mode)  # type: ignore[arg-type]
+
+
+# torch.nn.init.trunc_normal_ hands its work to this module function, looked up at call time; a
+# keyed invariant_random() block swaps it for one draw per element, which reaches callers that
+# bound trunc_normal_ before the block (torchtitan's partial(nn.init.trunc_normal_, ...)). Where
+# a torch lays trunc_normal_ out otherwise, the swap is skipped and keyed mode takes torch's
+# resampling loop through its uniform_/normal_ routes (the same values on every layout, slower).
+_TRUNC_NORMAL_IMPL = "_no_grad_trunc_normal_"
+
+
+def trunc_normal_impl() -> Any | None:
+    """torch's function behind ``nn.init.trunc_normal_``, or None where it has no such part."""
+    init = torch.nn.init
+    if _TRUNC_NORMAL_IMPL not in init.trunc_normal_.__code__.co_names:
+        return None
+    return getattr(init, _TRUNC_NORMAL_IMPL, None)
+
+
+def set_trunc_normal_impl(function: Any) -> None:
+    """Make ``nn.init.trunc_normal_`` call ``function`` (see :func:`trunc_normal_impl`)."""
+    setattr(torch.nn.init, _TRUNC_NORMAL_IMPL, function)
