@@ -5,9 +5,12 @@ parallel_state) except ``rng_tracker.megatron.install()``. Claims: every recompu
 gradients bitwise equal to no recompute, selective ``mlp`` with Megatron's default biases
 included (it hung before); dropout masks differ across TP ranks where the activations are
 sharded and are identical where they are replicated; a second run with the same seed is
-bitwise equal. Sequence parallel is not here: megatron-core's own sequence-parallel mappings
-allocate their buffers on ``torch.cuda.current_device()``, so Megatron's SP cannot run on CPU
-ranks. Reproduce with ``bash scripts/test.sh tests/test_megatron_core_model.py``.
+bitwise equal. Sequence parallel cannot run here: megatron-core 0.19.2's local layer spec
+refuses it ("sequence parallel not supported by torch LayerNorm"; SP needs TransformerEngine's
+or Apex's LayerNorm, both CUDA-only), which the test asserts so that a megatron-core that
+allows it turns this into a failure to act on. rng_tracker's own sequence-parallel path is
+run by the demo and tests/test_training.py. Reproduce with
+``bash scripts/test.sh tests/test_megatron_core_model.py``.
 """
 
 from __future__ import annotations
@@ -143,3 +146,6 @@ def test_megatron_gpt_model_with_one_line_install(rank):
 
     for name, config in _RECOMPUTE.items():
         assert _bitwise(base, _run(**config)), name
+
+    with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
+        _run(sequence_parallel=True)
