@@ -1,39 +1,51 @@
-"""rng_tracker.kernels: Philox4x32 reference and fused, mask-free, layout-invariant dropout."""
+"""rng_tracker.kernels: fused, mask-free, layout-invariant dropout.
+
+The mask of element g of the logical tensor is a pure function of (seed, g): each rank
+names where its local tensor sits (a :class:`Chunk`, :class:`Region` or :class:`IndexMap`)
+and draws exactly its part of the unsharded tensor's mask. The reference definition
+(``philox4x32``, ``keep_mask``, ``keep_threshold``, ``keep_scale``) lives in
+:mod:`rng_tracker.kernels.philox` and :mod:`rng_tracker.kernels.reference`.
+"""
 
 from __future__ import annotations
 
-# cpu_compiled.py
-from rng_tracker.kernels.cpu_compiled import CompiledKernelFallbackWarning
+from rng_tracker._deprecation import deprecated_names
 
-# dropout.py
+# ops
 from rng_tracker.kernels.dropout import Impl, bias_dropout_add, dropout
 
-# philox.py
-from rng_tracker.kernels.philox import philox4x32
+# where the local tensor sits in the logical one
+from rng_tracker.kernels.index_map import MAX_LOGICAL_NUMEL, Chunk, IndexMap, Region
 
-# reference.py
-from rng_tracker.kernels.reference import keep_mask, keep_scale, keep_threshold
-
-# shard.py
-from rng_tracker.kernels.shard import MAX_LOGICAL_NUMEL, Layout, Region, Shard, layout_of
-
-# triton_dropout.py
-from rng_tracker.kernels.triton_dropout import HAS_TRITON, triton_runs_on
+# which paths run here
+from rng_tracker.kernels.cpu_compiled import CompiledKernelFallbackWarning  # isort: skip
+from rng_tracker.kernels.triton_dropout import HAS_TRITON  # isort: skip
 
 __all__ = [
-    "HAS_TRITON",
-    "MAX_LOGICAL_NUMEL",
-    "CompiledKernelFallbackWarning",
+    # ops
     "Impl",
-    "Layout",
-    "Region",
-    "Shard",
     "bias_dropout_add",
     "dropout",
-    "keep_mask",
-    "keep_scale",
-    "keep_threshold",
-    "layout_of",
-    "philox4x32",
-    "triton_runs_on",
+    # where the local tensor sits in the logical one
+    "MAX_LOGICAL_NUMEL",
+    "Chunk",
+    "IndexMap",
+    "Region",
+    # which paths run here
+    "HAS_TRITON",
+    "CompiledKernelFallbackWarning",
 ]
+
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "Shard": "rng_tracker.kernels:Chunk",
+        "Layout": "rng_tracker.kernels:IndexMap",
+        "layout_of": "rng_tracker.kernels.index_map:index_map_of",
+        "philox4x32": "rng_tracker.kernels.philox:philox4x32",
+        "keep_mask": "rng_tracker.kernels.reference:keep_mask",
+        "keep_scale": "rng_tracker.kernels.reference:keep_scale",
+        "keep_threshold": "rng_tracker.kernels.reference:keep_threshold",
+        "triton_runs_on": "rng_tracker.kernels.triton_dropout:triton_runs_on",
+    },
+)

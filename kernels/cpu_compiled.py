@@ -34,6 +34,7 @@ import torch
 
 from rng_tracker._torch_private import dispatch_mode_depth, functorch_transforms_active
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
+from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.ops import (
     _fake,
     _layout,
@@ -43,7 +44,6 @@ from rng_tracker.kernels.ops import (
     save_for_dropout_backward,
 )
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_scale, keep_threshold
-from rng_tracker.kernels.shard import Layout
 
 __all__ = [
     "CPU_KERNEL_ENV",
@@ -236,24 +236,28 @@ def fused_dropout_compiled(
     residual: torch.Tensor | None,
     seed: torch.Tensor,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
 ) -> torch.Tensor:
     """``fused_dropout_reference``'s result from the compiled kernel (CPU tensors)."""
     library = _library()
-    if library is None or len(layout.dims) > _MAX_DIMS or (bias is not None and residual is None):
-        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, layout)
+    if (
+        library is None
+        or len(index_map.dims) > _MAX_DIMS
+        or (bias is not None and residual is None)
+    ):
+        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()
     residual = None if residual is None else residual.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     key, base, c2, c3 = seed.tolist()
-    index_map = layout.flat() or [1, 1]  # a single element merges to no dims: one of extent 1
-    threads = max(1, min(torch.get_num_threads(), layout.numel // _MIN_NUMEL_PER_THREAD))
+    flat_map = index_map.flat() or [1, 1]  # a single element merges to no dims: one of extent 1
+    threads = max(1, min(torch.get_num_threads(), index_map.numel // _MIN_NUMEL_PER_THREAD))
     args = (
         _DTYPE_CODES[x.dtype],
-        layout.numel,
+        index_map.numel,
         0 if bias is None else bias.numel(),
-        layout.aligned,
+        index_map.aligned,
         key,
         base,
         c2,
@@ -262,9 +266,9 @@ def fused_dropout_compiled(
         _scale_bits(p),
         _state["bf16_nan"],
         threads,
-        len(index_map) // 2,
-        layout.offset,
-        *index_map,
+        len(flat_map) // 2,
+        index_map.offset,
+        *flat_map,
     )
     status = library.rt_fused_dropout(
         x.data_ptr(),
@@ -276,7 +280,7 @@ def fused_dropout_compiled(
     if status != 0:
         raise KernelUnavailableError(
             f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "
-            f"{layout.numel} elements, {len(layout.dims)} dims); use impl='torch'"
+            f"{index_map.numel} elements, {len(index_map.dims)} dims); use impl='torch'"
         )
     return out
 
@@ -331,20 +335,20 @@ class _CompiledCpuDropout(torch.autograd.Function):
         residual: torch.Tensor | None,
         seed: torch.Tensor,
         p: float,
-        layout: Layout,
+        index_map: IndexMap,
     ) -> torch.Tensor:
         save_for_dropout_backward(ctx, bias, seed)
-        ctx.params = (p, layout)
-        return _profiled(x, bias, residual, seed, p, layout)
+        ctx.params = (p, index_map)
+        return _profiled(x, bias, residual, seed, p, index_map)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             if may_skip_dispatch(g):
                 return _profiled(g, None, None, seed, *ctx.params)
-            p, layout = ctx.params
+            p, index_map = ctx.params
             return fused_dropout_cpu_op(
-                g, None, None, seed, p, layout.offset, layout.flat(), layout.logical_numel
+                g, None, None, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
             )
 
         return *dropout_backward(ctx, grad, regenerate), None, None, None
@@ -356,7 +360,7 @@ def compiled_cpu_dropout(
     residual: torch.Tensor | None,
     seed: torch.Tensor,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
 ) -> torch.Tensor:
     """``fused_dropout_cpu_op``'s result and gradients for eager callers ``may_skip_dispatch`` allows."""
-    return _CompiledCpuDropout.apply(x, bias, residual, seed, p, layout)
+    return _CompiledCpuDropout.apply(x, bias, residual, seed, p, index_map)

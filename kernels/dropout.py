@@ -21,9 +21,9 @@ from rng_tracker.kernels.cpu_compiled import (
     fused_dropout_cpu_op,
     may_skip_dispatch,
 )
+from rng_tracker.kernels.index_map import IndexMap, ShardArg, index_map_of
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
 from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
-from rng_tracker.kernels.shard import Layout, ShardSpec, layout_of
 from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
@@ -56,7 +56,7 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     return t
 
 
-def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
+def _use_triton(x: torch.Tensor, impl: object, index_map: IndexMap) -> bool:
     if impl not in ("auto", "triton", "cpu", "torch"):
         raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
     if impl == "cpu" and x.device.type != "cpu":
@@ -72,12 +72,12 @@ def _use_triton(x: torch.Tensor, impl: object, layout: Layout) -> bool:
             f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
             "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
         )
-    placeable = len(layout.dims) <= MAX_DIVISIONS + 1
+    placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
     if impl == "triton":
         if not placeable:
             raise KernelUnavailableError(
                 f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
-                f"shard has {len(layout.dims)} ({layout.dims}); use impl='torch' or 'auto'"
+                f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
             )
         return True
     # auto: Triton on a GPU, the reference elsewhere (and for maps the kernel cannot place).
@@ -129,26 +129,28 @@ def _fused(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
     generator: torch.Generator | None,
     seed: torch.Tensor | None,
     impl: Impl,
 ) -> torch.Tensor:
-    use_triton = _use_triton(x, impl, layout)
+    use_triton = _use_triton(x, impl, index_map)
     if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
         seed = seed.to(x.device, non_blocking=True)
     else:
-        seed = _draw_seed(x, p, layout, generator, use_triton)
+        seed = _draw_seed(x, p, index_map, generator, use_triton)
     op = _op(x, impl, use_triton)
     if op is fused_dropout_cpu_op and may_skip_dispatch(x):
-        return compiled_cpu_dropout(x, bias, residual, seed, p, layout)
-    return op(x, bias, residual, seed, p, layout.offset, layout.flat(), layout.logical_numel)
+        return compiled_cpu_dropout(x, bias, residual, seed, p, index_map)
+    return op(
+        x, bias, residual, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
+    )
 
 
 def _draw_seed(
     x: torch.Tensor,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
     generator: torch.Generator | None,
     use_triton: bool,
 ) -> torch.Tensor:
@@ -168,7 +170,7 @@ def _draw_seed(
         raise KernelInputTypeError(
             f"generator must be a torch.Generator, got {type(generator).__name__}"
         )
-    return drawn_seed(generator, layout.logical_numel, device)
+    return drawn_seed(generator, index_map.logical_numel, device)
 
 
 def dropout(
@@ -176,15 +178,15 @@ def dropout(
     p: float,
     *,
     training: bool = True,
-    shard: ShardSpec | None = None,
+    shard: ShardArg | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Dropout whose mask is a pure function of (key, counter base, global index).
 
-    ``shard`` places x in the logical tensor (``Shard``, ``Region`` or a general
-    ``Layout``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
+    ``shard`` places x in the logical tensor (``Chunk``, ``Region`` or a general
+    ``IndexMap``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
     the generator advances by the logical element count on every rank. p == 0 or
     ``training=False`` returns x and draws nothing.
 
@@ -198,11 +200,11 @@ def dropout(
     """
     _check_tensor("x", x)
     p = _check_p(p)
-    layout = layout_of(x.shape, shard)  # validates the shard before anything is drawn
+    index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
     seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, layout, generator, seed, impl)
+    return _fused(x, None, None, p, index_map, generator, seed, impl)
 
 
 def bias_dropout_add(
@@ -212,7 +214,7 @@ def bias_dropout_add(
     p: float,
     *,
     training: bool = True,
-    shard: ShardSpec | None = None,
+    shard: ShardArg | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
@@ -231,8 +233,8 @@ def bias_dropout_add(
                 f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"
             )
     p = _check_p(p)
-    layout = layout_of(x.shape, shard)
+    index_map = index_map_of(x.shape, shard)
     seed = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, layout, generator, seed, impl)
+    return _fused(x, bias, residual, p, index_map, generator, seed, impl)

@@ -256,7 +256,7 @@ def keyed_trunc_normal_(
     """Fill ``local`` from N(mean, std²) truncated to [a, b], keyed, by inverse-CDF sampling.
 
     One draw per element (no rejection loop), so no rank ever needs another's answer: the cost
-    is the shard's, whatever the layout. ``std`` must be positive and ``a < b``.
+    is the shard's, whatever the index map. ``std`` must be positive and ``a < b``.
     """
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b):
         raise KernelInputError(

@@ -2,7 +2,7 @@
 
 Both ops compute ``residual + keep * (x + bias) / (1 - p)`` (bias and residual optional)
 with the mask of the seed tensor [key, base, c2, c3] and the index map (offset, dims flattened as
-[extent0, stride0, ...], logical numel) of ``shard.Layout``. Backward applies the same op to the
+[extent0, stride0, ...], logical numel) of ``shard.IndexMap``. Backward applies the same op to the
 incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the
 only thing saved is the 32-byte seed tensor.
 """
@@ -14,15 +14,15 @@ from typing import Any
 
 import torch
 
+from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.reference import fused_dropout_reference
-from rng_tracker.kernels.shard import Layout
 from rng_tracker.kernels.triton_dropout import HAS_TRITON, fused_dropout_triton
 
 __all__ = ["fused_dropout_op", "fused_dropout_triton_op"]
 
 
-def _layout(offset: int, dims: list[int], logical_numel: int) -> Layout:
-    return Layout(
+def _layout(offset: int, dims: list[int], logical_numel: int) -> IndexMap:
+    return IndexMap(
         offset=offset, dims=tuple(zip(dims[::2], dims[1::2])), logical_numel=logical_numel
     )
 

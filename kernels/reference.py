@@ -14,8 +14,8 @@ import struct
 
 import torch
 
+from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.philox import philox4x32
-from rng_tracker.kernels.shard import Layout
 
 __all__ = ["fused_dropout_reference", "keep_mask", "keep_scale", "keep_threshold"]
 
@@ -51,22 +51,24 @@ def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return philox4x32(philox_key, counters)
 
 
-def keep_mask(seed: torch.Tensor, p: float, layout: Layout, device: torch.device) -> torch.Tensor:
+def keep_mask(
+    seed: torch.Tensor, p: float, index_map: IndexMap, device: torch.device
+) -> torch.Tensor:
     """Bool mask (local flat order) of the elements kept, from the seed tensor [key, base, c2, c3]."""
-    if layout.numel == 0:
+    if index_map.numel == 0:
         return torch.zeros(0, dtype=torch.bool, device=device)
-    if layout.aligned:  # one Philox call per group of 4 local elements
-        groups = torch.arange(0, layout.numel, 4, dtype=torch.int64, device=device)
-        words = _words(seed, layout.global_index(groups) // 4).reshape(-1)[: layout.numel]
+    if index_map.aligned:  # one Philox call per group of 4 local elements
+        groups = torch.arange(0, index_map.numel, 4, dtype=torch.int64, device=device)
+        words = _words(seed, index_map.global_index(groups) // 4).reshape(-1)[: index_map.numel]
     elif device.type == "cpu":
         # Runs of local elements share a global group (a row of a box is contiguous): one
         # Philox call per distinct group in a run, not one per element. (A host-side size,
         # so CPU only: elsewhere it would sync.)
-        g = layout.global_indices(device)
+        g = index_map.global_indices(device)
         group, run = torch.unique_consecutive(g // 4, return_inverse=True)
         words = _words(seed, group)[run, g % 4]
     else:
-        g = layout.global_indices(device)
+        g = index_map.global_indices(device)
         words = _words(seed, g // 4).gather(-1, (g % 4).unsqueeze(-1)).squeeze(-1)
     return words >= keep_threshold(p)
 
@@ -77,10 +79,10 @@ def fused_dropout_reference(
     residual: torch.Tensor | None,
     seed: torch.Tensor,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
 ) -> torch.Tensor:
     """residual + keep * (x + bias) / (1 - p), computed in fp32 and rounded once to x's dtype."""
-    keep = keep_mask(seed, p, layout, x.device).view(x.shape)
+    keep = keep_mask(seed, p, index_map, x.device).view(x.shape)
     value = x.float()
     if bias is not None:
         value = value + bias.float()

@@ -1,9 +1,9 @@
 """The fused dropout Triton kernel: one pass over memory, masks regenerated from Philox.
 
-Each program handles ``BLOCK`` groups of 4 consecutive elements. When the layout is
+Each program handles ``BLOCK`` groups of 4 consecutive elements. When the index_map is
 aligned (the usual case) one Philox4x32-10 call feeds a whole group with its four
 output words; otherwise every element computes its own counter and picks its word.
-The global index follows the layout's division form (``Layout.divisions``) with the number
+The global index follows the index_map's division form (``IndexMap.divisions``) with the number
 of divisions a compile-time constant (0 to 3: up to 4 merged dims). Index arithmetic that
 the common layouts don't need is compiled out: no division for unsharded or contiguous-block
 shards, one for an equal-chunk shard, one bias column per group instead of a modulo per
@@ -17,8 +17,8 @@ import os
 import torch
 
 from rng_tracker.errors import KernelUnavailableError
+from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.reference import keep_scale, keep_threshold
-from rng_tracker.kernels.shard import Layout
 
 TRITON_IMPORT_ERROR: str | None = None
 try:
@@ -166,15 +166,15 @@ def fused_dropout_triton(
     residual: torch.Tensor | None,
     seed: torch.Tensor,
     p: float,
-    layout: Layout,
+    index_map: IndexMap,
     launch=None,
 ) -> torch.Tensor:
     """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
-    last_stride, terms = layout.divisions()
+    last_stride, terms = index_map.divisions()
     if len(terms) > MAX_DIVISIONS:
         raise KernelUnavailableError(
-            f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this layout has "
-            f"{len(terms) + 1} ({layout.dims}); use impl='torch' (impl='auto' does)"
+            f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this index_map has "
+            f"{len(terms) + 1} ({index_map.dims}); use impl='torch' (impl='auto' does)"
         )
     (inner1, gap1), (inner2, gap2), (inner3, gap3) = terms + ((1, 0),) * (
         MAX_DIVISIONS - len(terms)
@@ -195,7 +195,7 @@ def fused_dropout_triton(
         1 if bias is None else bias.numel(),
         keep_threshold(p),
         keep_scale(p),
-        layout.offset,
+        index_map.offset,
         last_stride,
         inner1,
         gap1,
@@ -206,7 +206,7 @@ def fused_dropout_triton(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         DIVISIONS=len(terms),
-        ALIGNED=layout.aligned,
+        ALIGNED=index_map.aligned,
         WHOLE_GROUPS=x.numel() % 4 == 0,
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,
         # A GPU rounds fp32 → bf16 to nearest even in one instruction; the interpreter needs it spelled out.

@@ -23,8 +23,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorPlacementError
+from rng_tracker.kernels.index_map import Region
 
-__all__ = ["Box", "LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
+__all__ = ["LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
 
 _StridedShard = strided_shard_type()
 _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
@@ -34,15 +35,6 @@ def split_by_chunk(items: Sequence[int], count: int, index: int) -> list[int]:
     """Chunk ``index`` of ``items`` split into ``count`` parts by torch.chunk's rule."""
     size = -(-len(items) // count) if items else 0
     return list(items[index * size : (index + 1) * size]) if size else []
-
-
-@dataclass(frozen=True, slots=True)
-class Box:
-    """A box of the logical tensor: ``local_start``/``extent`` in the local tensor, ``offset`` in the logical one."""
-
-    local_start: tuple[int, ...]
-    extent: tuple[int, ...]
-    offset: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +83,14 @@ class LocalIndex:
             dims.append((runs[0][1], stride))
         return offset, tuple(dims)
 
-    def boxes(self) -> list[Box]:
-        """The local tensor as boxes of the logical tensor, in row-major order of the runs."""
+    def boxes(self) -> list[tuple[tuple[slice, ...], Region]]:
+        """The local tensor as boxes of the logical tensor, in row-major order of the runs:
+        each the local slices that hold it and its :class:`~rng_tracker.kernels.Region`."""
         per_dim = [self.runs(d) for d in range(len(self.global_shape))]
         return [
-            Box(
-                local_start=tuple(r[0] for r in combo),
-                extent=tuple(r[1] for r in combo),
-                offset=tuple(r[2] for r in combo),
+            (
+                tuple(slice(start, start + length) for start, length, _ in combo),
+                Region(self.global_shape, tuple(offset for _, _, offset in combo)),
             )
             for combo in itertools.product(*per_dim)
         ]

@@ -45,12 +45,12 @@ from rng_tracker.errors import (
     InvariantRandomUnsupportedError,
     RNGConsistencyError,
 )
-from rng_tracker.kernels import Layout, Region
+from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels.dropout import _check_p
 from rng_tracker.kernels.reference import keep_scale
-from rng_tracker.parallel._placement import Box, LocalIndex, local_index_of
+from rng_tracker.parallel._placement import LocalIndex, local_index_of
 from rng_tracker.parallel.keyed_init import (
     KeyedInit,
     keyed_normal_,
@@ -101,8 +101,9 @@ def _clone(generator: torch.Generator) -> torch.Generator:
     return clone
 
 
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(s, s + e) for s, e in zip(box.local_start, box.extent, strict=True))
+def _last_dim_indices(slices: tuple[slice, ...], region: Region) -> range:
+    """Global indices along the last dim of the box that ``slices`` cut from the local tensor."""
+    return range(region.offset[-1], region.offset[-1] + slices[-1].stop - slices[-1].start)
 
 
 def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> torch.Tensor:
@@ -118,15 +119,15 @@ def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> to
 
 # op(part of the local tensor, global last-dim indices of that part, shard=, generator=)
 _KernelCall = Callable[
-    [tuple[slice, ...], Sequence[int], Region | Layout, torch.Generator | None], torch.Tensor
+    [tuple[slice, ...], Sequence[int], Region | IndexMap, torch.Generator | None], torch.Tensor
 ]
 
 
 def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torch.Tensor:
     """The kernel over this rank's part of the logical tensor, from one generator state.
 
-    A box (every Shard/Replicate layout) is one call with a Region; an even strided shard
-    one call with its affine Layout. Otherwise (uneven strided shards) one call per box,
+    A box (every Shard/Replicate placement) is one call with a Region; an even strided shard
+    one call with its affine IndexMap. Otherwise (uneven strided shards) one call per box,
     each from a clone of the generator, which then takes the state the clones end in:
     what one call over the logical tensor leaves.
     """
@@ -134,18 +135,16 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     shape = index.global_shape
     whole = (slice(None),) * local.dim()
     if len(boxes) == 1:
-        last = range(boxes[0].offset[-1], boxes[0].offset[-1] + boxes[0].extent[-1])
-        return op(whole, last, Region(shape, boxes[0].offset), None)
+        return op(whole, _last_dim_indices(*boxes[0]), boxes[0][1], None)
     affine = index.affine()
     if affine is not None:
-        layout = Layout(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
-        return op(whole, index.indices[-1], layout, None)
+        index_map = IndexMap(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
+        return op(whole, index.indices[-1], index_map, None)
     generator = default_generator(local.device)
     pieces, end = [], None
-    for box in boxes:
+    for slices, region in boxes:
         clone = _clone(generator)
-        last = range(box.offset[-1], box.offset[-1] + box.extent[-1])
-        pieces.append(op(_slices(box), last, Region(shape, box.offset), clone))
+        pieces.append(op(slices, _last_dim_indices(slices, region), region, clone))
         end = clone.get_state()
     generator.set_state(end)
     return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])
@@ -179,7 +178,7 @@ def dropout(x: DTensor, p: float, *, training: bool = True) -> DTensor:
     def call(
         part: tuple[slice, ...],
         last: Sequence[int],
-        shard: Region | Layout,
+        shard: Region | IndexMap,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         return _kernel_dropout(local[part], p, training=training, shard=shard, generator=generator)
@@ -233,7 +232,7 @@ def bias_dropout_add(
     def call(
         part: tuple[slice, ...],
         last: Sequence[int],
-        shard: Region | Layout,
+        shard: Region | IndexMap,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         part_bias = full_bias

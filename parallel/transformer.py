@@ -5,9 +5,9 @@ Sites (``embedding``; per layer i of the whole model ``layer.i.attention``,
 
 | site | activation | rng_mode="megatron" | rng_mode="invariant" | rng_mode="keyed" |
 | --- | --- | --- | --- | --- |
-| attention probs | sharded by heads (dim 1) | fork ``model-parallel-rng`` | default stream, ``Shard(1, tp_rank, tp)`` | keyed site, ``Region`` of (batch, heads, s, s) |
+| attention probs | sharded by heads (dim 1) | fork ``model-parallel-rng`` | default stream, ``Chunk(1, tp_rank, tp)`` | keyed site, ``Region`` of (batch, heads, s, s) |
 | hidden (after row-parallel), embedding | replicated | default stream | default stream | keyed site, ``Region`` of (s, batch, h) |
-| … under sequence parallelism | sharded by sequence (dim 0) | fork ``model-parallel-rng`` | default stream, ``Shard(0, tp_rank, tp)`` | keyed site, ``Region`` of (s, batch, h) |
+| … under sequence parallelism | sharded by sequence (dim 0) | fork ``model-parallel-rng`` | default stream, ``Chunk(0, tp_rank, tp)`` | keyed site, ``Region`` of (s, batch, h) |
 
 In invariant mode every site draws from the replicated default stream with global
 indices, so the masks do not depend on the TP or SP degree. In keyed mode every site
@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
-from rng_tracker.checkpoint import checkpoint
+from rng_tracker.activation_checkpoint import checkpoint
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
-from rng_tracker.kernels import Region, Shard, bias_dropout_add, dropout
+from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
 from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel.collectives import scatter_to_tp
 from rng_tracker.parallel.layers import (
@@ -154,7 +154,7 @@ def _position(batch: int) -> BatchPosition:
 
 
 class MaskRecord(tuple):
-    """(site, local keep mask, TP ``Shard`` or None) of one dropout call.
+    """(site, local keep mask, TP ``Chunk`` or None) of one dropout call.
 
     ``region`` places the mask in the site's logical tensor over the whole global batch
     (TP/SP shard and batch position), in every rng mode, so masks can be gathered per
@@ -173,7 +173,7 @@ class MaskRecord(tuple):
         return self[1]
 
     @property
-    def shard(self) -> Shard | None:
+    def shard(self) -> Chunk | None:
         return self[2]
 
 
@@ -227,7 +227,7 @@ def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def _region(
-    shape: torch.Size, shard: Shard | None, batch_dim: int, position: BatchPosition
+    shape: torch.Size, shard: Chunk | None, batch_dim: int, position: BatchPosition
 ) -> Region:
     """The box a local activation of ``shape`` holds in its site's logical tensor."""
     global_shape, offset = list(shape), [0] * len(shape)
@@ -262,7 +262,7 @@ def _site(
     tp_rank, tp = _tp(group)
     placement = None  # the TP/SP shard of x (an even split)
     if sharded_dim is not None and tp > 1:
-        placement = Shard(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
+        placement = Chunk(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
     if rng_mode == "keyed" and training and p > 0:
         return _keyed_site(name, x, p, placement, batch_dim, position, training, bias, residual)
     region, shard = contextlib.nullcontext(), placement
@@ -284,7 +284,7 @@ def _probe(
     name: str,
     x: torch.Tensor,
     p: float,
-    placement: Shard | None,
+    placement: Chunk | None,
     region: Region,
     batch_dim: int,
     **draw: object,
@@ -299,7 +299,7 @@ def _keyed_site(
     name: str,
     x: torch.Tensor,
     p: float,
-    shard: Shard | None,
+    shard: Chunk | None,
     batch_dim: int,
     position: BatchPosition,
     training: bool,

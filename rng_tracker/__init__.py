@@ -8,7 +8,7 @@ stream; and (in :mod:`rng_tracker.kernels`) mask-free fused dropout.
 from __future__ import annotations
 
 # checkpoint.py
-from rng_tracker.checkpoint import checkpoint, rng_context_fn
+from rng_tracker.activation_checkpoint import checkpoint, rng_context_fn
 
 # checkpoint_without_output.py
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutput

@@ -26,13 +26,18 @@ from rng_tracker._megatron_install import (
     installed,
     uninstall,
 )
-from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
+from rng_tracker.activation_checkpoint import (
+    check_split_input,
+    is_checkpointing,
+    reentrant_checkpoint,
+)
 from rng_tracker.checkpoint_without_output import (
     CheckpointWithoutOutput,
     CheckpointWithoutOutputManager,
 )
 from rng_tracker.device_rng import RNGState, default_generator, device_rng
 from rng_tracker.errors import (
+    CheckpointConfigError,
     ParallelStateError,
     SeedOverflowError,
     SeedReuseError,
@@ -468,7 +473,25 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     With ``distribute_saved_activations`` the caller's ``args[0].data`` keeps only this
     rank's 1/tp chunk until backward, as in Megatron.
     """
-    return megatron_checkpoint(function, distribute_saved_activations, *args)
+    group = None
+    if distribute_saved_activations:
+        check_split_input(args)
+        group = _tp_group_of_parallel_state()
+    return reentrant_checkpoint(function, *args, split_group=group)
+
+
+def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
+
+    state = current_layout()
+    if state is None:
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True needs an initialised parallel state "
+            "(Megatron's parallel_state.initialize_model_parallel, or "
+            "rng_tracker.parallel.init_model_parallel); or call "
+            "rng_tracker.checkpoint(..., distribute_saved_activations=True, tp_group=...)"
+        )
+    return state.group("tp")
 
 
 class CheckpointFunction:
@@ -480,7 +503,7 @@ class CheckpointFunction:
         run_function: Callable[..., Any], distribute_saved_activations: bool, *args: Any
     ) -> Any:
         """Checkpoint ``run_function(*args)`` (see :func:`checkpoint`)."""
-        return megatron_checkpoint(run_function, distribute_saved_activations, *args)
+        return checkpoint(run_function, distribute_saved_activations, *args)
 
 
 def __getattr__(name: str) -> Any:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from rng_tracker.kernels.index_map import Chunk, Region, index_map_of
 from rng_tracker.kernels.reference import fused_dropout_reference
-from rng_tracker.kernels.shard import Region, Shard, layout_of
 
 _HIDDEN = 1024
 _P = 0.1
@@ -54,11 +54,11 @@ def _load_baseline(rev: str):
 
 
 def _old_shard(module, dim: int, index: int, count: int, extent: int):
-    """The baseline's Shard (``extent`` only where that revision has it)."""
+    """The baseline's Chunk (``extent`` only where that revision has it)."""
     try:
-        return module.Shard(dim, index, count, extent=extent)
+        return module.Chunk(dim, index, count, extent=extent)
     except TypeError:
-        return module.Shard(dim, index, count)
+        return module.Chunk(dim, index, count)
 
 
 def _median_interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
@@ -101,14 +101,14 @@ def main() -> None:
         # local tensor has the same 2**log2 elements.
         cases = {
             "unsharded": (full, None, lambda m: None),
-            "Shard rows (block)": (
+            "Chunk rows (block)": (
                 full,
-                Shard(0, 1, 4, extent=rows * 4),
+                Chunk(0, 1, 4, extent=rows * 4),
                 lambda m, rows=rows: _old_shard(m, 0, 1, 4, rows * 4),
             ),
-            "Shard columns (gap)": (
+            "Chunk columns (gap)": (
                 full,
-                Shard(1, 1, 4, extent=_HIDDEN * 4),
+                Chunk(1, 1, 4, extent=_HIDDEN * 4),
                 lambda m: _old_shard(m, 1, 1, 4, _HIDDEN * 4),
             ),
             "Region unaligned box": (full, Region((rows, _HIDDEN + 3), (0, 3)), None),
@@ -121,13 +121,13 @@ def main() -> None:
         unsharded_ms = None
         for name, (local, placement, old) in cases.items():
             local = local.contiguous()
-            layout = layout_of(local.shape, placement)
+            layout = index_map_of(local.shape, placement)
             fns = [
                 lambda x=local, lay=layout: fused_dropout_reference(x, None, None, seed, _P, lay)
             ]
             if baseline and old is not None:
                 old_shard, old_reference, _ = baseline
-                old_layout = old_shard.layout_of(local.shape, old(old_shard))
+                old_layout = old_shard.index_map_of(local.shape, old(old_shard))
                 fns.append(
                     lambda x=local, lay=old_layout, ref=old_reference: ref.fused_dropout_reference(
                         x, None, None, old_seed, _P, lay

@@ -20,7 +20,8 @@ from rng_tracker import (
     rng_context_fn,
 )
 from rng_tracker import megatron as mg
-from rng_tracker.checkpoint import is_checkpointing, megatron_checkpoint
+from rng_tracker.activation_checkpoint import is_checkpointing
+from rng_tracker.megatron import checkpoint as megatron_checkpoint
 
 MODES = {"non-reentrant": False, "reentrant": True}
 

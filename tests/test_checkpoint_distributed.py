@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from rng_tracker import MODEL_PARALLEL_RNG, checkpoint, get_rng_tracker, model_parallel_seed
-from rng_tracker.checkpoint import megatron_checkpoint
+from rng_tracker.megatron import checkpoint as megatron_checkpoint
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.collectives import copy_to_tp, reduce_from_tp
 from rng_tracker.parallel.testing import run_distributed

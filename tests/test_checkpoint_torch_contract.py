@@ -26,7 +26,7 @@ from rng_tracker import (
     checkpoint,
     rng_context_fn,
 )
-from rng_tracker.checkpoint import megatron_checkpoint
+from rng_tracker.megatron import checkpoint as megatron_checkpoint
 
 STREAM = "model-parallel-rng"
 OTHER = "data-parallel-rng"

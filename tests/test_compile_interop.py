@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from rng_tracker import RNGStatesTracker
-from rng_tracker.checkpoint import checkpoint
+from rng_tracker.activation_checkpoint import checkpoint
 from rng_tracker.kernels import bias_dropout_add, cpu_compiled, dropout
 
 

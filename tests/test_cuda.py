@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rng_tracker import CPURNGChangedWarning, KernelUnavailableError, RNGStatesTracker
-from rng_tracker.kernels import Shard, bias_dropout_add, dropout
+from rng_tracker.kernels import Chunk, bias_dropout_add, dropout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -56,7 +56,7 @@ def test_kernel_key_is_the_seed_and_offset_advances_by_the_logical_count():
         torch.ones(10, device="cuda"),
         0.5,
         generator=g,
-        shard=Shard(0, 1, 3, extent=30),
+        shard=Chunk(0, 1, 3, extent=30),
         impl="triton",
     )
     assert g.get_offset() == 8 + 4 * ((30 + 3) // 4)

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from rng_tracker.errors import DTensorPlacementError
-from rng_tracker.kernels import Layout
+from rng_tracker.kernels import IndexMap
 from rng_tracker.parallel._placement import local_index
 
 # --- pure part: placements + mesh + global shape -> this rank's index lists -----------
@@ -51,15 +51,14 @@ def test_local_index_matches_torch_split(mesh_shape, global_shape) -> None:
             assert torch.equal(got, expected), (placements, coordinate)
             affine = index.affine()  # full holds global flat indices: got is the map itself
             if affine is not None and got.numel():
-                layout = Layout(offset=affine[0], dims=affine[1], logical_numel=full.numel())
-                assert torch.equal(layout.global_index(torch.arange(got.numel())), got.flatten())
+                index_map = IndexMap(offset=affine[0], dims=affine[1], logical_numel=full.numel())
+                assert torch.equal(index_map.global_index(torch.arange(got.numel())), got.flatten())
             # the boxes tile the local tensor: each box is a contiguous block of the logical one
-            for box in index.boxes():
-                block = full[tuple(slice(o, o + e) for o, e in zip(box.offset, box.extent))]
-                local = expected[
-                    tuple(slice(s, s + e) for s, e in zip(box.local_start, box.extent))
-                ]
-                assert torch.equal(block, local)
+            for slices, region in index.boxes():
+                assert region.global_shape == tuple(full.shape)
+                extents = [cut.stop - cut.start for cut in slices]
+                block = full[tuple(slice(o, o + e) for o, e in zip(region.offset, extents))]
+                assert torch.equal(block, expected[slices])
 
 
 def test_strided_shards_take_the_affine_map_or_boxes() -> None:
@@ -70,7 +69,10 @@ def test_strided_shards_take_the_affine_map_or_boxes() -> None:
     uneven = local_index((7, 3), (2,), (1,), [_StridedShard(0, split_factor=2)])
     assert uneven.indices[0] == (2, 3, 6)
     assert uneven.affine() is None
-    assert [(b.offset, b.extent) for b in uneven.boxes()] == [((2, 0), (2, 3)), ((6, 0), (1, 3))]
+    assert [(slices, region.offset) for slices, region in uneven.boxes()] == [
+        ((slice(0, 2), slice(0, 3)), (2, 0)),
+        ((slice(2, 3), slice(0, 3)), (6, 0)),
+    ]
 
 
 def test_local_index_refuses_unknown_placements() -> None:

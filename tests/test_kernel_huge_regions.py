@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rng_tracker.errors import KernelInputError, RNGTrackerError
-from rng_tracker.kernels import MAX_LOGICAL_NUMEL, Layout, Region, Shard, dropout, layout_of
+from rng_tracker.kernels import MAX_LOGICAL_NUMEL, Chunk, IndexMap, Region, dropout
+from rng_tracker.kernels.index_map import index_map_of
 from rng_tracker.kernels.rng_source import advanced_offset
 
 IMPLS = ("torch", "cpu", "triton")
@@ -135,11 +136,11 @@ def test_every_impl_gives_the_same_answer_on_huge_regions(
     seed=seeds,
 )
 def test_shards_of_huge_extent_agree_or_are_refused(rows_local, cols, log2_count, seed):
-    """Shard arithmetic (chunk size, start) near the bound: the last chunk of a huge dim 0."""
+    """Chunk arithmetic (chunk size, start) near the bound: the last chunk of a huge dim 0."""
     count = int(2**log2_count) // rows_local
     extent = rows_local * count
     shape = (rows_local, cols)
-    answers = _answers(shape, lambda: Shard(0, count - 1, count, extent), seed)
+    answers = _answers(shape, lambda: Chunk(0, count - 1, count, extent), seed)
     if extent * cols > MAX_LOGICAL_NUMEL:
         assert answers == dict.fromkeys(IMPLS, KernelInputError)
     else:
@@ -165,7 +166,7 @@ def test_transposed_layouts_near_the_bound_agree(rows_local, cols_local, stride,
     dims = ((cols_local, 1), (rows_local, stride))
     answers = _answers(
         (cols_local, rows_local),
-        lambda: Layout(offset=offset, dims=dims, logical_numel=MAX_LOGICAL_NUMEL),
+        lambda: IndexMap(offset=offset, dims=dims, logical_numel=MAX_LOGICAL_NUMEL),
         seed,
     )
     indices = [offset + i + j * stride for i in range(cols_local) for j in range(rows_local)]
@@ -179,16 +180,16 @@ def test_transposed_layouts_near_the_bound_agree(rows_local, cols_local, stride,
         lambda: Region((2**63, 1), (2**63 - 4, 0)),
         lambda: Region((0, 2**64), (0, 0)),
         lambda: Region((4, 8), (2**64, 0)),
-        lambda: Shard(0, 0, 1, 2**63),
-        lambda: Layout(offset=0, dims=((4, 1),), logical_numel=2**63),
-        lambda: Layout(offset=2**63, dims=((0, 1),), logical_numel=8),
+        lambda: Chunk(0, 0, 1, 2**63),
+        lambda: IndexMap(offset=0, dims=((4, 1),), logical_numel=2**63),
+        lambda: IndexMap(offset=2**63, dims=((0, 1),), logical_numel=8),
     ],
 )
 def test_placements_beyond_the_bound_are_refused_and_nothing_is_drawn(make):
     generator = torch.default_generator
     before = generator.get_state()
     with pytest.raises(KernelInputError, match=r"2\*\*63 - 1"):
-        layout_of(torch.Size((4, 8)), make())
+        index_map_of(torch.Size((4, 8)), make())
     for impl in IMPLS:
         with pytest.raises(KernelInputError, match=r"2\*\*63 - 1"):
             dropout(torch.ones(4, 8), P, shard=make(), impl=impl)

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rng_tracker import KernelInputError, KernelUnavailableError, RNGTrackerError
-from rng_tracker.kernels import Layout, Region, Shard, bias_dropout_add, dropout, layout_of
+from rng_tracker.kernels import Chunk, IndexMap, Region, bias_dropout_add, dropout
+from rng_tracker.kernels.index_map import index_map_of
 
 IMPLS = ["torch", "cpu", "triton"]
 P = 0.4
@@ -96,7 +97,7 @@ def _grids(draw):
 @example(case=((5, 9), (4, 2), (3, 0), 2))  # 5 in 4: 2, 2, 1, empty
 def test_a_cell_of_an_nd_shard_grid_draws_the_logical_mask(impl, case):
     """A cell of an N-d mesh of torch.chunk splits (uneven and empty chunks included), placed by
-    Region, equals the logical output there; along one sharded dim the Shard shorthand with
+    Region, equals the logical output there; along one sharded dim the Chunk shorthand with
     its extent gives the same."""
     shape, counts, cell, seed = case
     bounds = [_chunk_bounds(e, i, c) for e, i, c in zip(shape, cell, counts)]
@@ -110,7 +111,7 @@ def test_a_cell_of_an_nd_shard_grid_draws_the_logical_mask(impl, case):
     sharded = [d for d, c in enumerate(counts) if c > 1]
     if len(sharded) == 1:
         d = sharded[0]
-        shard = Shard(d - len(shape), cell[d], counts[d], extent=shape[d])
+        shard = Chunk(d - len(shape), cell[d], counts[d], extent=shape[d])
         _check_piece(x, x[box], shard, full[box], impl, seed, state)
 
 
@@ -141,7 +142,7 @@ def _strided(draw):
 @given(case=_strided())
 @example(case=((3, 24, 4), 1, (2, 3, 4), 1, [1, 0, 1], [2, 24, 2], 1))
 def test_a_strided_shard_draws_the_logical_mask(impl, case):
-    """A general Layout (a dim split into chunk and within-chunk sub-dims, each with its own
+    """A general IndexMap (a dim split into chunk and within-chunk sub-dims, each with its own
     global stride) draws the logical mask at exactly those elements."""
     shape, d, (a, b, c), piece, starts, sizes, seed = case
     x = _logical(shape, seed)
@@ -165,7 +166,7 @@ def test_a_strided_shard_draws_the_logical_mask(impl, case):
         else:
             dims.append((sizes[k], strides[k]))
     offset = sum(s * st_ for k, (s, st_) in enumerate(zip(starts, strides)) if k != d)
-    layout = Layout(
+    layout = IndexMap(
         offset=offset + piece * c * strides[d], dims=tuple(dims), logical_numel=x.numel()
     )
     _check_piece(x, take(x), layout, take(full), impl, seed, g.get_state())
@@ -181,19 +182,19 @@ def _refuses(call, error=KernelInputError, words=""):
 
 
 def test_the_issue_uneven_last_chunk_needs_its_extent():
-    """Issue 10: the 1-row last chunk of a 10-row tensor split 3, 3, 3, 1 as Shard(0, 3, 4) is
+    """Issue 10: the 1-row last chunk of a 10-row tensor split 3, 3, 3, 1 as Chunk(0, 3, 4) is
     refused (no extent), a wrong extent is refused, and extent=10 draws the logical rows."""
     x = _logical((10, 5), 1)
     local = x.chunk(4)[3]
     assert local.shape[0] == 1
-    _refuses(lambda g: dropout(local, P, shard=Shard(0, 3, 4), generator=g), words="extent=")
+    _refuses(lambda g: dropout(local, P, shard=Chunk(0, 3, 4), generator=g), words="extent=")
     _refuses(
-        lambda g: dropout(local, P, shard=Shard(0, 3, 4, extent=12), generator=g),
+        lambda g: dropout(local, P, shard=Chunk(0, 3, 4, extent=12), generator=g),
         words="has size 3",
     )
     for impl in IMPLS:
         full = dropout(x, P, generator=gen(2), impl="torch")
-        got = dropout(local, P, shard=Shard(0, 3, 4, extent=10), generator=gen(2), impl=impl)
+        got = dropout(local, P, shard=Chunk(0, 3, 4, extent=10), generator=gen(2), impl=impl)
         assert torch.equal(got, full[9:])
 
 
@@ -202,8 +203,8 @@ def test_the_issue_uneven_last_chunk_needs_its_extent():
     [
         ((3, 4), Region((3, 4, 1), (0, 0, 0)), "Region has 3 dims"),
         ((3, 4), Region((5, 4), (3, 0)), "does not fit in dim 0"),
-        ((3, 4), Layout(offset=0, dims=((10, 1),), logical_numel=20), "covers 10"),
-        ((2, 4), Shard(1, 0, 2, extent=9), "has size 5"),
+        ((3, 4), IndexMap(offset=0, dims=((10, 1),), logical_numel=20), "covers 10"),
+        ((2, 4), Chunk(1, 0, 2, extent=9), "has size 5"),
     ],
 )
 def test_placements_that_do_not_match_x_are_typed_errors(shape, shard, words):
@@ -221,7 +222,7 @@ def test_placements_that_do_not_match_x_are_typed_errors(shape, shard, words):
 )
 def test_bad_layouts_are_typed_errors(kwargs, words):
     with pytest.raises(RNGTrackerError, match=words):
-        Layout(**kwargs)
+        IndexMap(**kwargs)
 
 
 def test_more_merged_dims_than_the_kernel_places_fall_back_or_refuse():
@@ -231,7 +232,7 @@ def test_more_merged_dims_than_the_kernel_places_fall_back_or_refuse():
     box = (slice(1, 3),) * 5
     x = _logical(shape, 4)
     region = Region(shape, (1,) * 5)
-    assert len(layout_of(x[box].shape, region).dims) == 5
+    assert len(index_map_of(x[box].shape, region).dims) == 5
     _refuses(
         lambda g: dropout(x[box].contiguous(), P, shard=region, generator=g, impl="triton"),
         KernelUnavailableError,
@@ -244,9 +245,9 @@ def test_more_merged_dims_than_the_kernel_places_fall_back_or_refuse():
 def test_common_placements_merge_to_the_fast_index_maps():
     """Unsharded and contiguous-block shards are one stride-1 dim (no division), an equal-chunk
     shard of a later dim two dims (one division), and both aligned for widths % 4 == 0."""
-    unsharded = layout_of(torch.Size((4, 8)), None)
-    block = layout_of(torch.Size((2, 8)), Shard(0, 1, 2, extent=4))
-    columns = layout_of(torch.Size((4, 4)), Shard(1, 1, 2, extent=8))
+    unsharded = index_map_of(torch.Size((4, 8)), None)
+    block = index_map_of(torch.Size((2, 8)), Chunk(0, 1, 2, extent=4))
+    columns = index_map_of(torch.Size((4, 4)), Chunk(1, 1, 2, extent=8))
     assert unsharded.dims == ((32, 1),) and unsharded.divisions() == (1, ())
     assert block.dims == ((16, 1),) and block.offset == 16
     assert columns.dims == ((4, 8), (4, 1)) and columns.divisions() == (1, ((4, 4),))

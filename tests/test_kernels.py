@@ -17,7 +17,9 @@ from rng_tracker import (
     RNGTrackerError,
     checkpoint,
 )
-from rng_tracker.kernels import Region, Shard, bias_dropout_add, dropout, keep_threshold, philox4x32
+from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
+from rng_tracker.kernels.philox import philox4x32
+from rng_tracker.kernels.reference import keep_threshold
 
 M32 = 0xFFFFFFFF
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -109,7 +111,7 @@ def test_shards_assemble_to_the_unsharded_output(impl, dim, count):
             dropout(
                 chunk.contiguous(),
                 0.4,
-                shard=Shard(dim, index, count, extent=x.shape[dim]),
+                shard=Chunk(dim, index, count, extent=x.shape[dim]),
                 generator=g,
                 impl=impl,
             )
@@ -132,7 +134,7 @@ def test_contiguous_block_shards_at_unaligned_offsets_assemble(impl, shape, dim,
             bias,
             rs.contiguous(),
             0.3,
-            shard=Shard(dim, index, count, extent=shape[dim]),
+            shard=Chunk(dim, index, count, extent=shape[dim]),
             generator=gen(5),
             impl=impl,
         )
@@ -317,13 +319,13 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
             "impl",
         ),
         (
-            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(3, 0, 2, extent=8), generator=g),
+            lambda g: dropout(torch.ones(4), 0.1, shard=Chunk(3, 0, 2, extent=8), generator=g),
             KernelInputError,
             ValueError,
             "out of range",
         ),
         (
-            lambda g: dropout(torch.ones(4), 0.1, shard=Shard(0, 2, 2), generator=g),
+            lambda g: dropout(torch.ones(4), 0.1, shard=Chunk(0, 2, 2), generator=g),
             KernelInputError,
             ValueError,
             "index < count",

@@ -19,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels import Region, Shard, bias_dropout_add, cpu_compiled, dropout
+from rng_tracker.kernels import Chunk, Region, bias_dropout_add, cpu_compiled, dropout
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -62,9 +62,9 @@ def test_every_variant_equals_the_reference_bitwise(dtype):
 @pytest.mark.parametrize(
     ("shape", "placement"),
     [
-        ((5, 8), Shard(1, 1, 2, extent=16)),  # aligned, one division per group
-        ((6, 4), Shard(-1, 1, 3, extent=10)),  # torch.chunk split of 10 (4, 4, 2): not aligned
-        ((3, 5), Shard(0, 1, 3, extent=7)),  # a contiguous block at an unaligned offset
+        ((5, 8), Chunk(1, 1, 2, extent=16)),  # aligned, one division per group
+        ((6, 4), Chunk(-1, 1, 3, extent=10)),  # torch.chunk split of 10 (4, 4, 2): not aligned
+        ((3, 5), Chunk(0, 1, 3, extent=7)),  # a contiguous block at an unaligned offset
         ((2, 3, 6), Region((4, 5, 8), (1, 2, 1))),  # a 3-d box: two divisions, not aligned
         ((2, 2, 8), Region((3, 4, 16), (1, 1, 4))),  # a 3-d box, aligned
     ],

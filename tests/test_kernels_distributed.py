@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker import DATA_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
-from rng_tracker.kernels import Region, Shard, dropout
+from rng_tracker.kernels import Chunk, Region, dropout
 
 SHAPE = (8, 8, 20)  # every dim divides by the 4 ranks
 UNEVEN = (5, 7, 3)  # a 2 x 2 grid over dims 0 and 1: rows 3 + 2, columns 4 + 3
@@ -24,7 +24,7 @@ def _shard_masks(dim: int, impl: str) -> dict:
         local = dropout(
             logical.chunk(world, dim=dim)[rank].contiguous(),
             0.5,
-            shard=Shard(dim, rank, world, extent=SHAPE[dim]),
+            shard=Chunk(dim, rank, world, extent=SHAPE[dim]),
             impl=impl,
         )
     parts = [torch.empty_like(local) for _ in range(world)]

@@ -1,6 +1,6 @@
 """Where a local tensor sits in the logical tensor, and its elements' global indices.
 
-Every placement (``Shard``, ``Region`` or a general ``Layout``) becomes one affine index map
+Every placement (``Chunk``, ``Region`` or a general ``IndexMap``) becomes one affine index map
 from the local row-major flat index l to the logical row-major flat index g:
 
     g = offset + sum_d ((l // inner_d) % extent_d) * stride_d
@@ -13,7 +13,7 @@ two dims (one division).
 Bound: the logical tensor has at most ``MAX_LOGICAL_NUMEL`` = 2**63 - 1 elements, so every
 global index, offset and stride is an int64 on every path (the torch reference, the
 compiled CPU kernel and Triton). A placement beyond it raises :class:`KernelInputError`
-when the ``Shard``, ``Region`` or ``Layout`` is built, before any path runs or anything is
+when the ``Chunk``, ``Region`` or ``IndexMap`` is built, before any path runs or anything is
 drawn (docs/keyed.md, "Huge logical tensors").
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["MAX_LOGICAL_NUMEL", "Layout", "Region", "Shard", "ShardSpec", "layout_of"]
+__all__ = ["MAX_LOGICAL_NUMEL", "Chunk", "IndexMap", "Region", "ShardArg", "index_map_of"]
 
 MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
 
@@ -61,7 +61,7 @@ def _int_tuple(owner: str, name: str, values: object) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class Shard:
+class Chunk:
     """The local tensor is chunk ``index`` of ``count`` chunks of the logical tensor along ``dim``.
 
     Chunks follow torch.chunk's rule (DTensor's too): chunk size ceil(extent / count), so
@@ -78,17 +78,17 @@ class Shard:
     extent: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("Shard", "dim", self.dim, minimum=None)
-        _check_int("Shard", "index", self.index, minimum=None)
-        _check_int("Shard", "count", self.count, minimum=None)
+        _check_int("Chunk", "dim", self.dim, minimum=None)
+        _check_int("Chunk", "index", self.index, minimum=None)
+        _check_int("Chunk", "count", self.count, minimum=None)
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise KernelInputError(f"Shard needs count >= 1 and 0 <= index < count, got {self}")
+            raise KernelInputError(f"Chunk needs count >= 1 and 0 <= index < count, got {self}")
         if self.extent is not None:
-            _check_int("Shard", "extent", self.extent)
-            _check_logical_numel("Shard", "extent", self.extent)
+            _check_int("Chunk", "extent", self.extent)
+            _check_logical_numel("Chunk", "extent", self.extent)
         elif self.count > 1:
             raise KernelInputError(
-                f"Shard(dim={self.dim}, index={self.index}, count={self.count}) needs extent=, "
+                f"Chunk(dim={self.dim}, index={self.index}, count={self.count}) needs extent=, "
                 "the logical size of the sharded dim: the local size does not determine it "
                 "(torch.chunk splits 10 rows in 4 as 3, 3, 3, 1). Pass "
                 "extent=x_local.shape[dim] * count for an even split, or use Region"
@@ -125,7 +125,7 @@ class Region:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class IndexMap:
     """A general affine index map, also accepted as ``shard=`` (e.g. for strided shards).
 
     ``dims`` holds (extent, stride) per dim of the local tensor's row-major flat order,
@@ -143,24 +143,24 @@ class Layout:
     numel: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("Layout", "offset", self.offset)
-        _check_int("Layout", "logical_numel", self.logical_numel)
-        _check_logical_numel("Layout", "logical_numel", self.logical_numel)
-        _check_logical_numel("Layout", "offset", self.offset)
+        _check_int("IndexMap", "offset", self.offset)
+        _check_int("IndexMap", "logical_numel", self.logical_numel)
+        _check_logical_numel("IndexMap", "logical_numel", self.logical_numel)
+        _check_logical_numel("IndexMap", "offset", self.offset)
         if not isinstance(self.dims, Sequence):
             raise KernelInputTypeError(
-                f"Layout.dims must be a sequence of (extent, stride) pairs, got {self.dims!r}"
+                f"IndexMap.dims must be a sequence of (extent, stride) pairs, got {self.dims!r}"
             )
         pairs = []
         for i, pair in enumerate(self.dims):
             if not isinstance(pair, Sequence) or len(pair) != 2:
                 raise KernelInputTypeError(
-                    f"Layout.dims[{i}] must be an (extent, stride) pair, got {pair!r}"
+                    f"IndexMap.dims[{i}] must be an (extent, stride) pair, got {pair!r}"
                 )
             pairs.append(
                 (
-                    _check_int("Layout", f"dims[{i}] extent", pair[0]),
-                    _check_int("Layout", f"dims[{i}] stride", pair[1]),
+                    _check_int("IndexMap", f"dims[{i}] extent", pair[0]),
+                    _check_int("IndexMap", f"dims[{i}] stride", pair[1]),
                 )
             )
         numel = math.prod([extent for extent, _ in pairs])
@@ -174,13 +174,13 @@ class Layout:
         for extent, stride in sorted(self.dims, key=lambda pair: pair[1]):
             if stride <= span:
                 raise KernelInputError(
-                    f"Layout dims {self.dims} overlap: two local elements would share a global "
+                    f"IndexMap dims {self.dims} overlap: two local elements would share a global "
                     "index (sorted by stride, each stride must exceed the span of the dims below)"
                 )
             span += (extent - 1) * stride
         if self.offset + span >= self.logical_numel:
             raise KernelInputError(
-                f"Layout reaches global index {self.offset + span} but the logical tensor has "
+                f"IndexMap reaches global index {self.offset + span} but the logical tensor has "
                 f"{self.logical_numel} elements"
             )
 
@@ -249,7 +249,7 @@ def _merge(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-ShardSpec = Shard | Region | Layout
+ShardArg = Chunk | Region | IndexMap
 
 
 def _row_major_strides(shape: Sequence[int]) -> list[int]:
@@ -260,9 +260,9 @@ def _row_major_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> Layout:
+def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> IndexMap:
     strides = _row_major_strides(global_shape)
-    return Layout(
+    return IndexMap(
         offset=sum(o * s for o, s in zip(offset, strides, strict=True)),
         dims=tuple(zip(shape, strides, strict=True)),
         logical_numel=math.prod(global_shape),
@@ -270,22 +270,22 @@ def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) 
 
 
 @functools.lru_cache(maxsize=256)
-def _whole(numel: int) -> Layout:
-    # Cached: the layout of an unsharded tensor is built on every dropout call.
-    return Layout(offset=0, dims=((numel, 1),), logical_numel=numel)
+def _whole(numel: int) -> IndexMap:
+    # Cached: the index map of an unsharded tensor is built on every dropout call.
+    return IndexMap(offset=0, dims=((numel, 1),), logical_numel=numel)
 
 
-def layout_of(shape: torch.Size, shard: ShardSpec | None) -> Layout:
+def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
     shape = torch.Size(shape)
     if shard is None:
         if torch.compiler.is_compiling():  # Dynamo traces through caches, with a warning
-            return Layout(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
+            return IndexMap(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
         return _whole(shape.numel())
-    if isinstance(shard, Layout):
+    if isinstance(shard, IndexMap):
         if shard.numel != shape.numel():
             raise KernelInputError(
-                f"the Layout covers {shard.numel} local elements but x has {shape.numel()} "
+                f"the IndexMap covers {shard.numel} local elements but x has {shape.numel()} "
                 f"(shape {tuple(shape)}); its extents must multiply to x.numel()"
             )
         return shard
@@ -304,15 +304,15 @@ def layout_of(shape: torch.Size, shard: ShardSpec | None) -> Layout:
                     f"global extent {extent} (x {tuple(shape)}, {shard})"
                 )
         return _box(shape, shard.global_shape, shard.offset)
-    if not isinstance(shard, Shard):
+    if not isinstance(shard, Chunk):
         raise KernelInputTypeError(
-            f"shard must be a Shard, Region, Layout or None, got {type(shard).__name__}"
+            f"shard must be a Chunk, Region, IndexMap or None, got {type(shard).__name__}"
         )
     if not shape:
         raise KernelInputError("a 0-dim tensor cannot be a shard; pass shard=None")
     if not -len(shape) <= shard.dim < len(shape):
         raise KernelInputError(
-            f"Shard.dim {shard.dim} is out of range for a {len(shape)}-dim tensor"
+            f"Chunk.dim {shard.dim} is out of range for a {len(shape)}-dim tensor"
         )
     dim = shard.dim % len(shape)
     extent = shape[dim] if shard.extent is None else shard.extent  # extent None only if count 1

@@ -9,7 +9,7 @@ those states and the states found when it started are restored afterwards.
   so early stop, nesting, kwargs, ``torch.autograd.grad``, repeated and double backward,
   ``debug`` and a user ``context_fn`` (selective checkpointing) work as there.
 - ``use_reentrant=True`` is an autograd Function with torch's reentrant contract.
-- :func:`megatron_checkpoint` is Megatron's ``CheckpointFunction``.
+- :func:`reentrant_checkpoint` is Megatron's ``CheckpointFunction`` (``rng_tracker.megatron``).
 """
 
 from __future__ import annotations
@@ -37,14 +37,20 @@ from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
 from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
-__all__ = ["checkpoint", "is_checkpointing", "megatron_checkpoint", "rng_context_fn"]
+__all__ = [
+    "check_split_input",
+    "checkpoint",
+    "is_checkpointing",
+    "reentrant_checkpoint",
+    "rng_context_fn",
+]
 
 _DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
 
 
 def is_checkpointing() -> bool:
     """Whether this thread runs inside a checkpointed forward or its recompute (Megatron's
-    ``is_checkpointing``), in any mode of :func:`checkpoint`, :func:`megatron_checkpoint` or
+    ``is_checkpointing``), in any mode of :func:`checkpoint`, :func:`reentrant_checkpoint` or
     under :func:`rng_context_fn`."""
     return getattr(_DEPTH, "value", 0) > 0
 
@@ -412,7 +418,7 @@ def checkpoint(
         distribute_saved_activations: keep only this rank's slice of the first input,
             split across ``tp_group`` (default: the TP group of the parallel state), and
             all-gather it for the recompute. The caller's tensor is not changed (see
-            :func:`megatron_checkpoint` for Megatron's in-place variant).
+            :func:`reentrant_checkpoint` for Megatron's in-place variant).
         offload_to_cpu: keep saved inputs in (pinned) CPU memory until the recompute.
         tracker: tracker(s) whose streams to replay; default every tracker of the process.
         check_rng: verify each complete recompute drew exactly the forward's randomness,
@@ -485,27 +491,30 @@ def _refuse_non_reentrant_options(
         )
 
 
-def megatron_checkpoint(
-    function: Callable[..., Any], distribute_saved_activations: bool, *args: Any
+def reentrant_checkpoint(
+    function: Callable[..., Any], *args: Any, split_group: dist.ProcessGroup | None = None
 ) -> Any:
-    """Megatron's ``checkpoint(function, distribute_saved_activations, *args)``: reentrant,
-    replaying the CPU and input-device generators and every tracker stream.
+    """Reentrant checkpoint with Megatron's ``CheckpointFunction`` contract, replaying the CPU
+    and input-device generators and every tracker stream (:func:`rng_tracker.megatron.checkpoint`).
 
-    With ``distribute_saved_activations`` the caller's ``args[0]`` (a tensor that is not a
-    view) keeps, from the end of the forward until backward, only this rank's 1/tp flat
-    chunk (``args[0].data`` is replaced, as Megatron does), so the memory is freed although
-    the caller holds it; backward all-gathers it over the TP group of the initialised
-    parallel state and gives ``args[0]`` its whole data back before recomputing.
+    With ``split_group`` the caller's ``args[0]`` (a tensor that is not a view) keeps, from the
+    end of the forward until backward, only this rank's 1/size flat chunk (``args[0].data`` is
+    replaced, as Megatron does), so the memory is freed although the caller holds it; backward
+    all-gathers it over ``split_group`` and gives ``args[0]`` its whole data back before
+    recomputing.
     """
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
-    group = _megatron_split_group(args) if distribute_saved_activations else None
+    if split_group is not None:
+        check_split_input(args)
     record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
     _warn_if_no_input_requires_grad(args)
-    return _ReentrantCheckpoint.apply(function, record, InputSaver(), group, *args)
+    return _ReentrantCheckpoint.apply(function, record, InputSaver(), split_group, *args)
 
 
-def _megatron_split_group(args: Sequence[Any]) -> dist.ProcessGroup:
+def check_split_input(args: Sequence[Any]) -> None:
+    """Refuse ``args`` whose first item cannot give its storage up to a split (see
+    :func:`reentrant_checkpoint`), before anything runs."""
     if not args or not isinstance(args[0], torch.Tensor):
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs a tensor as the first argument"
@@ -516,7 +525,6 @@ def _megatron_split_group(args: Sequence[Any]) -> dist.ProcessGroup:
             "args[0] is a view of another tensor, whose data would not shrink; pass a tensor "
             "that owns its storage (e.g. x.clone() or Megatron's make_viewless_tensor)"
         )
-    return _parallel_state_tp_group()
 
 
 def _parallel_state_tp_group() -> dist.ProcessGroup:

@@ -1,0 +1,45 @@
+"""Names renamed in 0.2 still resolve for one release, with a DeprecationWarning naming the new one."""
+
+from __future__ import annotations
+
+import pytest
+
+import rng_tracker.kernels as kernels
+from rng_tracker.kernels import philox, reference, triton_dropout
+from rng_tracker.kernels.index_map import index_map_of
+
+RENAMED = {
+    "Shard": (kernels.Chunk, "rng_tracker.kernels.Chunk"),
+    "Layout": (kernels.IndexMap, "rng_tracker.kernels.IndexMap"),
+    "layout_of": (index_map_of, "rng_tracker.kernels.index_map.index_map_of"),
+    "philox4x32": (philox.philox4x32, "rng_tracker.kernels.philox.philox4x32"),
+    "keep_mask": (reference.keep_mask, "rng_tracker.kernels.reference.keep_mask"),
+    "keep_scale": (reference.keep_scale, "rng_tracker.kernels.reference.keep_scale"),
+    "keep_threshold": (reference.keep_threshold, "rng_tracker.kernels.reference.keep_threshold"),
+    "triton_runs_on": (
+        triton_dropout.triton_runs_on,
+        "rng_tracker.kernels.triton_dropout.triton_runs_on",
+    ),
+}
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_old_kernel_name_warns_and_is_the_new_object(old: str) -> None:
+    new, path = RENAMED[old]
+    with pytest.warns(
+        DeprecationWarning, match=rf"rng_tracker\.kernels\.{old} is deprecated.*{path}"
+    ):
+        got = getattr(kernels, old)
+    assert got is new
+    assert old not in kernels.__all__
+
+
+def test_old_chunk_name_builds_the_same_index_map() -> None:
+    with pytest.warns(DeprecationWarning):
+        old = kernels.Shard(0, 1, 2, extent=4)
+    assert old == kernels.Chunk(0, 1, 2, extent=4)
+
+
+def test_unknown_name_is_still_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        kernels.Nope  # noqa: B018
