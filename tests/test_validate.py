@@ -1,0 +1,25 @@
+"""The one integer check: bools refused, __index__ accepted, bounds named, typed errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rng_tracker._validate import checked_int
+from rng_tracker.errors import InvalidSeedError, InvalidSeedTypeError
+
+
+def test_accepts_index_types_and_refuses_bools_and_floats() -> None:
+    assert checked_int(torch.tensor(3), "rank", type_error=InvalidSeedTypeError) == 3
+    for bad in (True, 1.0, "1", None):
+        with pytest.raises(InvalidSeedTypeError, match="rank must be an int"):
+            checked_int(bad, "rank", type_error=InvalidSeedTypeError)
+
+
+def test_bounds_raise_the_value_error_naming_the_bound() -> None:
+    kwargs = {"type_error": InvalidSeedTypeError, "value_error": InvalidSeedError}
+    with pytest.raises(InvalidSeedError, match="seed must be >= 0, got -1"):
+        checked_int(-1, "seed", minimum=0, **kwargs)
+    with pytest.raises(InvalidSeedError, match="seed must be <= 7, got 8"):
+        checked_int(8, "seed", maximum=7, **kwargs)
+    assert checked_int(7, "seed", minimum=0, maximum=7, **kwargs) == 7
