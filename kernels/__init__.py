@@ -12,7 +12,7 @@ from __future__ import annotations
 from rng_tracker._deprecation import deprecated_names
 
 # ops
-from rng_tracker.kernels.dropout import Impl, bias_dropout_add, dropout
+from rng_tracker.kernels.fused_dropout import Impl, bias_dropout_add, dropout
 
 # where the local tensor sits in the logical one
 from rng_tracker.kernels.index_map import MAX_LOGICAL_NUMEL, Chunk, IndexMap, Region

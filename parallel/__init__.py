@@ -1,20 +1,35 @@
-"""rng_tracker.parallel: the process mesh, tensor-parallel layers, the reference transformer
-and the cross-rank RNG verifier.
+"""rng_tracker.parallel: the process mesh, tensor-parallel layers and collectives, and the
+cross-rank RNG verifier.
 
-The end-to-end training job (trainer, corpus, pipeline split, DCP checkpoints) lives apart in
-``rng_tracker.parallel.demo``: it serves scripts/train.py and is not part of this API.
-
-The mesh and collectives import eagerly; the layers, model and verifier load on first use
-(they pull in rng_tracker.kernels and so Triton, which the mesh alone does not need).
+Beside this API: :mod:`rng_tracker.parallel.dtensor` (layout-invariant random ops on DTensors
+and ``invariant_random()``), :mod:`rng_tracker.parallel.keyed_init` (init keyed by parameter
+name and element index), :mod:`rng_tracker.parallel.testing` (the distributed test harness)
+and :mod:`rng_tracker.parallel.transformer` (the reference model, ``TinyGPT``, which the tests,
+docs and the training example in ``examples/`` build on). None of this module imports
+:mod:`rng_tracker.kernels` (and so Triton); the transformer does.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rng_tracker._deprecation import deprecated_names
 
-# collectives.py
-from rng_tracker.parallel.collectives import (
+# the mesh
+from rng_tracker.parallel.mesh import (
+    ParallelState,
+    destroy_model_parallel,
+    get_parallel_state,
+    init_model_parallel,
+)
+
+# tensor-parallel layers
+from rng_tracker.parallel.layers import (  # isort: skip
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+# collectives (Megatron's mappings, differentiable)
+from rng_tracker.parallel.collectives import (  # isort: skip
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -23,56 +38,39 @@ from rng_tracker.parallel.collectives import (
     scatter_to_tp,
 )
 
-# mesh.py
-from rng_tracker.parallel.mesh import (
-    ParallelState,
-    destroy_model_parallel,
-    get_parallel_state,
-    get_parallel_state_or_none,
-    init_model_parallel,
-)
-
-_LAZY = {
-    # layers.py
-    "ColumnParallelLinear": "layers",
-    "RowParallelLinear": "layers",
-    "VocabParallelEmbedding": "layers",
-    # transformer.py
-    "GPTConfig": "transformer",
-    "ParallelTransformerLayer": "transformer",
-    "TinyGPT": "transformer",
-    "record_masks": "transformer",
-    # verify.py
-    "RNGReport": "verify",
-    "verify_rng_consistency": "verify",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"rng_tracker.parallel.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'rng_tracker.parallel' has no attribute {name!r}")
-
+# cross-rank RNG verification
+from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency  # isort: skip
 
 __all__ = [
-    "ColumnParallelLinear",
-    "GPTConfig",
-    "ParallelState",
-    "ParallelTransformerLayer",
-    "RNGReport",
-    "RowParallelLinear",
-    "TinyGPT",
-    "VocabParallelEmbedding",
-    "copy_to_tp",
-    "destroy_model_parallel",
-    "gather_from_sp",
-    "gather_from_tp",
-    "get_parallel_state",
-    "get_parallel_state_or_none",
+    # the mesh
     "init_model_parallel",
-    "record_masks",
+    "ParallelState",
+    "get_parallel_state",
+    "destroy_model_parallel",
+    # tensor-parallel layers
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    # collectives
+    "copy_to_tp",
     "reduce_from_tp",
-    "reduce_scatter_to_sp",
+    "gather_from_tp",
     "scatter_to_tp",
+    "gather_from_sp",
+    "reduce_scatter_to_sp",
+    # cross-rank RNG verification
     "verify_rng_consistency",
+    "RNGReport",
 ]
+
+# Names of 0.1 that live in their modules now; they resolve, with a warning, until 0.3.
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "GPTConfig": "rng_tracker.parallel.transformer:GPTConfig",
+        "ParallelTransformerLayer": "rng_tracker.parallel.transformer:ParallelTransformerLayer",
+        "TinyGPT": "rng_tracker.parallel.transformer:TinyGPT",
+        "record_masks": "rng_tracker.parallel.transformer:record_masks",
+        "get_parallel_state_or_none": "rng_tracker.parallel.mesh:get_parallel_state_or_none",
+    },
+)

@@ -3,131 +3,107 @@
 Named, forkable RNG streams per device; collision-free seeds for tensor, pipeline,
 data, expert and context parallel ranks; activation checkpointing that replays every
 stream; and (in :mod:`rng_tracker.kernels`) mask-free fused dropout.
+
+Every error is in :mod:`rng_tracker.errors` (each an :class:`RNGTrackerError` and the
+matching builtin); the ones a training script catches are re-exported here.
 """
 
 from __future__ import annotations
 
-# checkpoint.py
-from rng_tracker.activation_checkpoint import checkpoint, rng_context_fn
+from rng_tracker._deprecation import deprecated_names
 
-# checkpoint_without_output.py
-from rng_tracker.checkpoint_without_output import CheckpointWithoutOutput
-
-# device_rng.py
-from rng_tracker.device_rng import (
-    DeviceRNG,
-    RNGState,
-    default_device,
-    default_generator,
-    device_rng,
+# streams
+from rng_tracker.tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    get_rng_tracker,
 )
 
-# errors.py
-from rng_tracker.errors import (  # keyed.py's errors
-    CheckpointConfigError,
+from rng_tracker.seeds import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG  # isort: skip
+
+# seeding
+from rng_tracker.seeds import SeedPlan, model_parallel_seed, plan_seeds  # isort: skip
+
+# keyed randomness
+from rng_tracker.keyed import KeyedRNG, get_keyed_rng  # isort: skip
+
+# activation checkpointing
+from rng_tracker.activation_checkpoint import checkpoint, rng_context_fn  # isort: skip
+from rng_tracker.checkpoint_without_output import CheckpointWithoutOutput  # isort: skip
+from rng_tracker.rng_snapshot import RNGSnapshot  # isort: skip
+
+# errors a training script catches
+from rng_tracker.errors import (  # isort: skip
     CheckpointRNGMismatchError,
-    CheckpointTypeError,
-    CheckpointUsageError,
-    DuplicateStreamError,
-    InvalidSeedError,
-    InvalidSeedTypeError,
-    KernelInputError,
-    KernelInputTypeError,
-    KernelUnavailableError,
-    KeyedTypeError,
-    KeyedUnseededError,
-    ParallelConfigError,
     ParallelStateError,
-    RankError,
     RNGConsistencyError,
     RNGTrackerError,
     SeedReuseError,
-    SeedSchemeError,
-    SiteCollisionError,
-    SiteIdError,
-    StateDictError,
-    StepRangeError,
-    StreamNameError,
-    TrackerBusyError,
-    TrackerDeviceError,
-    TrackerNotInitializedError,
-    UnknownSiteError,
     UnknownStreamError,
-)
-
-# keyed.py
-from rng_tracker.keyed import KeyedRNG, get_keyed_rng
-
-# rng_snapshot.py
-from rng_tracker.rng_snapshot import RNGSnapshot
-
-# seeds.py
-from rng_tracker.seeds import (
-    DATA_PARALLEL_RNG,
-    EXPERT_PARALLEL_RNG,
-    SeedPlan,
-    model_parallel_seed,
-    plan_seeds,
-)
-
-# tracker.py
-from rng_tracker.tracker import (
-    MODEL_PARALLEL_RNG,
-    CPURNGChangedWarning,
-    RNGStatesTracker,
-    get_rng_tracker,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # streams
+    "RNGStatesTracker",
+    "get_rng_tracker",
+    "MODEL_PARALLEL_RNG",
     "DATA_PARALLEL_RNG",
     "EXPERT_PARALLEL_RNG",
-    "MODEL_PARALLEL_RNG",
-    "CPURNGChangedWarning",
-    "CheckpointConfigError",
-    "CheckpointRNGMismatchError",
-    "CheckpointTypeError",
-    "CheckpointUsageError",
-    "CheckpointWithoutOutput",
-    "DeviceRNG",
-    "DuplicateStreamError",
-    "InvalidSeedError",
-    "InvalidSeedTypeError",
-    "KernelInputError",
-    "KernelInputTypeError",
-    "KernelUnavailableError",
-    "KeyedRNG",
-    "KeyedTypeError",
-    "KeyedUnseededError",
-    "ParallelConfigError",
-    "ParallelStateError",
-    "RNGConsistencyError",
-    "RNGSnapshot",
-    "RNGState",
-    "RNGStatesTracker",
-    "RNGTrackerError",
-    "RankError",
-    "SeedPlan",
-    "SeedReuseError",
-    "SeedSchemeError",
-    "SiteCollisionError",
-    "SiteIdError",
-    "StateDictError",
-    "StepRangeError",
-    "StreamNameError",
-    "TrackerBusyError",
-    "TrackerDeviceError",
-    "TrackerNotInitializedError",
-    "UnknownSiteError",
-    "UnknownStreamError",
-    "checkpoint",
-    "default_device",
-    "default_generator",
-    "device_rng",
-    "get_keyed_rng",
-    "get_rng_tracker",
+    # seeding
     "model_parallel_seed",
     "plan_seeds",
+    "SeedPlan",
+    # keyed randomness
+    "KeyedRNG",
+    "get_keyed_rng",
+    # activation checkpointing
+    "checkpoint",
     "rng_context_fn",
+    "CheckpointWithoutOutput",
+    "RNGSnapshot",
+    # errors a training script catches
+    "RNGTrackerError",
+    "UnknownStreamError",
+    "SeedReuseError",
+    "ParallelStateError",
+    "CheckpointRNGMismatchError",
+    "RNGConsistencyError",
 ]
+
+# Top-level names of 0.1 that moved to their modules; they resolve, with a warning, until 0.3.
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "CPURNGChangedWarning": "rng_tracker.tracker:CPURNGChangedWarning",
+        "CheckpointConfigError": "rng_tracker.errors:CheckpointConfigError",
+        "CheckpointTypeError": "rng_tracker.errors:CheckpointTypeError",
+        "CheckpointUsageError": "rng_tracker.errors:CheckpointUsageError",
+        "DeviceRNG": "rng_tracker.device_rng:DeviceRNG",
+        "DuplicateStreamError": "rng_tracker.errors:DuplicateStreamError",
+        "InvalidSeedError": "rng_tracker.errors:InvalidSeedError",
+        "InvalidSeedTypeError": "rng_tracker.errors:InvalidSeedTypeError",
+        "KernelInputError": "rng_tracker.errors:KernelInputError",
+        "KernelInputTypeError": "rng_tracker.errors:KernelInputTypeError",
+        "KernelUnavailableError": "rng_tracker.errors:KernelUnavailableError",
+        "KeyedTypeError": "rng_tracker.errors:KeyedTypeError",
+        "KeyedUnseededError": "rng_tracker.errors:KeyedUnseededError",
+        "ParallelConfigError": "rng_tracker.errors:ParallelConfigError",
+        "RNGState": "rng_tracker.device_rng:RNGState",
+        "RankError": "rng_tracker.errors:RankError",
+        "SeedSchemeError": "rng_tracker.errors:SeedSchemeError",
+        "SiteCollisionError": "rng_tracker.errors:SiteCollisionError",
+        "SiteIdError": "rng_tracker.errors:SiteIdError",
+        "StateDictError": "rng_tracker.errors:StateDictError",
+        "StepRangeError": "rng_tracker.errors:StepRangeError",
+        "StreamNameError": "rng_tracker.errors:StreamNameError",
+        "TrackerBusyError": "rng_tracker.errors:TrackerBusyError",
+        "TrackerDeviceError": "rng_tracker.errors:TrackerDeviceError",
+        "TrackerNotInitializedError": "rng_tracker.errors:TrackerNotInitializedError",
+        "UnknownSiteError": "rng_tracker.errors:UnknownSiteError",
+        "default_device": "rng_tracker.device_rng:default_device",
+        "default_generator": "rng_tracker.device_rng:default_generator",
+        "device_rng": "rng_tracker.device_rng:device_rng",
+    },
+)

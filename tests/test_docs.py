@@ -56,6 +56,26 @@ def test_relative_links_stay_inside_the_repository_and_exist():
     assert not broken, broken
 
 
+_REPO_PATH = re.compile(
+    r"`((?:docs|scripts|tests|examples|kernels|parallel|rng_tracker|\.ci)/[\w./-]*[\w/])`"
+)
+_OUTSIDE = re.compile(r"\bDESIGN(?:\.md| §)")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path in backticks (`docs/keyed.md`, `scripts/demo.sh`) names a file or folder of this
+    repository, and no page cites a document that is not in it (the design brief outside it)."""
+    missing = []
+    for path in _markdown_files():
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        for target in _REPO_PATH.findall(text):
+            if not (ROOT / target.split("::")[0]).exists():
+                missing.append(f"{where}: {target}")
+        missing += [f"{where}: cites {cite!r}" for cite in _OUTSIDE.findall(text)]
+    assert not missing, missing
+
+
 @dataclass(frozen=True)
 class Block:
     """One fenced block: where it is, its language, its doc-test marker and its text."""

@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import rng_tracker.kernels.dropout as kernel_dropout
 from rng_tracker import (
     DeviceRNG,
     InvalidSeedError,
@@ -30,6 +29,7 @@ from rng_tracker import (
     UnknownSiteError,
     get_keyed_rng,
 )
+from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.demo.corpus import Corpus
