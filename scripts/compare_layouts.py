@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig, place_masks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)
+from gpt_training.trainer import TrainConfig, train
 
 # (tp, dp, pp, microbatches)
 LAYOUTS = [

@@ -27,7 +27,10 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.errors import RNGTrackerError
-from rng_tracker.parallel.demo.trainer import TrainConfig, preflight, train
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)
+from gpt_training.trainer import TrainConfig, preflight, train
 
 
 class _Parser(argparse.ArgumentParser):

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt_training import dcp_checkpoint
+from gpt_training.dcp_checkpoint import FAULT_ENV, read_manifest
+from gpt_training.errors import ResumeRefusedError, TrainingCheckpointError
+from gpt_training.trainer import TrainConfig, _load, build, train
 
 from rng_tracker import get_rng_tracker
-from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
-from rng_tracker.parallel.demo import dcp_checkpoint
-from rng_tracker.parallel.demo.dcp_checkpoint import FAULT_ENV, read_manifest
-from rng_tracker.parallel.demo.trainer import TrainConfig, _load, build, train
 from rng_tracker.parallel.mesh import destroy_model_parallel
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
 from rng_tracker.parallel.transformer import GPTConfig

@@ -13,10 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from rng_tracker.errors import RNGTrackerError, TrainingCheckpointError
-from rng_tracker.parallel.demo import dcp_checkpoint
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from gpt_training import dcp_checkpoint
+from gpt_training.dcp_checkpoint import (
     COMMITTED,
     MANIFEST,
     Layout,
@@ -25,6 +23,9 @@ from rng_tracker.parallel.demo.dcp_checkpoint import (
     read_manifest,
     write_manifest,
 )
+from gpt_training.errors import TrainingCheckpointError
+
+from rng_tracker.errors import RNGTrackerError
 
 RUN_ID = "0123456789abcdef0123456789abcdef"
 STEP_DIR = "step-00000003-01234567-89abcdef"

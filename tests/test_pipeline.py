@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gpt_training.pipeline import GPTStage, split_layers
+from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker.errors import ParallelConfigError
-from rng_tracker.parallel.demo.pipeline import GPTStage, split_layers
-from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig, TinyGPT
 

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
-from rng_tracker.errors import RNGTrackerError, SaveTargetError, TrainArgumentError
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from gpt_training.dcp_checkpoint import (
     FORMAT,
     Layout,
     Manifest,
@@ -26,7 +24,10 @@ from rng_tracker.parallel.demo.dcp_checkpoint import (
     read_manifest,
     write_manifest,
 )
-from rng_tracker.parallel.demo.trainer import TrainConfig, check_save_target, preflight
+from gpt_training.errors import SaveTargetError, TrainArgumentError
+from gpt_training.trainer import TrainConfig, check_save_target, preflight
+
+from rng_tracker.errors import RNGTrackerError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train.py"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker import RNGConsistencyError, get_rng_tracker, model_parallel_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.parallel.verify import verify_rng_consistency

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.dcp import RankStates
-from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
+
+from .errors import ResumeRefusedError, TrainingCheckpointError
 
 __all__ = [
     "FAULT_ENV",

@@ -5,7 +5,7 @@
 the same order on every layout); DP rank r and microbatch m take a fixed slice of it, and the
 loss is the mean token cross-entropy over the whole global batch on every layout. Pipeline
 stages run under torch.distributed.pipelining; checkpoints go through DCP
-(:mod:`rng_tracker.parallel.demo.dcp_checkpoint`).
+(:mod:`gpt_training.dcp_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
-from rng_tracker.errors import SaveTargetError, TrainArgumentError, TrainingCheckpointError
 from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.demo.corpus import Corpus
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
+from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
+from rng_tracker.seeds import SeedPlan, model_parallel_seed
+from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
+
+from .corpus import Corpus
+from .dcp_checkpoint import (
     COMMITTED,
     FORMAT,
     Layout,
@@ -40,12 +45,8 @@ from rng_tracker.parallel.demo.dcp_checkpoint import (
     save_checkpoint,
     tracker_state_of,
 )
-from rng_tracker.parallel.demo.pipeline import GPTStage, Schedule, build_schedule, split_layers
-from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
-from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
-from rng_tracker.seeds import SeedPlan, model_parallel_seed
-from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
+from .errors import SaveTargetError, TrainArgumentError, TrainingCheckpointError
+from .pipeline import GPTStage, Schedule, build_schedule, split_layers
 
 __all__ = [
     "Job",
