@@ -75,9 +75,7 @@ def _measure(steps: int, model: GPTConfig, batch: int) -> dict:
         for mode in MODES:
             cfg = TrainConfig(
                 tp=2,
-                rng_mode=mode,
-                recompute=recompute,
-                model=model,
+                model=replace(model, rng_mode=mode, recompute=recompute),
                 global_batch=batch,
                 quiet=True,
             )

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -80,10 +81,9 @@ def _config(mode: str, layout: tuple[int, int, int, int], steps: int) -> TrainCo
         microbatches=microbatches,
         global_batch=GLOBAL_BATCH,
         schedule="gpipe",
-        rng_mode=mode,
         steps=steps,
         seed=SEED,
-        model=MODEL,
+        model=replace(MODEL, rng_mode=mode),
         probe_masks=True,
         verify=False,
         quiet=True,

@@ -18,13 +18,22 @@ from gpt_training.trainer import TrainConfig, _load, build, train
 from rng_tracker import get_rng_tracker
 from rng_tracker.parallel.mesh import destroy_model_parallel
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
-from rng_tracker.parallel.transformer import GPTConfig
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode
 
 SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 
 
-def config(**kw) -> TrainConfig:
-    return TrainConfig(**{"global_batch": 4, "model": SMALL, "quiet": True, "verify": False, **kw})
+def config(
+    *,
+    model: GPTConfig = SMALL,
+    rng_mode: RNGMode = "megatron",
+    recompute: Recompute = "none",
+    sp: bool = False,
+    **kw,
+) -> TrainConfig:
+    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
+    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
+    return TrainConfig(**{"global_batch": 4, "quiet": True, "verify": False, "model": model, **kw})
 
 
 def _straight_and_half(straight: TrainConfig, half: TrainConfig) -> tuple:

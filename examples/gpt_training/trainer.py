@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,7 +66,9 @@ class TrainConfig:
     """One training run; ``steps`` counts from step 0, also when resuming.
 
     The data-parallel size is what remains of the world after tp × pp; ``global_batch``
-    sequences per step are split over dp ranks and then ``microbatches``.
+    sequences per step are split over dp ranks and then ``microbatches``. ``model`` is the one
+    place of TinyGPT's shape and randomness: its rng mode, recompute and sequence parallelism
+    are read from it (:attr:`rng_mode`, :attr:`recompute`, :attr:`sp`), never overridden.
     """
 
     tp: int = 1
@@ -74,9 +76,6 @@ class TrainConfig:
     microbatches: int = 1
     global_batch: int = 8
     schedule: Schedule = "1f1b"
-    sp: bool = False
-    recompute: Recompute = "none"
-    rng_mode: RNGMode = "megatron"
     steps: int = 20
     seed: int = 1234
     lr: float = 3e-3
@@ -88,6 +87,21 @@ class TrainConfig:
     log_every: int = 1
     quiet: bool = False
     overwrite: bool = False  # let ``save`` replace another run's checkpoint in that directory
+
+    @property
+    def rng_mode(self) -> RNGMode:
+        """``model.rng_mode``: how the dropout sites draw their masks."""
+        return self.model.rng_mode
+
+    @property
+    def recompute(self) -> Recompute:
+        """``model.recompute``: which activations the backward recomputes."""
+        return self.model.recompute
+
+    @property
+    def sp(self) -> bool:
+        """``model.sequence_parallel``."""
+        return self.model.sequence_parallel
 
 
 @dataclass
@@ -324,11 +338,8 @@ def build(cfg: TrainConfig) -> Job:
     plan = model_parallel_seed(cfg.seed, tracker=tracker)
     if cfg.rng_mode == "keyed":
         get_keyed_rng(device).manual_seed(cfg.seed)  # the same seed on every rank
-    gpt = replace(
-        cfg.model, rng_mode=cfg.rng_mode, recompute=cfg.recompute, sequence_parallel=cfg.sp
-    )
     tp_group = state.group("tp") if cfg.tp > 1 else None
-    full = TinyGPT(gpt, group=tp_group).to(device)  # identical init on every layout
+    full = TinyGPT(cfg.model, group=tp_group).to(device)  # identical init on every layout
     specs = _specs(full, cfg.pp, cfg.tp)
     stage = GPTStage(full, stage=state.rank("pp"), stages=cfg.pp)
     micro = cfg.global_batch // (dp * cfg.microbatches)
