@@ -17,8 +17,8 @@ from gpt_training import dcp_checkpoint
 from gpt_training.dcp_checkpoint import (
     COMMITTED,
     MANIFEST,
-    Layout,
     Manifest,
+    RunLayout,
     commit_pointer,
     read_manifest,
     write_manifest,
@@ -43,7 +43,7 @@ def _checkpoint(path: Path) -> Manifest:
         rng_mode="keyed",
         seed=1234,
         global_batch=16,
-        layout=Layout(tp=2, dp=2, pp=1, microbatches=1, sp=True),
+        layout=RunLayout(tp=2, dp=2, pp=1, microbatches=1, sp=True),
         losses=[4.448866, 3.525343, 3.29805],
         has_optimizer=True,
         files={"__0_0.distcp": dcp_checkpoint._sha256(str(directory / "__0_0.distcp"))},

@@ -18,8 +18,8 @@ import pytest
 import torch.distributed as dist
 from gpt_training.dcp_checkpoint import (
     FORMAT,
-    Layout,
     Manifest,
+    RunLayout,
     commit_pointer,
     read_manifest,
     write_manifest,
@@ -56,7 +56,7 @@ def _checkpoint(path: Path, *, step: int = 3, run_id: str = "ab" * 16) -> Path:
         rng_mode="keyed",
         seed=1234,
         global_batch=16,
-        layout=Layout(tp=1, dp=1, pp=1, microbatches=1, sp=False),
+        layout=RunLayout(tp=1, dp=1, pp=1, microbatches=1, sp=False),
         losses=[4.0] * step,
         has_optimizer=step > 0,
         files={},

@@ -32,9 +32,9 @@ from .corpus import Corpus
 from .dcp_checkpoint import (
     COMMITTED,
     FORMAT,
-    Layout,
     LogicalTensor,
     Manifest,
+    RunLayout,
     check_resume,
     load_checkpoint,
     local_shard,
@@ -130,7 +130,7 @@ class Job:
     schedule: Any
     optimizer: torch.optim.Optimizer
     plan: SeedPlan
-    layout: Layout
+    layout: RunLayout
     specs: list[LogicalTensor]
     device: torch.device
 
@@ -312,7 +312,7 @@ def preflight(cfg: TrainConfig, *, world: int, dp: int | None = None) -> Manifes
         raise TrainArgumentError(f"--resume {cfg.resume} does not exist; check the path")
     manifest = read_manifest(cfg.resume)
     _check_steps_left(cfg, manifest)
-    layout = Layout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
+    layout = RunLayout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
     check_resume(
         manifest, rng_mode=cfg.rng_mode, seed=cfg.seed, global_batch=cfg.global_batch, layout=layout
     )
@@ -355,7 +355,7 @@ def build(cfg: TrainConfig) -> Job:
         schedule=cfg.schedule,
     )
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=0.0)
-    layout = Layout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
+    layout = RunLayout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
     return Job(cfg, state, stage, schedule, optimizer, plan, layout, specs, device)
 
 
