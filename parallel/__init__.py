@@ -2,7 +2,7 @@
 and the cross-rank RNG verifier.
 
 The end-to-end training job (trainer, corpus, pipeline split, DCP checkpoints) lives apart in
-``rng_tracker.parallel.demo``: it serves scripts/train.py and is not part of this API.
+``examples/gpt_training/``: it serves scripts/train.py and is not part of this package.
 
 The mesh and collectives import eagerly; the layers, model and verifier load on first use
 (they pull in rng_tracker.kernels and so Triton, which the mesh alone does not need).
