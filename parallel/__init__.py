@@ -5,7 +5,7 @@ Beside this API: :mod:`rng_tracker.parallel.dtensor` (layout-invariant random op
 and ``invariant_random()``), :mod:`rng_tracker.parallel.keyed_init` (init keyed by parameter
 name and element index), :mod:`rng_tracker.parallel.testing` (the distributed test harness)
 and :mod:`rng_tracker.parallel.transformer` (the reference model, ``TinyGPT``, which the tests,
-docs and the training example in ``examples/`` build on). None of this module imports
+docs and the training example in ``examples/gpt_training/`` build on). None of this module imports
 :mod:`rng_tracker.kernels` (and so Triton); the transformer does.
 """
 

@@ -27,8 +27,6 @@ __all__ = [
     "RNGConsistencyError",
     "RNGTrackerError",
     "RankError",
-    "ResumeRefusedError",
-    "SaveTargetError",
     "SeedReuseError",
     "SeedSchemeError",
     "SiteCollisionError",
@@ -39,8 +37,6 @@ __all__ = [
     "TrackerBusyError",
     "TrackerDeviceError",
     "TrackerNotInitializedError",
-    "TrainArgumentError",
-    "TrainingCheckpointError",
     "UnknownSiteError",
     "UnknownStreamError",
 ]
@@ -171,14 +167,6 @@ class KeyedUnseededError(RNGTrackerError, RuntimeError):
     """Keyed randomness was used before a seed was set."""
 
 
-class TrainingCheckpointError(RNGTrackerError, RuntimeError):
-    """A training checkpoint is uncommitted, corrupt, or mixes pieces of different saves."""
-
-
-class ResumeRefusedError(RNGTrackerError, ValueError):
-    """A checkpoint cannot continue this run exactly: another rng mode, seed, batch or layout."""
-
-
 class DTensorPlacementError(RNGTrackerError, ValueError):
     """A DTensor whose placements the invariant random ops cannot place exactly in its logical tensor."""
 
@@ -224,14 +212,6 @@ __all__ += [
     "SeedCoordinateTypeError",
     "SeedOverflowError",
 ]
-
-
-class TrainArgumentError(RNGTrackerError, ValueError):
-    """A training-job setting that cannot run (a size, a count, a path); refused before any work."""
-
-
-class SaveTargetError(RNGTrackerError, ValueError):
-    """A checkpoint target the job cannot write into, or one holding another run's checkpoint."""
 
 
 class InvariantRandomConfigError(RNGTrackerError, ValueError):

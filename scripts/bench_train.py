@@ -24,11 +24,12 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)
 from _memory import PeakHeap, heap_bytes
+from gpt_training.corpus import Corpus
+from gpt_training.trainer import TrainConfig, build, train_step
 
 from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.demo.corpus import Corpus
-from rng_tracker.parallel.demo.trainer import TrainConfig, build, train_step
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig
 from rng_tracker.tracker import RNGStatesTracker
@@ -74,9 +75,7 @@ def _measure(steps: int, model: GPTConfig, batch: int) -> dict:
         for mode in MODES:
             cfg = TrainConfig(
                 tp=2,
-                rng_mode=mode,
-                recompute=recompute,
-                model=model,
+                model=replace(model, rng_mode=mode, recompute=recompute),
                 global_batch=batch,
                 quiet=True,
             )

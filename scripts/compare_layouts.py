@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig, place_masks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)
+from gpt_training.trainer import TrainConfig, train
 
 # (tp, dp, pp, microbatches)
 LAYOUTS = [
@@ -76,10 +81,9 @@ def _config(mode: str, layout: tuple[int, int, int, int], steps: int) -> TrainCo
         microbatches=microbatches,
         global_batch=GLOBAL_BATCH,
         schedule="gpipe",
-        rng_mode=mode,
         steps=steps,
         seed=SEED,
-        model=MODEL,
+        model=replace(MODEL, rng_mode=mode),
         probe_masks=True,
         verify=False,
         quiet=True,

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from rng_tracker.kernels.lowering import (
-    ELEMENTS_PER_THREAD,
-    Variant,
-    compile_variant,
-    sass_opcodes,
-)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _lowering import ELEMENTS_PER_THREAD, Variant, compile_variant, sass_opcodes
 
 
 def main() -> None:

@@ -27,7 +27,11 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.errors import RNGTrackerError
-from rng_tracker.parallel.demo.trainer import TrainConfig, preflight, train
+from rng_tracker.parallel.transformer import GPTConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)
+from gpt_training.trainer import TrainConfig, preflight, train
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,15 +86,15 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         microbatches=args.microbatches,
         global_batch=args.global_batch,
         schedule=args.schedule,
-        sp=args.sp,
-        recompute=args.recompute,
-        rng_mode=args.rng_mode,
         steps=args.steps,
         seed=args.seed,
         save=args.save,
         resume=args.resume,
         log_every=args.log_every,
         overwrite=args.overwrite,
+        model=GPTConfig(
+            rng_mode=args.rng_mode, recompute=args.recompute, sequence_parallel=args.sp
+        ),
     )
 
 

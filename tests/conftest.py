@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through Triton's interpreter; this must be set
     # before rng_tracker.kernels is first imported (triton.jit reads it at decoration).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The training job (gpt_training) lives in examples/, which pip does not install.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from rng_tracker import RNGStatesTracker
 

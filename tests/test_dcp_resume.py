@@ -10,21 +10,31 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from gpt_training import dcp_checkpoint
+from gpt_training.dcp_checkpoint import FAULT_ENV, RunLayout, read_manifest
+from gpt_training.errors import ResumeRefusedError, TrainingCheckpointError
+from gpt_training.trainer import TrainConfig, _load, build, train
 
 from rng_tracker import get_rng_tracker
-from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
-from rng_tracker.parallel.demo import dcp_checkpoint
-from rng_tracker.parallel.demo.dcp_checkpoint import FAULT_ENV, read_manifest
-from rng_tracker.parallel.demo.trainer import TrainConfig, _load, build, train
-from rng_tracker.parallel.mesh import destroy_model_parallel
+from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
-from rng_tracker.parallel.transformer import GPTConfig
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode
 
 SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 
 
-def config(**kw) -> TrainConfig:
-    return TrainConfig(**{"global_batch": 4, "model": SMALL, "quiet": True, "verify": False, **kw})
+def config(
+    *,
+    model: GPTConfig = SMALL,
+    rng_mode: RNGMode = "megatron",
+    recompute: Recompute = "none",
+    sp: bool = False,
+    **kw,
+) -> TrainConfig:
+    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
+    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
+    return TrainConfig(**{"global_batch": 4, "quiet": True, "verify": False, "model": model, **kw})
 
 
 def _straight_and_half(straight: TrainConfig, half: TrainConfig) -> tuple:
@@ -56,6 +66,25 @@ def test_megatron_resume_on_the_same_pipeline_layout_is_bitwise(tmp_path):
         assert ok and got_losses == losses
         assert params.keys() == got_params.keys()
         assert all(torch.equal(params[n], got_params[n]) for n in params)
+
+
+def _layout_ranks_match_the_mesh() -> list[bool]:
+    """On each (tp, pp) of 4 ranks: does RunLayout.rank_of name this rank's own mesh place?"""
+    matches = []
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)):
+        state = init_model_parallel(tensor=tp, pipeline=pp)
+        layout = RunLayout(tp=tp, dp=state.size("dp"), pp=pp, microbatches=1, sp=False)
+        coords = {axis: state.rank(axis) for axis in ("tp", "dp", "pp")}
+        matches.append(layout.rank_of(**coords) == dist.get_rank())
+        destroy_model_parallel()
+    return matches
+
+
+def test_a_layouts_rank_of_is_the_meshs_global_rank():
+    """Save sends each stage from (tp 0, dp 0) to rank 0, and an invariant-mode resume reads the
+    saved (tp 0, dp, pp) rank's RNG state: both use rank_of, which must agree with the mesh."""
+    for matches in run_distributed(_layout_ranks_match_the_mesh, world_size=4):
+        assert all(matches), matches
 
 
 def _state(job) -> dict:

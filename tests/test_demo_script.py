@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rng_tracker.parallel.demo.dcp_checkpoint import read_manifest
+from gpt_training.dcp_checkpoint import read_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 

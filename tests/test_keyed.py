@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker import (
@@ -32,7 +33,6 @@ from rng_tracker import (
 from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.demo.corpus import Corpus
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import (
     GPTConfig,

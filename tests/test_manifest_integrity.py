@@ -13,18 +13,19 @@ import os
 from pathlib import Path
 
 import pytest
-
-from rng_tracker.errors import RNGTrackerError, TrainingCheckpointError
-from rng_tracker.parallel.demo import dcp_checkpoint
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from gpt_training import dcp_checkpoint
+from gpt_training.dcp_checkpoint import (
     COMMITTED,
     MANIFEST,
-    Layout,
     Manifest,
+    RunLayout,
     commit_pointer,
     read_manifest,
     write_manifest,
 )
+from gpt_training.errors import TrainingCheckpointError
+
+from rng_tracker.errors import RNGTrackerError
 
 RUN_ID = "0123456789abcdef0123456789abcdef"
 STEP_DIR = "step-00000003-01234567-89abcdef"
@@ -42,7 +43,7 @@ def _checkpoint(path: Path) -> Manifest:
         rng_mode="keyed",
         seed=1234,
         global_batch=16,
-        layout=Layout(tp=2, dp=2, pp=1, microbatches=1, sp=True),
+        layout=RunLayout(tp=2, dp=2, pp=1, microbatches=1, sp=True),
         losses=[4.448866, 3.525343, 3.29805],
         has_optimizer=True,
         files={"__0_0.distcp": dcp_checkpoint._sha256(str(directory / "__0_0.distcp"))},

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from gpt_training.pipeline import GPTStage, split_layers
+from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker.errors import ParallelConfigError
-from rng_tracker.parallel.demo.pipeline import GPTStage, split_layers
-from rng_tracker.parallel.demo.trainer import TrainConfig, train
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.transformer import GPTConfig, TinyGPT
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT
 
 SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 NO_DROPOUT = replace(SMALL, attention_dropout=0.0, hidden_dropout=0.0, embedding_dropout=0.0)
@@ -23,8 +23,17 @@ NO_DROPOUT = replace(SMALL, attention_dropout=0.0, hidden_dropout=0.0, embedding
 LAYOUT_LOSS_TOLERANCE = 1e-4
 
 
-def config(**kw) -> TrainConfig:
-    return TrainConfig(**{"global_batch": 8, "model": SMALL, "quiet": True, "verify": False, **kw})
+def config(
+    *,
+    model: GPTConfig = SMALL,
+    rng_mode: RNGMode = "megatron",
+    recompute: Recompute = "none",
+    sp: bool = False,
+    **kw,
+) -> TrainConfig:
+    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
+    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
+    return TrainConfig(**{"global_batch": 8, "quiet": True, "verify": False, "model": model, **kw})
 
 
 def test_stages_split_the_layers_and_keep_the_full_models_names():

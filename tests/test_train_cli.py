@@ -16,20 +16,23 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
-from rng_tracker.errors import RNGTrackerError, SaveTargetError, TrainArgumentError
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from gpt_training.dcp_checkpoint import (
     FORMAT,
-    Layout,
     Manifest,
+    RunLayout,
     commit_pointer,
     read_manifest,
     write_manifest,
 )
-from rng_tracker.parallel.demo.trainer import TrainConfig, check_save_target, preflight
+from gpt_training.errors import SaveTargetError, TrainArgumentError
+from gpt_training.trainer import TrainConfig, check_save_target, preflight
+
+from rng_tracker.errors import RNGTrackerError
+from rng_tracker.parallel.transformer import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train.py"
+KEYED = GPTConfig(rng_mode="keyed")  # the CLI's model with --rng-mode keyed
 
 
 def _script():
@@ -53,7 +56,7 @@ def _checkpoint(path: Path, *, step: int = 3, run_id: str = "ab" * 16) -> Path:
         rng_mode="keyed",
         seed=1234,
         global_batch=16,
-        layout=Layout(tp=1, dp=1, pp=1, microbatches=1, sp=False),
+        layout=RunLayout(tp=1, dp=1, pp=1, microbatches=1, sp=False),
         losses=[4.0] * step,
         has_optimizer=step > 0,
         files={},
@@ -131,12 +134,8 @@ def test_saving_over_another_runs_checkpoint_needs_overwrite(capsys, tmp_path):
     line = _refused(capsys, ["--rng-mode", "keyed", "--save", str(other)])
     assert "run cdcdcdcd" in line and "--overwrite" in line
     assert read_manifest(str(other)).run_id == "cd" * 16  # untouched
-    preflight(
-        TrainConfig(rng_mode="keyed", global_batch=16, save=str(other), overwrite=True), world=1
-    )
-    own = TrainConfig(
-        rng_mode="keyed", global_batch=16, steps=5, save=str(other), resume=str(other)
-    )
+    preflight(TrainConfig(model=KEYED, global_batch=16, save=str(other), overwrite=True), world=1)
+    own = TrainConfig(model=KEYED, global_batch=16, steps=5, save=str(other), resume=str(other))
     assert preflight(own, world=1).step == 3
     mine = _checkpoint(tmp_path / "mine", run_id="ef" * 16)
     with pytest.raises(SaveTargetError, match="run cdcdcdcd"):  # resuming another run

@@ -66,7 +66,7 @@ def _kernel():
     if not isinstance(_fused_dropout_kernel, triton.runtime.JITFunction):
         raise KernelUnavailableError(
             "the kernel was imported under TRITON_INTERPRET=1 and cannot be compiled; "
-            "import rng_tracker.kernels.lowering in a process without TRITON_INTERPRET"
+            "import rng_tracker.kernels in a process without TRITON_INTERPRET"
         )
     return _fused_dropout_kernel
 

@@ -35,15 +35,20 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.dcp import RankStates
-from rng_tracker.errors import ResumeRefusedError, TrainingCheckpointError
+from rng_tracker.parallel.collectives import gather_from_tp
+
+# mesh.py has no public "global rank of these coordinates"; its own rank grid is the truth.
+from rng_tracker.parallel.mesh import DEFAULT_ORDER, _order_tokens, _rank_grid
+
+from .errors import ResumeRefusedError, TrainingCheckpointError
 
 __all__ = [
     "FAULT_ENV",
     "FORMAT",
-    "Layout",
     "LogicalTensor",
     "Manifest",
     "RNGCheckpoint",
+    "RunLayout",
     "check_resume",
     "commit_pointer",
     "load_checkpoint",
@@ -69,7 +74,7 @@ FAULT_POINTS = ("gather", "write", "rename", "commit", "cleanup")
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class RunLayout:
     """The parallel layout a checkpoint was written on (or is loaded into)."""
 
     tp: int
@@ -79,8 +84,14 @@ class Layout:
     sp: bool
 
     def rank_of(self, *, tp: int, dp: int, pp: int) -> int:
-        """Global rank of a coordinate (the mesh lays ranks out tp-fastest, then dp, then pp)."""
-        return (pp * self.dp + dp) * self.tp + tp
+        """The global rank :func:`init_model_parallel` gives coordinate (tp, dp, pp) here.
+
+        Read from the mesh's own rank grid (Megatron's default order; the job runs without
+        context parallelism, so cp is 1), also for a saved layout that is not the live mesh.
+        """
+        sizes = {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
+        grid = _rank_grid(_order_tokens(DEFAULT_ORDER, sizes), sizes, ("pp", "dp", "cp", "tp"))
+        return int(grid[pp, dp, 0, tp])
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +104,7 @@ class Manifest:
     rng_mode: str
     seed: int
     global_batch: int
-    layout: Layout
+    layout: RunLayout
     losses: list[float] = field(hash=False)
     has_optimizer: bool = True
     files: dict[str, str] = field(default_factory=dict, hash=False)  # name -> sha256
@@ -228,9 +239,8 @@ def _full(
 ) -> torch.Tensor:
     if shard_dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
         return local.detach().clone()
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=shard_dim)
+    with torch.no_grad():
+        return gather_from_tp(local.detach(), tp_group, dim=shard_dim)
 
 
 def local_shard(full: torch.Tensor, shard_dim: int | None, tp_rank: int, tp: int) -> torch.Tensor:
@@ -242,7 +252,7 @@ def _gather_logical(
     specs: list[LogicalTensor],
     local: Mapping[str, torch.Tensor],
     *,
-    layout: Layout,
+    layout: RunLayout,
     coords: Mapping[str, int],
     tp_group: dist.ProcessGroup | None,
 ) -> dict[str, torch.Tensor]:
@@ -503,9 +513,9 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         )
     ):
         raise _corrupt(where, "a field is out of its range or of the wrong type")
-    if manifest_bytes(Manifest(**{**record, "layout": Layout(**layout)})) != raw:
+    if manifest_bytes(Manifest(**{**record, "layout": RunLayout(**layout)})) != raw:
         raise _corrupt(where, "it is not in the canonical form the job writes")
-    return Manifest(**{**record, "layout": Layout(**layout)})
+    return Manifest(**{**record, "layout": RunLayout(**layout)})
 
 
 def _read_bytes(path: str) -> bytes:
@@ -569,7 +579,7 @@ def read_manifest(path: str) -> Manifest:
 
 
 def check_resume(
-    manifest: Manifest, *, rng_mode: str, seed: int, global_batch: int, layout: Layout
+    manifest: Manifest, *, rng_mode: str, seed: int, global_batch: int, layout: RunLayout
 ) -> None:
     """Refuse a resume whose randomness or data could not continue the saved run exactly.
 

@@ -5,7 +5,7 @@
 the same order on every layout); DP rank r and microbatch m take a fixed slice of it, and the
 loss is the mean token cross-entropy over the whole global batch on every layout. Pipeline
 stages run under torch.distributed.pipelining; checkpoints go through DCP
-(:mod:`rng_tracker.parallel.demo.dcp_checkpoint`).
+(:mod:`gpt_training.dcp_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,22 +14,27 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker.device_rng import device_rng
-from rng_tracker.errors import SaveTargetError, TrainArgumentError, TrainingCheckpointError
 from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.demo.corpus import Corpus
-from rng_tracker.parallel.demo.dcp_checkpoint import (
+from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
+from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
+from rng_tracker.seeds import SeedPlan, model_parallel_seed
+from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
+
+from .corpus import Corpus
+from .dcp_checkpoint import (
     COMMITTED,
     FORMAT,
-    Layout,
     LogicalTensor,
     Manifest,
+    RunLayout,
     check_resume,
     load_checkpoint,
     local_shard,
@@ -40,12 +45,8 @@ from rng_tracker.parallel.demo.dcp_checkpoint import (
     save_checkpoint,
     tracker_state_of,
 )
-from rng_tracker.parallel.demo.pipeline import GPTStage, Schedule, build_schedule, split_layers
-from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
-from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
-from rng_tracker.seeds import SeedPlan, model_parallel_seed
-from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
+from .errors import SaveTargetError, TrainArgumentError, TrainingCheckpointError
+from .pipeline import GPTStage, Schedule, build_schedule, split_layers
 
 __all__ = [
     "Job",
@@ -65,7 +66,9 @@ class TrainConfig:
     """One training run; ``steps`` counts from step 0, also when resuming.
 
     The data-parallel size is what remains of the world after tp × pp; ``global_batch``
-    sequences per step are split over dp ranks and then ``microbatches``.
+    sequences per step are split over dp ranks and then ``microbatches``. ``model`` is the one
+    place of TinyGPT's shape and randomness: its rng mode, recompute and sequence parallelism
+    are read from it (:attr:`rng_mode`, :attr:`recompute`, :attr:`sp`), never overridden.
     """
 
     tp: int = 1
@@ -73,9 +76,6 @@ class TrainConfig:
     microbatches: int = 1
     global_batch: int = 8
     schedule: Schedule = "1f1b"
-    sp: bool = False
-    recompute: Recompute = "none"
-    rng_mode: RNGMode = "megatron"
     steps: int = 20
     seed: int = 1234
     lr: float = 3e-3
@@ -87,6 +87,21 @@ class TrainConfig:
     log_every: int = 1
     quiet: bool = False
     overwrite: bool = False  # let ``save`` replace another run's checkpoint in that directory
+
+    @property
+    def rng_mode(self) -> RNGMode:
+        """``model.rng_mode``: how the dropout sites draw their masks."""
+        return self.model.rng_mode
+
+    @property
+    def recompute(self) -> Recompute:
+        """``model.recompute``: which activations the backward recomputes."""
+        return self.model.recompute
+
+    @property
+    def sp(self) -> bool:
+        """``model.sequence_parallel``."""
+        return self.model.sequence_parallel
 
 
 @dataclass
@@ -115,7 +130,7 @@ class Job:
     schedule: Any
     optimizer: torch.optim.Optimizer
     plan: SeedPlan
-    layout: Layout
+    layout: RunLayout
     specs: list[LogicalTensor]
     device: torch.device
 
@@ -297,7 +312,7 @@ def preflight(cfg: TrainConfig, *, world: int, dp: int | None = None) -> Manifes
         raise TrainArgumentError(f"--resume {cfg.resume} does not exist; check the path")
     manifest = read_manifest(cfg.resume)
     _check_steps_left(cfg, manifest)
-    layout = Layout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
+    layout = RunLayout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
     check_resume(
         manifest, rng_mode=cfg.rng_mode, seed=cfg.seed, global_batch=cfg.global_batch, layout=layout
     )
@@ -323,11 +338,8 @@ def build(cfg: TrainConfig) -> Job:
     plan = model_parallel_seed(cfg.seed, tracker=tracker)
     if cfg.rng_mode == "keyed":
         get_keyed_rng(device).manual_seed(cfg.seed)  # the same seed on every rank
-    gpt = replace(
-        cfg.model, rng_mode=cfg.rng_mode, recompute=cfg.recompute, sequence_parallel=cfg.sp
-    )
     tp_group = state.group("tp") if cfg.tp > 1 else None
-    full = TinyGPT(gpt, group=tp_group).to(device)  # identical init on every layout
+    full = TinyGPT(cfg.model, group=tp_group).to(device)  # identical init on every layout
     specs = _specs(full, cfg.pp, cfg.tp)
     stage = GPTStage(full, stage=state.rank("pp"), stages=cfg.pp)
     micro = cfg.global_batch // (dp * cfg.microbatches)
@@ -343,7 +355,7 @@ def build(cfg: TrainConfig) -> Job:
         schedule=cfg.schedule,
     )
     optimizer = torch.optim.AdamW(stage.parameters(), lr=cfg.lr, weight_decay=0.0)
-    layout = Layout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
+    layout = RunLayout(tp=cfg.tp, dp=dp, pp=cfg.pp, microbatches=cfg.microbatches, sp=cfg.sp)
     return Job(cfg, state, stage, schedule, optimizer, plan, layout, specs, device)
 
 
