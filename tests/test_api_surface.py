@@ -85,7 +85,8 @@ def _library_modules() -> list[str]:
 def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
     modules = _library_modules()
     assert (
-        "rng_tracker.activation_checkpoint" in modules and "rng_tracker.kernels.fused_dropout" in modules
+        "rng_tracker.activation_checkpoint" in modules
+        and "rng_tracker.kernels.fused_dropout" in modules
     )
     shadowed = []
     for name in modules:
