@@ -37,7 +37,7 @@ from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.ops import (
     _fake,
-    _layout,
+    _index_map,
     _make_backward,
     _setup_context,
     dropout_backward,
@@ -297,7 +297,9 @@ def fused_dropout_cpu_op(
     logical_numel: int,
 ) -> torch.Tensor:
     """Fused dropout, compiled CPU kernel (the reference where no C compiler runs)."""
-    return fused_dropout_compiled(x, bias, residual, seed, p, _layout(offset, dims, logical_numel))
+    return fused_dropout_compiled(
+        x, bias, residual, seed, p, _index_map(offset, dims, logical_numel)
+    )
 
 
 fused_dropout_cpu_op.register_fake(_fake)

@@ -21,7 +21,7 @@ from rng_tracker.kernels.triton_dropout import HAS_TRITON, fused_dropout_triton
 __all__ = ["fused_dropout_op", "fused_dropout_triton_op"]
 
 
-def _layout(offset: int, dims: list[int], logical_numel: int) -> IndexMap:
+def _index_map(offset: int, dims: list[int], logical_numel: int) -> IndexMap:
     return IndexMap(
         offset=offset, dims=tuple(zip(dims[::2], dims[1::2])), logical_numel=logical_numel
     )
@@ -40,7 +40,7 @@ def fused_dropout_op(
 ) -> torch.Tensor:
     """Fused dropout, reference path (plain torch, any device)."""
     return fused_dropout_reference(
-        x.contiguous(), bias, residual, seed, p, _layout(offset, dims, logical_numel)
+        x.contiguous(), bias, residual, seed, p, _index_map(offset, dims, logical_numel)
     )
 
 
@@ -71,7 +71,7 @@ if HAS_TRITON:
             residual,
             seed,
             p,
-            _layout(offset, dims, logical_numel),
+            _index_map(offset, dims, logical_numel),
             launch=torch.library.wrap_triton,
         )
 
