@@ -5,17 +5,21 @@ parallel_state) except ``rng_tracker.megatron.install()``. Claims: every recompu
 gradients bitwise equal to no recompute, selective ``mlp`` with Megatron's default biases
 included (it hung before); dropout masks differ across TP ranks where the activations are
 sharded and are identical where they are replicated; a second run with the same seed is
-bitwise equal. Sequence parallel cannot run here: megatron-core 0.19.2's local layer spec
-refuses it ("sequence parallel not supported by torch LayerNorm"; SP needs TransformerEngine's
-or Apex's LayerNorm, both CUDA-only), which the test asserts so that a megatron-core that
-allows it turns this into a failure to act on. rng_tracker's own sequence-parallel path is
-run by the demo and tests/test_training.py. Reproduce with
+bitwise equal. Sequence parallel too, with all of that (hidden-state masks then differ across TP
+ranks: Megatron forks its whole block under SP): megatron-core 0.19.2's local spec refuses SP
+only in its torch LayerNorm wrapper ("sequence parallel not supported by torch LayerNorm",
+asserted below so that a megatron-core that allows it shows up), so the SP runs swap that one
+class in Megatron's spec for a torch LayerNorm that marks its parameters ``sequence_parallel``
+as Megatron's Apex/TE norms do, and let Megatron's SP collectives, which allocate on
+``torch.cuda.current_device()``, allocate on the CPU. Reproduce with
 ``bash scripts/test.sh tests/test_megatron_core_model.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -66,7 +70,44 @@ class _DropoutMasks(TorchFunctionMode):
         return out
 
 
-def _run(**config: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
+def _sequence_parallel_spec() -> Any:
+    """Megatron's local layer spec, its norms swapped for a torch LayerNorm that marks its
+    parameters ``sequence_parallel`` as Megatron's Apex/TE norms do: the one part of the local
+    spec that refuses sequence parallelism (WrappedTorchNorm asserts it off)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+        def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+            super().__init__(hidden_size, eps=eps)
+            for param in self.parameters():
+                param.sequence_parallel = True
+
+    def swap(spec: Any) -> Any:
+        if spec is WrappedTorchNorm:
+            return SequenceParallelLayerNorm
+        if isinstance(spec, ModuleSpec):
+            return dataclasses.replace(
+                spec, module=swap(spec.module), submodules=swap(spec.submodules)
+            )
+        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+            fields = [f.name for f in dataclasses.fields(spec) if f.init]
+            return dataclasses.replace(spec, **{f: swap(getattr(spec, f)) for f in fields})
+        return spec
+
+    layer = swap(get_gpt_layer_local_spec())
+    return TransformerBlockSubmodules(
+        layer_specs=[layer, layer], layer_norm=SequenceParallelLayerNorm
+    )
+
+
+def _run(
+    spec: Any = None, **config: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
     """Build Megatron's GPTModel (seeded by Megatron's own call), run one forward and
     backward; return the loss, the gradients and the dropout masks of the forward."""
     from megatron.core.models.gpt import GPTModel
@@ -93,7 +134,8 @@ def _run(**config: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[tor
         persist_layer_norm=False,
         **config,
     )
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=_VOCAB, max_sequence_length=_SEQ)
+    spec = get_gpt_layer_local_spec() if spec is None else spec
+    model = GPTModel(cfg, spec, vocab_size=_VOCAB, max_sequence_length=_SEQ)
     data = torch.Generator().manual_seed(5)
     ids = torch.randint(0, _VOCAB, (_BATCH, _SEQ), generator=data)
     positions = torch.arange(_SEQ).expand(_BATCH, _SEQ)
@@ -104,6 +146,16 @@ def _run(**config: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[tor
         (loss * torch.linspace(0.5, 1.5, _SEQ)).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return loss.detach(), grads, recorder.masks
+
+
+@contextlib.contextmanager
+def _current_cuda_device_is_the_cpu() -> Iterator[None]:
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = current_device
 
 
 def _bitwise(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -149,3 +201,16 @@ def test_megatron_gpt_model_with_one_line_install(rank):
 
     with pytest.raises(AssertionError, match="sequence parallel not supported by torch LayerNorm"):
         _run(sequence_parallel=True)
+    # Megatron's sequence-parallel all-gather and reduce-scatter allocate their outputs on
+    # torch.cuda.current_device(); on a CPU-only build that call asserts, so for this part
+    # "the current CUDA device" is the CPU (rng_tracker never calls it: it asks
+    # torch.cuda.is_available() first).
+    sp_spec = _sequence_parallel_spec()
+    with _current_cuda_device_is_the_cpu():
+        sp_base = _run(sp_spec, sequence_parallel=True)
+        assert _bitwise(sp_base, _run(sp_spec, sequence_parallel=True)), "SP: a second run differs"
+        sp_hidden = [m for m in sp_base[2] if m.dim() == 3]  # [s/tp, b, h]: sharded over TP
+        assert all(m.shape[0] == _SEQ // 2 for m in sp_hidden), [m.shape for m in sp_hidden]
+        assert not any(_same_on_both_tp_ranks(m) for m in sp_hidden)
+        for name, config in _RECOMPUTE.items():
+            assert _bitwise(sp_base, _run(sp_spec, sequence_parallel=True, **config)), f"SP, {name}"
