@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rng_tracker._collective import all_gather_cat
+
 __all__ = ["InputSaver", "gather_chunks", "gather_saved", "split_for_save"]
 
 
@@ -41,10 +43,7 @@ def split_for_save(tensor: torch.Tensor, group: dist.ProcessGroup) -> _SplitTens
 def gather_chunks(part: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole tensor of ``shape`` again, all-gathered from the group's flat slices
     ``part`` (padding dropped)."""
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(part) for _ in range(size)]
-    dist.all_gather(parts, part, group=group)
-    return torch.cat(parts)[: shape.numel()].view(shape)
+    return all_gather_cat(part, group)[: shape.numel()].view(shape)
 
 
 def gather_saved(split: _SplitTensor) -> torch.Tensor:
