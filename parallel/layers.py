@@ -30,9 +30,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, size) of this process in the TP group ``group`` (None: no TP, so (0, 1))."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def shard_param(
