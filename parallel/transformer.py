@@ -353,20 +353,19 @@ class ParallelTransformerLayer(torch.nn.Module):
             for site in ("attention", "attention_output", "mlp_output")
         )
         self.local_heads, self.head_dim = config.heads // tp, config.hidden // config.heads
-        sp = config.sequence_parallel
+        sequence_parallel = config.sequence_parallel
         h = config.hidden
-        self.ln1 = _LayerNorm(h, group, sp)
-        self.qkv = ColumnParallelLinear(
-            h, 3 * h, init=init, group=group, sequence_parallel=sp
-        )  # rows: (heads, 3, d)
-        self.proj = RowParallelLinear(
-            h, h, init=init, group=group, skip_bias_add=True, sequence_parallel=sp
-        )
-        self.ln2 = _LayerNorm(h, group, sp)
-        self.fc1 = ColumnParallelLinear(h, config.ffn, init=init, group=group, sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(
-            config.ffn, h, init=init, group=group, skip_bias_add=True, sequence_parallel=sp
-        )
+        parallel: dict[str, Any] = {
+            "init": init,
+            "group": group,
+            "sequence_parallel": sequence_parallel,
+        }
+        self.ln1 = _LayerNorm(h, group, sequence_parallel)
+        self.qkv = ColumnParallelLinear(h, 3 * h, **parallel)  # rows: (heads, 3, d)
+        self.proj = RowParallelLinear(h, h, skip_bias_add=True, **parallel)
+        self.ln2 = _LayerNorm(h, group, sequence_parallel)
+        self.fc1 = ColumnParallelLinear(h, config.ffn, **parallel)
+        self.fc2 = RowParallelLinear(config.ffn, h, skip_bias_add=True, **parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         position = _position(x.shape[1])  # read now: a recompute runs outside batch_position
@@ -476,14 +475,14 @@ class TinyGPT(torch.nn.Module):
         """Embedding and its dropout: tokens (batch, seq) -> (s, b, h), or (s/tp, b, h) under SP."""
         s = tokens.shape[1]
         x = self.embed(tokens.t()) + self.pos[:s, None, :]  # (s, b, h) replicated
-        sp = self.config.sequence_parallel and self.group is not None
-        if sp:
+        sequence_parallel = self.config.sequence_parallel and self.group is not None
+        if sequence_parallel:
             x = scatter_to_tp(x, self.group, 0)  # (s/tp, b, h)
         return _site(
             "embedding",
             x,
             self.config.embedding_dropout,
-            sharded_dim=0 if sp else None,
+            sharded_dim=0 if sequence_parallel else None,
             batch_dim=1,
             position=_position(x.shape[1]),
             group=self.group,
