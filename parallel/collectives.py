@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker._collective import all_gather_cat
 from rng_tracker.errors import ParallelConfigError
 
 __all__ = [
@@ -48,12 +49,9 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torc
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    if size == 1:
+    if dist.get_world_size(group) == 1:
         return x
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    return all_gather_cat(x, group, dim)
 
 
 def _own_chunk(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:

@@ -15,7 +15,6 @@ index) alone. See docs/dtensor.md for the routed calls and the torch internals t
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
+from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
@@ -323,10 +323,9 @@ def assert_same_generator_state(
     """
     if generator is None:
         generator = default_generator(mesh.device_type)
-    digest = hashlib.blake2b(bytes(generator.get_state().tolist()), digest_size=8).hexdigest()
+    digest = state_digest(generator.get_state())
     for axis in range(mesh.ndim):
-        digests: list[str | None] = [None] * mesh.size(axis)
-        dist.all_gather_object(digests, digest, group=mesh.get_group(axis))
+        digests = all_gather_json(digest, mesh.get_group(axis))
         if len(set(digests)) > 1:
             name = (mesh.mesh_dim_names or [None] * mesh.ndim)[axis] or f"axis {axis}"
             raise RNGConsistencyError(

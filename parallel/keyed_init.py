@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import InvariantRandomConfigError
 from rng_tracker.kernels import keyed_init as _kernel
 from rng_tracker.parallel._placement import local_index_of
@@ -117,13 +118,18 @@ class KeyedInit:
                 f"init='keyed' needs model= (the nn.Module whose parameter names key the "
                 f"values), got {type(model).__name__}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        try:
+            checked = checked_int(
+                seed, "seed", type_error=InvariantRandomConfigError, minimum=0, maximum=2**64 - 1
+            )
+        except InvariantRandomConfigError:
+            # One message for every refusal: it names the range and what to pass.
             raise InvariantRandomConfigError(
                 f"seed must be an int in [0, 2**64), got {seed!r}; pass the run's seed (the same "
                 "on every rank)"
-            )
+            ) from None
         self.model = model
-        self.seed = seed
+        self.seed = checked
         self._by_id: dict[int, str] = {}
         self._by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
         self._ids: list[int] = []

@@ -12,11 +12,13 @@ Parameters carry two attributes used by training code:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rng_tracker._deprecation import REMOVED_IN
 from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel.collectives import (
     copy_to_tp,
@@ -30,15 +32,31 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """(rank, size) of this process in the TP group ``group`` (None: no TP, so (0, 1))."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def shard_param(
-    full: torch.Tensor, dim: int | None, group: dist.ProcessGroup | None, *, sp: bool = False
+    full: torch.Tensor,
+    dim: int | None,
+    group: dist.ProcessGroup | None,
+    *,
+    sequence_parallel: bool = False,
+    sp: bool | None = None,
 ) -> torch.nn.Parameter:
-    """A parameter holding this rank's chunk of ``full`` along ``dim`` (None: all of it)."""
+    """A parameter holding this rank's chunk of ``full`` along ``dim`` (None: all of it).
+
+    ``sequence_parallel`` marks its gradient as partial per TP rank (see the module
+    docstring); ``sp`` is its deprecated old name.
+    """
+    if sp is not None:
+        warnings.warn(
+            f"shard_param(sp=...) is deprecated and will be removed in {REMOVED_IN}: "
+            "use sequence_parallel=...",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        sequence_parallel = sp
     rank, size = _tp(group)
     if dim is not None and full.shape[dim] % size:
         raise ParallelConfigError(
@@ -47,7 +65,7 @@ def shard_param(
     data = full if dim is None else full.chunk(size, dim=dim)[rank]
     param = torch.nn.Parameter(data.contiguous().clone())
     param.tp_shard_dim = dim
-    param.sequence_parallel = sp
+    param.sequence_parallel = sequence_parallel
     return param
 
 
@@ -117,7 +135,7 @@ class RowParallelLinear(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = shard_param(_init_weight(out_features, in_features, init), 1, group)
         self.bias = (
-            shard_param(torch.zeros(out_features), None, group, sp=sequence_parallel)
+            shard_param(torch.zeros(out_features), None, group, sequence_parallel=sequence_parallel)
             if bias
             else None
         )

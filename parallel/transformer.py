@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
+from rng_tracker._validate import checked_int
 from rng_tracker.activation_checkpoint import checkpoint
 from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
@@ -41,6 +41,7 @@ from rng_tracker.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    _tp,
     shard_param,
 )
 from rng_tracker.tracker import MODEL_PARALLEL_RNG, get_rng_tracker
@@ -103,20 +104,6 @@ class BatchPosition:
 _POSITION: BatchPosition | None = None
 
 
-def _check_count(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool):
-        raise ParallelConfigError(f"{name} must be an int, got the bool {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ParallelConfigError(
-            f"{name} must be an int, got {type(value).__name__} {value!r}"
-        ) from None
-    if value < low:
-        raise ParallelConfigError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 @contextlib.contextmanager
 def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosition]:
     """Run the body's forward as the microbatch at ``sample_offset`` of a ``global_batch``.
@@ -128,8 +115,8 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
     """
     global _POSITION
     position = BatchPosition(
-        _check_count("sample_offset", sample_offset, 0),
-        _check_count("global_batch", global_batch, 1),
+        checked_int(sample_offset, "sample_offset", type_error=ParallelConfigError, minimum=0),
+        checked_int(global_batch, "global_batch", type_error=ParallelConfigError, minimum=1),
     )
     if position.sample_offset >= position.global_batch:
         raise ParallelConfigError(
@@ -220,10 +207,6 @@ def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
             )
         box.copy_(mask)
     return placed
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def _region(
@@ -362,26 +345,27 @@ class ParallelTransformerLayer(torch.nn.Module):
                 f"heads={config.heads} must divide by tp={tp} and divide hidden={config.hidden}"
             )
         self.config, self.group = config, group
-        self.layer_index = _check_count("layer_index", layer_index, 0)
+        self.layer_index = checked_int(
+            layer_index, "layer_index", type_error=ParallelConfigError, minimum=0
+        )
         self.sites = tuple(
             f"layer.{self.layer_index}.{site}"
             for site in ("attention", "attention_output", "mlp_output")
         )
         self.local_heads, self.head_dim = config.heads // tp, config.hidden // config.heads
-        sp = config.sequence_parallel
+        sequence_parallel = config.sequence_parallel
         h = config.hidden
-        self.ln1 = _LayerNorm(h, group, sp)
-        self.qkv = ColumnParallelLinear(
-            h, 3 * h, init=init, group=group, sequence_parallel=sp
-        )  # rows: (heads, 3, d)
-        self.proj = RowParallelLinear(
-            h, h, init=init, group=group, skip_bias_add=True, sequence_parallel=sp
-        )
-        self.ln2 = _LayerNorm(h, group, sp)
-        self.fc1 = ColumnParallelLinear(h, config.ffn, init=init, group=group, sequence_parallel=sp)
-        self.fc2 = RowParallelLinear(
-            config.ffn, h, init=init, group=group, skip_bias_add=True, sequence_parallel=sp
-        )
+        parallel: dict[str, Any] = {
+            "init": init,
+            "group": group,
+            "sequence_parallel": sequence_parallel,
+        }
+        self.ln1 = _LayerNorm(h, group, sequence_parallel)
+        self.qkv = ColumnParallelLinear(h, 3 * h, **parallel)  # rows: (heads, 3, d)
+        self.proj = RowParallelLinear(h, h, skip_bias_add=True, **parallel)
+        self.ln2 = _LayerNorm(h, group, sequence_parallel)
+        self.fc1 = ColumnParallelLinear(h, config.ffn, **parallel)
+        self.fc2 = RowParallelLinear(config.ffn, h, skip_bias_add=True, **parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         position = _position(x.shape[1])  # read now: a recompute runs outside batch_position
@@ -491,14 +475,14 @@ class TinyGPT(torch.nn.Module):
         """Embedding and its dropout: tokens (batch, seq) -> (s, b, h), or (s/tp, b, h) under SP."""
         s = tokens.shape[1]
         x = self.embed(tokens.t()) + self.pos[:s, None, :]  # (s, b, h) replicated
-        sp = self.config.sequence_parallel and self.group is not None
-        if sp:
+        sequence_parallel = self.config.sequence_parallel and self.group is not None
+        if sequence_parallel:
             x = scatter_to_tp(x, self.group, 0)  # (s/tp, b, h)
         return _site(
             "embedding",
             x,
             self.config.embedding_dropout,
-            sharded_dim=0 if sp else None,
+            sharded_dim=0 if sequence_parallel else None,
             batch_dim=1,
             position=_position(x.shape[1]),
             group=self.group,

@@ -9,8 +9,6 @@ Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel ra
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker.device_rng import device_rng
 from rng_tracker.errors import ParallelStateError, RNGConsistencyError
 from rng_tracker.parallel._megatron_state import current_layout
@@ -64,43 +63,18 @@ class RNGReport:
         return "\n".join(lines)
 
 
-def _fingerprint(data: torch.Tensor) -> str:
-    return hashlib.blake2b(bytes(data.tolist()), digest_size=8).hexdigest()
-
-
 def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, str]:
     rng = device_rng(tracker.device)
-    prints = {DEFAULT_STREAM: _fingerprint(rng.to_bytes(rng.snapshot()))}
+    prints = {DEFAULT_STREAM: state_digest(rng.to_bytes(rng.snapshot()))}
     if tracker.device.type != "cpu":
-        prints["cpu"] = _fingerprint(torch.get_rng_state())
+        prints["cpu"] = state_digest(torch.get_rng_state())
     for name, state in tracker.get_states().items():
-        prints[name] = _fingerprint(rng.to_bytes(state))
+        prints[name] = state_digest(rng.to_bytes(state))
     return prints
 
 
 def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
     return ", ".join(f"{a}={coords[a]}" for a in axes) or "everywhere"
-
-
-def _gather_json(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every rank's ``payload``, all-gathered as UTF-8 JSON in uint8 tensors (no pickling)."""
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8).to(device)
-    world = dist.get_world_size()
-    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return [
-        json.loads(bytes(part[: int(n)].cpu().tolist()).decode())
-        for part, n in zip(parts, lengths, strict=True)
-    ]
 
 
 def verify_rng_consistency(
@@ -143,7 +117,7 @@ def verify_rng_consistency(
         "dpri": plan.data_parallel_random_init if plan is not None else False,
         "prints": _local_fingerprints(tracker),
     }
-    report = _check(_gather_json(mine))
+    report = _check(all_gather_json(mine))  # over the world: JSON in uint8 tensors
     if strict and not report.ok:
         raise RNGConsistencyError(str(report))
     return report

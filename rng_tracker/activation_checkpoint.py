@@ -337,7 +337,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             split = split_for_save(first.data, split_group)
             ctx.split = (first.shape, split_group)
             first.data = split.part
-        if saver.active:
+        if saver.packing:
             ctx.packed = [saver.pack(t) for t in tensors]
         else:
             ctx.save_for_backward(*tensors)
@@ -353,7 +353,9 @@ class _ReentrantCheckpoint(torch.autograd.Function):
                 "checkpoint(use_reentrant=False), or call .backward() without `inputs`"
             )
         saver: InputSaver = ctx.saver
-        tensors = [saver.unpack(p) for p in ctx.packed] if saver.active else list(ctx.saved_tensors)
+        tensors = (
+            [saver.unpack(p) for p in ctx.packed] if saver.packing else list(ctx.saved_tensors)
+        )
         if ctx.split is not None:
             shape, group = ctx.split
             first = tensors[0]
@@ -462,7 +464,7 @@ def checkpoint(
     if context_fn is not torch_checkpoint.noop_context_fn:
         kwargs = {"context_fn": context_fn, **kwargs}  # passed only when given: Dynamo
         # traces torch's checkpoint and accepts only a plain or partial function here
-    with saver.hooks() if saver.active else contextlib.nullcontext():
+    with saver.hooks() if saver.packing else contextlib.nullcontext():
         return torch_checkpoint.checkpoint(
             _WithReplay(function, record),
             *args,

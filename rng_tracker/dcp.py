@@ -6,8 +6,8 @@ and accelerator), the rng_tracker streams and the keyed RNG state, for every ran
 
 DCP keeps one copy of equal keys written by several ranks (pytorch#120356), so a per-rank
 state under a shared key would lose all ranks but one. Here every rank's states are gathered
-(one small ``all_gather_object``) into one blob that is the same on every rank: the copy DCP
-keeps holds all ranks. Loading follows these rules:
+(one small all-gather of their bytes, nothing pickled) into one blob that is the same on every
+rank: the copy DCP keeps holds all ranks. Loading follows these rules:
 
 - keyed state (seed, step, sites): any layout;
 - a generator or stream that was equal on every saved rank (a replicated stream, e.g. the
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker._collective import all_gather_tensor_tree
 from rng_tracker.device_rng import default_device, default_generator
 from rng_tracker.errors import RNGStateLayoutError, StateDictError
 from rng_tracker.keyed import KeyedRNG, get_keyed_rng
@@ -138,11 +139,7 @@ class RNGStateful:
         """``{"blob": bytes}``: every rank's states, equal on all ranks (collective)."""
         _, world = self._world()
         mine = self._mine()
-        if world > 1:
-            everyone: list[Any] = [None] * world
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
+        everyone = all_gather_tensor_tree(mine) if world > 1 else [mine]
         keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
         payload = {
             "format": FORMAT,

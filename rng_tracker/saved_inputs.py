@@ -6,11 +6,15 @@ applies them to the inputs torch saves, and the reentrant one calls them directl
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from rng_tracker._collective import all_gather_cat
+from rng_tracker._deprecation import REMOVED_IN
 
 __all__ = ["InputSaver", "gather_chunks", "gather_saved", "split_for_save"]
 
@@ -41,10 +45,7 @@ def split_for_save(tensor: torch.Tensor, group: dist.ProcessGroup) -> _SplitTens
 def gather_chunks(part: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole tensor of ``shape`` again, all-gathered from the group's flat slices
     ``part`` (padding dropped)."""
-    size = dist.get_world_size(group)
-    parts = [torch.empty_like(part) for _ in range(size)]
-    dist.all_gather(parts, part, group=group)
-    return torch.cat(parts)[: shape.numel()].view(shape)
+    return all_gather_cat(part, group)[: shape.numel()].view(shape)
 
 
 def gather_saved(split: _SplitTensor) -> torch.Tensor:
@@ -76,9 +77,20 @@ class InputSaver:
         self.offload = offload
 
     @property
-    def active(self) -> bool:
+    def packing(self) -> bool:
         """Whether packing changes anything (else inputs are saved as they are)."""
         return self._distribute is not None or self.offload
+
+    @property
+    def active(self) -> bool:
+        """Deprecated name of :attr:`packing`."""
+        warnings.warn(
+            f"InputSaver.active is deprecated and will be removed in {REMOVED_IN}: "
+            "use InputSaver.packing",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.packing
 
     def pack(self, tensor: torch.Tensor) -> object:
         """What to keep for ``tensor`` until backward."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -117,3 +118,13 @@ def test_tp_block_checkpointed_in_every_mode_is_bitwise_exact():
 def test_distributed_saved_input_of_odd_size_is_padded_not_truncated():
     for plain, *checkpointed in run_distributed(_odd_sized_distribute, world_size=2):
         assert all(torch.equal(plain, grad) for grad in checkpointed)
+
+
+def test_input_saver_says_packing_and_keeps_active_as_a_deprecated_alias():
+    from rng_tracker.saved_inputs import InputSaver
+
+    assert not InputSaver().packing and InputSaver(offload=True).packing
+    kept = torch.ones(3)
+    assert InputSaver(distribute=kept, group=None).packing
+    with pytest.warns(DeprecationWarning, match=r"InputSaver\.active is deprecated.*packing"):
+        assert InputSaver(offload=True).active is True

@@ -1,0 +1,133 @@
+"""The collectives the library runs on top of ``torch.distributed``, each written once.
+
+Python objects cross ranks only as bytes in uint8 tensors (JSON, or JSON plus raw tensor
+bytes), never pickled: nothing a peer sends is executed on load, and no numpy is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_bytes",
+    "all_gather_cat",
+    "all_gather_json",
+    "all_gather_tensor_tree",
+    "state_digest",
+]
+
+
+def _device_of(group: dist.ProcessGroup | None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_bytes(data: torch.Tensor) -> bytes:
+    return bytes(data.cpu().tolist())  # no numpy needed
+
+
+def _to_uint8(payload: bytes, device: torch.device) -> torch.Tensor:
+    if not payload:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
+    """Every rank's ``payload`` (any length), in rank order of ``group`` (None: the world).
+
+    Two all-gathers: the lengths, then the payloads zero-padded to the longest.
+    """
+    device = _device_of(group)
+    data = _to_uint8(payload, device)
+    world = dist.get_world_size(group)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [_to_bytes(part[:n]) for part, n in zip(parts, sizes, strict=True)]
+
+
+def all_gather_json(payload: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's JSON-serialisable ``payload``, in rank order of ``group``."""
+    gathered = all_gather_bytes(json.dumps(payload).encode(), group)
+    return [json.loads(part.decode()) for part in gathered]
+
+
+_TENSOR = "__tensor__"  # marks a tensor leaf in the JSON header of all_gather_tensor_tree
+
+
+def _encode_tree(tree: Any) -> bytes:
+    """``tree`` (dicts with str keys, lists, JSON scalars, tensors) as a JSON header of its
+    structure, a newline, then the tensors' raw bytes in the order the header names them."""
+    blobs: list[bytes] = []
+
+    def header(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            flat = node.detach().to("cpu").contiguous().reshape(-1)
+            blobs.append(_to_bytes(flat.view(torch.uint8)))
+            return {_TENSOR: [str(node.dtype).removeprefix("torch."), list(node.shape)]}
+        if isinstance(node, dict):
+            return {key: header(value) for key, value in node.items()}
+        if isinstance(node, list | tuple):
+            return [header(value) for value in node]
+        return node
+
+    return json.dumps(header(tree)).encode() + b"\n" + b"".join(blobs)
+
+
+def _decode_tree(data: bytes) -> Any:
+    text, _, body = data.partition(b"\n")  # JSON escapes newlines: the first one ends it
+    offset = 0
+
+    def build(node: Any) -> Any:
+        nonlocal offset
+        if isinstance(node, dict) and set(node) == {_TENSOR}:
+            dtype_name, shape = node[_TENSOR]
+            dtype = getattr(torch, dtype_name)
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            raw = _to_uint8(body[offset : offset + nbytes], torch.device("cpu"))
+            offset += nbytes
+            return raw.view(dtype).reshape(shape).clone()
+        if isinstance(node, dict):
+            return {key: build(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [build(value) for value in node]
+        return node
+
+    return build(json.loads(text))
+
+
+def all_gather_tensor_tree(tree: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``tree`` of dicts (str keys), lists, JSON scalars and tensors, in rank order.
+
+    Tensors come back on the CPU with their dtype and shape; tuples come back as lists.
+    """
+    return [_decode_tree(part) for part in all_gather_bytes(_encode_tree(tree), group)]
+
+
+def all_gather_cat(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, dim: int = 0
+) -> torch.Tensor:
+    """Every rank's ``tensor`` (all of one shape) concatenated along ``dim`` in rank order."""
+    parts = [
+        torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        for _ in range(dist.get_world_size(group))
+    ]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def state_digest(state: torch.Tensor) -> str:
+    """A short hex digest of a generator state (its uint8 bytes), to compare states across ranks."""
+    return hashlib.blake2b(_to_bytes(state), digest_size=8).hexdigest()
