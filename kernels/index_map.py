@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
 __all__ = ["MAX_LOGICAL_NUMEL", "Chunk", "IndexMap", "Region", "ShardArg", "index_map_of"]
@@ -43,11 +44,13 @@ def _check_logical_numel(owner: str, what: str, value: int) -> None:
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise KernelInputTypeError(f"{owner}.{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise KernelInputError(f"{owner}.{name} must be >= {minimum}, got {value}")
-    return value
+    return checked_int(
+        value,
+        f"{owner}.{name}",
+        type_error=KernelInputTypeError,
+        value_error=KernelInputError,
+        minimum=minimum,
+    )
 
 
 def _int_tuple(owner: str, name: str, values: object) -> tuple[int, ...]:
@@ -78,13 +81,14 @@ class Chunk:
     extent: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("Chunk", "dim", self.dim, minimum=None)
-        _check_int("Chunk", "index", self.index, minimum=None)
-        _check_int("Chunk", "count", self.count, minimum=None)
+        for name in ("dim", "index", "count"):
+            object.__setattr__(
+                self, name, _check_int("Chunk", name, getattr(self, name), minimum=None)
+            )
         if self.count < 1 or not 0 <= self.index < self.count:
             raise KernelInputError(f"Chunk needs count >= 1 and 0 <= index < count, got {self}")
         if self.extent is not None:
-            _check_int("Chunk", "extent", self.extent)
+            object.__setattr__(self, "extent", _check_int("Chunk", "extent", self.extent))
             _check_logical_numel("Chunk", "extent", self.extent)
         elif self.count > 1:
             raise KernelInputError(
@@ -143,8 +147,8 @@ class IndexMap:
     numel: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("IndexMap", "offset", self.offset)
-        _check_int("IndexMap", "logical_numel", self.logical_numel)
+        for name in ("offset", "logical_numel"):
+            object.__setattr__(self, name, _check_int("IndexMap", name, getattr(self, name)))
         _check_logical_numel("IndexMap", "logical_numel", self.logical_numel)
         _check_logical_numel("IndexMap", "offset", self.offset)
         if not isinstance(self.dims, Sequence):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import ParallelConfigError, ParallelStateError
 
 __all__ = [
@@ -93,13 +93,7 @@ _GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes create
 
 
 def _positive(name: str, value: object) -> int:
-    try:
-        size = operator.index(value)
-    except TypeError:
-        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}") from None
-    if isinstance(value, bool) or size < 1:
-        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}")
-    return size
+    return checked_int(value, name, type_error=ParallelConfigError, minimum=1)
 
 
 def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:

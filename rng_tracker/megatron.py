@@ -49,7 +49,7 @@ from rng_tracker.seeds import (
     EXPERT_PARALLEL_RNG,
     SeedPlan,
     _missing_ranks_source,
-    _nonnegative_int,
+    _rank,
     model_parallel_seed,
     plan_seeds,
 )
@@ -326,7 +326,7 @@ def _gtp_seed(
     axis: str, rank: int | None, world_size: int | None, base: int, offset: int
 ) -> int | None:
     """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
-    size = 1 if world_size is None else _nonnegative_int(f"{axis}_world_size", world_size)
+    size = 1 if world_size is None else _rank(f"{axis}_world_size", world_size)
     if size <= 1:
         return None
     if rank is None:
@@ -334,7 +334,7 @@ def _gtp_seed(
             f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
             f"{axis} axis, so pass the rank explicitly"
         )
-    return base + offset + 65536 * (1 + _nonnegative_int(f"{axis}_rank", rank))
+    return base + offset + 65536 * (1 + _rank(f"{axis}_rank", rank))
 
 
 def model_parallel_cuda_manual_seed(

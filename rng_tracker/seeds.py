@@ -11,13 +11,13 @@ arithmetic, kept bit for bit for migrating users; its collisions are reported.
 from __future__ import annotations
 
 import hashlib
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
     ParallelStateError,
     RankError,
@@ -136,17 +136,9 @@ class SeedPlan:
         return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
 
 
-def _nonnegative_int(what: str, value: object) -> int:
-    """``value`` as an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
-    if isinstance(value, bool):
-        raise RankError(f"{what} must be an int, got {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise RankError(f"{what} must be an int, got {type(value).__name__}") from None
-    if result < 0:
-        raise RankError(f"{what} must be >= 0, got {result}")
-    return result
+def _rank(what: str, value: object) -> int:
+    """``value`` as a rank, an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
+    return checked_int(value, what, type_error=RankError, minimum=0)
 
 
 def _coordinates(coordinates: object) -> dict[str, int]:
@@ -166,7 +158,7 @@ def _coordinates(coordinates: object) -> dict[str, int]:
             f"unknown coordinate axis {shown}: the axes are {', '.join(AXES)} (a rank like "
             "tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
         )
-    return {axis: _nonnegative_int(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
+    return {axis: _rank(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
 
 
 def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: str) -> None:

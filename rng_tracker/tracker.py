@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import operator
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
     DuplicateStreamError,
@@ -50,17 +50,14 @@ class CPURNGChangedWarning(UserWarning):
 
 def validate_seed(seed: Any) -> int:
     """Return ``seed`` as an int in [0, 2**64), or raise a typed error."""
-    if isinstance(seed, bool):
-        raise InvalidSeedTypeError(f"seed must be an int, got the bool {seed!r}")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise InvalidSeedTypeError(
-            f"seed must be an int, got {type(seed).__name__} {seed!r}; pass int(seed)"
-        ) from None
-    if not 0 <= value < 2**64:
-        raise InvalidSeedError(f"seed must be in [0, 2**64), got {value}")
-    return value
+    return checked_int(
+        seed,
+        "seed",
+        type_error=InvalidSeedTypeError,
+        value_error=InvalidSeedError,
+        minimum=0,
+        maximum=2**64 - 1,
+    )
 
 
 _SERIALS = itertools.count()
