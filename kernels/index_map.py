@@ -29,7 +29,15 @@ import torch
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["MAX_LOGICAL_NUMEL", "Chunk", "IndexMap", "Region", "ShardArg", "index_map_of"]
+__all__ = [
+    "MAX_LOGICAL_NUMEL",
+    "Chunk",
+    "IndexMap",
+    "Region",
+    "ShardArg",
+    "chunk_bounds",
+    "index_map_of",
+]
 
 MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
 
@@ -41,6 +49,14 @@ def _check_logical_numel(owner: str, what: str, value: int) -> None:
             "logical tensor may have: global indices must fit in int64 on every kernel path; "
             "split the logical tensor (e.g. one logical tensor per layer or per micro-batch)"
         )
+
+
+def chunk_bounds(extent: int, index: int, count: int) -> tuple[int, int]:
+    """[start, stop) of chunk ``index`` of ``count`` along a dim of ``extent``, by torch.chunk's
+    rule (DTensor's too): chunks of ceil(extent / count), so the last ones may be short or empty."""
+    size = -(-extent // count)
+    start = min(index * size, extent)
+    return start, min(start + size, extent)
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
@@ -320,9 +336,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
         )
     dim = shard.dim % len(shape)
     extent = shape[dim] if shard.extent is None else shard.extent  # extent None only if count 1
-    size = -(-extent // shard.count)  # torch.chunk's chunk size
-    start = min(shard.index * size, extent)
-    stop = min(start + size, extent)
+    start, stop = chunk_bounds(extent, shard.index, shard.count)
     if shape[dim] != stop - start:
         raise KernelInputError(
             f"x has size {shape[dim]} in dim {dim} but chunk {shard.index} of {shard.count} of "
