@@ -161,9 +161,8 @@ class _Replay:
     def __enter__(self) -> None:
         record = self._record
         assert record.start is not None, "recompute before forward"
-        found = record.capture()
         with disable_current_dispatch_modes():
-            record.start.restore()
+            found = record.start.swap_in(record.devices, record.trackers)
         log = RandomOpLog() if record.check else None
         self._open.append((found, log))
         _enter_checkpointing()
