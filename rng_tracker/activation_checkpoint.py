@@ -35,7 +35,7 @@ from rng_tracker.errors import (
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
 from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
-from rng_tracker.tracker import RNGStatesTracker, all_trackers
+from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers, all_trackers
 
 __all__ = [
     "check_split_input",
@@ -239,27 +239,15 @@ def rng_context_fn(
     streams (every tracker of the process when ``tracker`` is None) and the trackers'
     device generators. Its recompute context replays them at every recompute.
     """
-    trackers = _resolve_trackers(tracker)
+    # Refuse a bad tracker now; None stays None: every tracker alive at each forward.
+    given = None if tracker is None else _resolve_trackers(tracker, type_error=CheckpointTypeError)
 
     def context_fn() -> tuple[_Forward, _Replay]:
-        record = _RNGRecord((), trackers if trackers is not None else all_trackers(), False)
+        trackers = _resolve_trackers(given, type_error=CheckpointTypeError)
+        record = _RNGRecord((), trackers, False)
         return record.forward(), record.replay()
 
     return context_fn
-
-
-def _resolve_trackers(
-    tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None,
-) -> list[RNGStatesTracker] | None:
-    if tracker is None:
-        return None
-    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
-    for t in trackers:
-        if not isinstance(t, RNGStatesTracker):
-            raise CheckpointTypeError(
-                f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
-            )
-    return trackers
 
 
 def _autocast_state(device_types: Iterable[str]) -> list[tuple[str, bool, torch.dtype]]:
@@ -439,16 +427,15 @@ def checkpoint(
             "stops the recompute early; drop one of them"
         )
     devices = _input_devices(args, kwargs)
-    trackers = _resolve_trackers(tracker)
-    if trackers is not None:
+    trackers = _resolve_trackers(tracker, type_error=CheckpointTypeError)
+    if tracker is not None and devices:  # a tracker given must drive the inputs' device
         for t in trackers:
-            if devices and t.device not in devices:
+            if t.device not in devices:
                 raise TrackerDeviceError(
-                    f"the tracker drives {t.device} but the inputs live on {[str(d) for d in devices]}; "
-                    "pass the tracker of the inputs' device (get_rng_tracker(x.device))"
+                    f"the tracker drives {t.device} but the inputs live on "
+                    f"{[str(d) for d in devices]}; pass the tracker of the inputs' device "
+                    "(get_rng_tracker(x.device))"
                 )
-    else:
-        trackers = all_trackers()
     saver = _input_saver(args, distribute_saved_activations, tp_group, offload_to_cpu)
     record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:

@@ -11,7 +11,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -418,6 +418,23 @@ _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
     return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
+
+
+def _resolve_trackers(
+    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
+    *,
+    type_error: type[Exception],
+) -> list[RNGStatesTracker]:
+    """The trackers ``tracker`` names (one, or an iterable of them), or every live tracker
+    when it is None (:func:`all_trackers`, what checkpoints replay by default); anything else
+    raises ``type_error``."""
+    if tracker is None:
+        return all_trackers()
+    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
+    for t in trackers:
+        if not isinstance(t, RNGStatesTracker):
+            raise type_error(f"tracker must be an RNGStatesTracker, got {type(t).__name__}")
+    return trackers
 
 
 def _set_process_tracker(tracker: RNGStatesTracker) -> None:
