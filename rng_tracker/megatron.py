@@ -35,7 +35,7 @@ from rng_tracker.checkpoint_without_output import (
     CheckpointWithoutOutput,
     CheckpointWithoutOutputManager,
 )
-from rng_tracker.device_rng import RNGState, default_generator, device_rng
+from rng_tracker.device_rng import RNGState, device_rng
 from rng_tracker.errors import (
     CheckpointConfigError,
     ParallelStateError,
@@ -104,13 +104,8 @@ def _get_cuda_rng_state(
     - on CUDA the live graph-safe handle, or a clone of it with ``clone=True``; on
     devices without graph-safe states always a clone.
     """
-    rng = device_rng(device)
-    generator = rng.generator
-    if not graph_safe:
-        return generator.get_state()
-    if clone or not hasattr(generator, "graphsafe_get_state") or rng.device.type != "cuda":
-        return generator.clone_state()
-    return generator.graphsafe_get_state()
+    rng = device_rng(device, generator_states=graph_safe)
+    return rng.snapshot() if clone else rng.live()
 
 
 def _set_cuda_rng_state(
@@ -120,26 +115,13 @@ def _set_cuda_rng_state(
     default generator (-1: the current device). With ``graph_safe=True`` on CUDA a
     generator is installed by handle, as Megatron does; otherwise its state is copied."""
     target = None if isinstance(device, int) and device == -1 else device
-    generator = default_generator(target)
-    if isinstance(new_state, torch.Generator):
-        if new_state.device.type != generator.device.type:
-            raise TrackerDeviceError(
-                f"a generator of {new_state.device} cannot set the state of {generator.device}"
-            )
-        if graph_safe and generator.device.type == "cuda":
-            generator.graphsafe_set_state(new_state)
+    if graph_safe and isinstance(new_state, torch.Generator):
+        handles = device_rng(target, generator_states=True)
+        if handles.graph_safe and new_state.device.type == handles.device.type:
+            handles.install(new_state)
             return
-        new_state = new_state.get_state()
-    if not isinstance(new_state, torch.Tensor):
-        raise TrackerDeviceError(
-            f"a generator state is a torch.Tensor or a torch.Generator, got {type(new_state).__name__}"
-        )
-    try:
-        generator.set_state(new_state)
-    except (RuntimeError, TypeError) as error:
-        raise TrackerDeviceError(
-            f"the tensor is not a {generator.device.type} generator state: {error}"
-        ) from None
+    copies = device_rng(target, generator_states=False)
+    copies.install(copies.convert(new_state))  # convert refuses what is not a state of it
 
 
 def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGState:
