@@ -18,7 +18,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,11 @@ from rng_tracker.errors import (
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
 from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
+from rng_tracker.seeds import _process_layout
 from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers, all_trackers
+
+if TYPE_CHECKING:
+    from rng_tracker.parallel.mesh import ParallelState
 
 __all__ = [
     "check_split_input",
@@ -385,6 +389,7 @@ def checkpoint(
     early_stop: bool | None = None,
     distribute_saved_activations: bool = False,
     tp_group: dist.ProcessGroup | None = None,
+    parallel_state: ParallelState | None = None,
     offload_to_cpu: bool = False,
     tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None = None,
     check_rng: bool = False,
@@ -403,9 +408,13 @@ def checkpoint(
         use_reentrant: an autograd Function (``.backward()`` only) instead of torch's
             non-reentrant machinery.
         distribute_saved_activations: keep only this rank's slice of the first input,
-            split across ``tp_group`` (default: the TP group of the parallel state), and
+            split across ``tp_group`` (default: the TP group of ``parallel_state``), and
             all-gather it for the recompute. The caller's tensor is not changed (see
             :func:`reentrant_checkpoint` for Megatron's in-place variant).
+        parallel_state: the layout whose TP group ``distribute_saved_activations`` splits
+            over when ``tp_group`` is not given (a
+            :class:`~rng_tracker.parallel.ParallelState`, or anything with ``.group(axis)``);
+            default: the process's parallel state (rng_tracker's, else Megatron's).
         offload_to_cpu: keep saved inputs in (pinned) CPU memory until the recompute.
         tracker: tracker(s) whose streams to replay; default every tracker of the process.
         check_rng: verify each complete recompute drew exactly the forward's randomness,
@@ -436,7 +445,11 @@ def checkpoint(
                     f"{[str(d) for d in devices]}; pass the tracker of the inputs' device "
                     "(get_rng_tracker(x.device))"
                 )
-    saver = _input_saver(args, distribute_saved_activations, tp_group, offload_to_cpu)
+    if distribute_saved_activations and tp_group is None and parallel_state is None:
+        parallel_state = _process_layout()  # the edge: looked up here, passed in below
+    saver = _input_saver(
+        args, distribute_saved_activations, tp_group, parallel_state, offload_to_cpu
+    )
     record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:
         _warn_if_no_input_requires_grad(args)
@@ -513,21 +526,22 @@ def check_split_input(args: Sequence[Any]) -> None:
         )
 
 
-def _parallel_state_tp_group() -> dist.ProcessGroup:
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
+def _tp_group_of(state: ParallelState | None) -> dist.ProcessGroup:
     if state is None:
         raise CheckpointConfigError(
-            "distribute_saved_activations=True needs tp_group=... or an initialised "
-            "parallel state (rng_tracker.parallel.init_model_parallel, or Megatron's "
-            "parallel_state.initialize_model_parallel)"
+            "distribute_saved_activations=True needs tp_group=..., parallel_state=... or an "
+            "initialised parallel state (rng_tracker.parallel.init_model_parallel, or "
+            "Megatron's parallel_state.initialize_model_parallel)"
         )
     return state.group("tp")
 
 
 def _input_saver(
-    args: Sequence[Any], distribute: bool, group: dist.ProcessGroup | None, offload: bool
+    args: Sequence[Any],
+    distribute: bool,
+    group: dist.ProcessGroup | None,
+    state: ParallelState | None,
+    offload: bool,
 ) -> InputSaver:
     if not distribute:
         return InputSaver(offload=offload)
@@ -536,5 +550,5 @@ def _input_saver(
             "distribute_saved_activations=True needs a tensor as the first argument"
         )
     if group is None:
-        group = _parallel_state_tp_group()
+        group = _tp_group_of(state)
     return InputSaver(distribute=args[0], group=group, offload=offload)

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,8 +48,9 @@ from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
-    _missing_ranks_source,
+    _process_layout,
     _rank,
+    _ranks_from,
     model_parallel_seed,
     plan_seeds,
 )
@@ -58,6 +59,9 @@ from rng_tracker.tracker import (
     RNGStatesTracker,
     _set_process_tracker,
 )
+
+if TYPE_CHECKING:
+    from rng_tracker.parallel.mesh import ParallelState
 
 __all__ = [
     "HAVE_TE",
@@ -295,12 +299,12 @@ def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
 
 # -- seeding -------------------------------------------------------------------------------
 def _parallel_ranks(
-    tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
+    state: ParallelState | None, tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
 ) -> dict[str, int]:
-    """The tp/ep/etp ranks: as given, else from the parallel state, else 0 in one process."""
+    """The tp/ep/etp ranks: as given, else from ``state``, else 0 in one process."""
     given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
     missing = [f"{axis}_rank" for axis, rank in given.items() if rank is None]
-    found = _missing_ranks_source(missing, "model_parallel_cuda_manual_seed") if missing else {}
+    found = _ranks_from(state, missing, "model_parallel_cuda_manual_seed") if missing else {}
     return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}
 
 
@@ -342,7 +346,8 @@ def model_parallel_cuda_manual_seed(
     (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
     Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
     """
-    ranks = _parallel_ranks(tp_rank, ep_rank, etp_rank)
+    state = _process_layout()  # the facade is the edge: the process-wide layout, once
+    ranks = _parallel_ranks(state, tp_rank, ep_rank, etp_rank)
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
         name: value
@@ -402,15 +407,12 @@ def model_parallel_cuda_manual_seed(
     )
     for name, value in extra.items():
         tracker.add(name, value)
-    return _placed_on_mesh(plan)
+    return _placed_on_mesh(plan, state)
 
 
-def _placed_on_mesh(plan: SeedPlan) -> SeedPlan:
-    """The plan with the mesh's pp/dp/cp coordinates: Megatron folds them into ``seed`` before
+def _placed_on_mesh(plan: SeedPlan, state: ParallelState | None) -> SeedPlan:
+    """The plan with ``state``'s pp/dp/cp coordinates: Megatron folds them into ``seed`` before
     the call, so the plan records where the rank really is and verifies against the mesh."""
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
     if state is None:
         return plan
     placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}
@@ -463,9 +465,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
 
 
 def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
+    state = _process_layout()  # the facade is the edge
     if state is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs an initialised parallel state "

@@ -233,17 +233,25 @@ def _ranks_of(state: ParallelState) -> dict[str, int]:
     return {axis: state.rank(axis) for axis in AXES}
 
 
-def _missing_ranks_source(
-    missing: list[str], caller: str = "model_parallel_seed"
+def _process_layout() -> ParallelState | None:
+    """The process-wide parallel state (rng_tracker's, else Megatron's initialised one), or None.
+
+    Only the public entry points call this, when the caller passed no ``state``: everything
+    below them takes the layout as an argument.
+    """
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
+
+    return current_layout()
+
+
+def _ranks_from(
+    state: ParallelState | None, missing: list[str], caller: str = "model_parallel_seed"
 ) -> dict[str, int]:
-    """Ranks for the axes the caller left out: the parallel state's, else 0 in a single process.
+    """Ranks for the axes the caller left out: ``state``'s, else 0 in a single process.
 
     Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
     that is refused rather than guessed.
     """
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()  # ours, else Megatron's initialised parallel_state
     if state is not None:
         return _ranks_of(state)
     import torch.distributed as dist
@@ -293,12 +301,9 @@ def model_parallel_seed(
         "cp": cp_rank,
     }
     missing = [f"{axis}_rank" for axis in AXES if given[axis] is None]
-    if state is not None:
-        coords = _ranks_of(state)
-    elif missing:
-        coords = _missing_ranks_source(missing)
-    else:
-        coords = {}
+    if state is None and missing:
+        state = _process_layout()  # the edge: looked up here, passed in below
+    coords = _ranks_from(state, missing) if state is not None or missing else {}
     coords.update({axis: rank for axis, rank in given.items() if rank is not None})
     plan = plan_seeds(
         seed, scheme=scheme, coordinates=coords, data_parallel_random_init=data_parallel_random_init
