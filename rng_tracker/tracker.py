@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._deprecation import REMOVED_IN
 from rng_tracker._validate import checked_int
 from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
@@ -134,7 +135,7 @@ class RNGStatesTracker:
         self._serial = next(_SERIALS)
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}
-        self._stack: list[str] = []
+        self._open_forks: list[str] = []  # the streams of the open forks, outermost first
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
         _ALL_TRACKERS.add(self)
@@ -162,9 +163,19 @@ class RNGStatesTracker:
         """Whether any stream is registered."""
         return bool(self._states)
 
+    def open_forks(self) -> tuple[str, ...]:
+        """The streams of the open forks, outermost first."""
+        return tuple(self._open_forks)
+
     def active(self) -> tuple[str, ...]:
-        """The open forks, outermost first."""
-        return tuple(self._stack)
+        """Deprecated name of :meth:`open_forks`."""
+        warnings.warn(
+            f"RNGStatesTracker.active() is deprecated and will be removed in {REMOVED_IN}: "
+            "use open_forks()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.open_forks()
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -224,27 +235,27 @@ class RNGStatesTracker:
             raise self._unknown(name)
         rng = self._rng
         live = rng.live()
-        if self._stack:
-            self._states[self._stack[-1]] = live
+        if self._open_forks:
+            self._states[self._open_forks[-1]] = live
         else:
             self._outer = live
         rng.install(self._states[name])
-        self._stack.append(name)
+        self._open_forks.append(name)
 
     def _exit(self, name: str) -> None:
-        if not self._stack or self._stack[-1] != name:
+        if not self._open_forks or self._open_forks[-1] != name:
             # Checked in every mode (an assert vanishes under python -O): closing the wrong
             # fork would save one stream's state into another.
-            top = _shown(self._stack[-1]) if self._stack else "none: no fork is open"
+            top = _shown(self._open_forks[-1]) if self._open_forks else "none: no fork is open"
             raise ForkOrderError(
                 f"fork({_shown(name)}) closed out of order (the innermost open fork is {top}); "
                 "forks must close in reverse order of opening: nest them as with-blocks"
             )
         rng = self._rng
         self._states[name] = rng.live()
-        self._stack.pop()
-        if self._stack:
-            rng.install(self._states[self._stack[-1]])
+        self._open_forks.pop()
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
         else:
             rng.install(self._outer)
             self._outer = None
@@ -275,7 +286,7 @@ class RNGStatesTracker:
     def get_states(self) -> dict[str, RNGState]:
         """Copies of every stream's current state; later draws never change them."""
         rng = self._rng
-        top = self._stack[-1] if self._stack else None
+        top = self._open_forks[-1] if self._open_forks else None
         return {
             name: rng.snapshot() if name == top else rng.copy(state)
             for name, state in self._states.items()
@@ -295,15 +306,15 @@ class RNGStatesTracker:
                 f"set_states() takes a mapping of stream name to state, got {type(states).__name__}"
             )
         converted = {name: self._converted(name, state) for name, state in states.items()}
-        missing = [name for name in self._stack if name not in states]
+        missing = [name for name in self._open_forks if name not in states]
         if missing:
             raise TrackerBusyError(
                 f"set_states() would drop the open fork(s) {_shown_names(missing)}; close them first"
             )
         self._states = converted
         self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
-        if self._stack:
-            rng.install(self._states[self._stack[-1]])
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
 
     def state_dict(self) -> dict[str, Any]:
         """Versioned, device-independent state: streams as seeds and uint8 CPU tensors."""
@@ -396,9 +407,9 @@ class RNGStatesTracker:
         )
 
     def _require_idle(self, what: str) -> None:
-        if self._stack:
+        if self._open_forks:
             raise TrackerBusyError(
-                f"{what} inside open fork(s) {_shown_names(self._stack)}; call it outside"
+                f"{what} inside open fork(s) {_shown_names(self._open_forks)}; call it outside"
             )
 
     def _converted(self, name: object, state: object) -> RNGState:
