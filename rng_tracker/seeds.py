@@ -27,7 +27,13 @@ from rng_tracker.errors import (
     SeedReuseError,
     SeedSchemeError,
 )
-from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker, validate_seed
+from rng_tracker.tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    _first_repeat,
+    get_rng_tracker,
+    validate_seed,
+)
 
 if TYPE_CHECKING:
     from rng_tracker.parallel.mesh import ParallelState
@@ -210,15 +216,14 @@ def plan_seeds(
     where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
     _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)
-    by_seed: dict[int, str] = {}
-    for stream, value in seeds.items():
-        if value in by_seed:
-            raise SeedReuseError(
-                f"scheme {scheme!r} gives streams {by_seed[value]!r} and {stream!r} the same "
-                f"seed {value} at {where}: they would draw identical masks; use "
-                "scheme='hashed' (collision-free) or another base seed layout"
-            )
-        by_seed[value] = stream
+    repeat = _first_repeat(seeds.items())
+    if repeat is not None:
+        first, second, value = repeat
+        raise SeedReuseError(
+            f"scheme {scheme!r} gives streams {first!r} and {second!r} the same seed {value} "
+            f"at {where}: they would draw identical masks; use scheme='hashed' (collision-free) "
+            "or another base seed layout"
+        )
     return SeedPlan(
         scheme=scheme,
         base_seed=seed,

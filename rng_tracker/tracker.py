@@ -11,7 +11,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +80,17 @@ def _shown_names(names: list[str]) -> str:
     if len(names) > _SHOWN_NAMES:
         shown += f", ... ({len(names) - _SHOWN_NAMES} more)"
     return shown or "none"
+
+
+def _first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:
+    """The first two names given the same value, and the value, or None if all differ
+    (two streams of one seed or state would draw identical values)."""
+    first_with: dict[Hashable, str] = {}
+    for name, value in values:
+        if value in first_with:
+            return first_with[value], name, value
+        first_with[value] = name
+    return None
 
 
 def _check_name(name: object) -> str:
@@ -379,25 +390,25 @@ class RNGStatesTracker:
     def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
         """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
         way they would draw identical values)."""
-        by_seed: dict[int, str] = {}
-        for name, seed in seeds.items():
-            if seed in by_seed:
-                raise SeedReuseError(
-                    f"state dict gives streams {_shown(by_seed[seed])} and {_shown(name)} the "
-                    f"same seed {seed}: they would draw identical values; it was not saved by "
-                    "state_dict() of a valid tracker (add() refuses a reused seed)"
-                )
-            by_seed[seed] = name
-        by_state: dict[bytes, str] = {}
-        for name, state in states.items():
-            data = bytes(self._rng.to_bytes(state).tolist())  # no numpy needed
-            if data in by_state:
-                raise SeedReuseError(
-                    f"state dict gives streams {_shown(by_state[data])} and {_shown(name)} the "
-                    "same generator state: they would draw identical values; save each stream "
-                    "from its own seed"
-                )
-            by_state[data] = name
+        repeat = _first_repeat(seeds.items())
+        if repeat is not None:
+            first, second, seed = repeat
+            raise SeedReuseError(
+                f"state dict gives streams {_shown(first)} and {_shown(second)} the same seed "
+                f"{seed}: they would draw identical values; it was not saved by state_dict() of "
+                "a valid tracker (add() refuses a reused seed)"
+            )
+        repeat = _first_repeat(
+            (name, bytes(self._rng.to_bytes(state).tolist()))  # no numpy needed
+            for name, state in states.items()
+        )
+        if repeat is not None:
+            first, second, _ = repeat
+            raise SeedReuseError(
+                f"state dict gives streams {_shown(first)} and {_shown(second)} the same "
+                "generator state: they would draw identical values; save each stream from its "
+                "own seed"
+            )
 
     def _unknown(self, name: object) -> UnknownStreamError:
         return UnknownStreamError(
