@@ -26,9 +26,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = ["MAX_LOGICAL_NUMEL", "Chunk", "IndexMap", "Region", "ShardArg", "index_map_of"]
+__all__ = [
+    "MAX_LOGICAL_NUMEL",
+    "Chunk",
+    "IndexMap",
+    "Region",
+    "ShardArg",
+    "chunk_bounds",
+    "index_map_of",
+]
 
 MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
 
@@ -42,12 +51,22 @@ def _check_logical_numel(owner: str, what: str, value: int) -> None:
         )
 
 
+def chunk_bounds(extent: int, index: int, count: int) -> tuple[int, int]:
+    """[start, stop) of chunk ``index`` of ``count`` along a dim of ``extent``, by torch.chunk's
+    rule (DTensor's too): chunks of ceil(extent / count), so the last ones may be short or empty."""
+    size = -(-extent // count)
+    start = min(index * size, extent)
+    return start, min(start + size, extent)
+
+
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise KernelInputTypeError(f"{owner}.{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise KernelInputError(f"{owner}.{name} must be >= {minimum}, got {value}")
-    return value
+    return checked_int(
+        value,
+        f"{owner}.{name}",
+        type_error=KernelInputTypeError,
+        value_error=KernelInputError,
+        minimum=minimum,
+    )
 
 
 def _int_tuple(owner: str, name: str, values: object) -> tuple[int, ...]:
@@ -78,13 +97,14 @@ class Chunk:
     extent: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("Chunk", "dim", self.dim, minimum=None)
-        _check_int("Chunk", "index", self.index, minimum=None)
-        _check_int("Chunk", "count", self.count, minimum=None)
+        for name in ("dim", "index", "count"):
+            object.__setattr__(
+                self, name, _check_int("Chunk", name, getattr(self, name), minimum=None)
+            )
         if self.count < 1 or not 0 <= self.index < self.count:
             raise KernelInputError(f"Chunk needs count >= 1 and 0 <= index < count, got {self}")
         if self.extent is not None:
-            _check_int("Chunk", "extent", self.extent)
+            object.__setattr__(self, "extent", _check_int("Chunk", "extent", self.extent))
             _check_logical_numel("Chunk", "extent", self.extent)
         elif self.count > 1:
             raise KernelInputError(
@@ -143,8 +163,8 @@ class IndexMap:
     numel: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("IndexMap", "offset", self.offset)
-        _check_int("IndexMap", "logical_numel", self.logical_numel)
+        for name in ("offset", "logical_numel"):
+            object.__setattr__(self, name, _check_int("IndexMap", name, getattr(self, name)))
         _check_logical_numel("IndexMap", "logical_numel", self.logical_numel)
         _check_logical_numel("IndexMap", "offset", self.offset)
         if not isinstance(self.dims, Sequence):
@@ -316,9 +336,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
         )
     dim = shard.dim % len(shape)
     extent = shape[dim] if shard.extent is None else shard.extent  # extent None only if count 1
-    size = -(-extent // shard.count)  # torch.chunk's chunk size
-    start = min(shard.index * size, extent)
-    stop = min(start + size, extent)
+    start, stop = chunk_bounds(extent, shard.index, shard.count)
     if shape[dim] != stop - start:
         raise KernelInputError(
             f"x has size {shape[dim]} in dim {dim} but chunk {shard.index} of {shard.count} of "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels.cpu_compiled import _FLAGS, _cache_dir, _compiler
 from rng_tracker.kernels.philox import philox4x32
@@ -51,10 +52,14 @@ _state: dict[str, object] = {"library": None, "failed": None}
 
 def init_key(seed: int) -> int:
     """The 64-bit Philox key of ``seed`` for init (a bijection: splitmix64's finaliser)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise KernelInputTypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-    if not 0 <= seed < 2**64:
-        raise KernelInputError(f"seed must be in [0, 2**64), got {seed}")
+    seed = checked_int(
+        seed,
+        "seed",
+        type_error=KernelInputTypeError,
+        value_error=KernelInputError,
+        minimum=0,
+        maximum=_MASK64,
+    )
     z = (seed ^ _INIT_DOMAIN) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64

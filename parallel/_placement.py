@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorPlacementError
-from rng_tracker.kernels.index_map import Region
+from rng_tracker.kernels.index_map import Region, chunk_bounds
 
 __all__ = ["LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
 
@@ -33,8 +33,8 @@ _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
 
 def split_by_chunk(items: Sequence[int], count: int, index: int) -> list[int]:
     """Chunk ``index`` of ``items`` split into ``count`` parts by torch.chunk's rule."""
-    size = -(-len(items) // count) if items else 0
-    return list(items[index * size : (index + 1) * size]) if size else []
+    start, stop = chunk_bounds(len(items), index, count)
+    return list(items[start:stop])
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The process mesh: tensor, pipeline, data, context and expert parallel groups.
 
 Ranks are laid out as Megatron-LM's ``parallel_state`` lays them out for the same ``order``
-(default "tp-cp-ep-dp-pp": tp fastest, pp slowest): the dense mesh has dims (pp, dp, cp, tp);
+(default "tp-cp-ep-dp-pp": tp fastest, pp slowest): the dense mesh has axes (pp, dp, cp, tp);
 the expert mesh refactors the same ranks as (pp, edp, ep, etp) with etp = tp, so ep must
 divide dp * cp. Every rank gets Megatron's coordinates and groups for every order Megatron
 accepts (tests/test_megatron_parallel_state.py checks them against Megatron's own).
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import ParallelConfigError, ParallelStateError
 
 __all__ = [
@@ -29,8 +29,8 @@ __all__ = [
     "init_model_parallel",
 ]
 
-_DENSE_DIMS = ("pp", "dp", "cp", "tp")
-_EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+_DENSE_AXES = ("pp", "dp", "cp", "tp")
+_EXPERT_AXES = ("pp", "edp", "ep", "etp")
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"  # Megatron's default: the first token varies fastest
 _ORDER_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -50,12 +50,12 @@ class ParallelState:
     ranks: dict[str, int] = field(hash=False)
 
     def _mesh_of(self, axis: str) -> DeviceMesh:
-        if axis in _DENSE_DIMS:
+        if axis in _DENSE_AXES:
             return self.mesh
-        if axis in _EXPERT_DIMS:
+        if axis in _EXPERT_AXES:
             return self.expert_mesh
         raise ParallelStateError(
-            f"unknown parallel axis {axis!r}; use one of {_DENSE_DIMS + _EXPERT_DIMS[1:]}"
+            f"unknown parallel axis {axis!r}; use one of {_DENSE_AXES + _EXPERT_AXES[1:]}"
         )
 
     def rank(self, axis: str) -> int:
@@ -93,13 +93,7 @@ _GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes create
 
 
 def _positive(name: str, value: object) -> int:
-    try:
-        size = operator.index(value)
-    except TypeError:
-        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}") from None
-    if isinstance(value, bool) or size < 1:
-        raise ParallelConfigError(f"{name} must be a positive int, got {value!r}")
-    return size
+    return checked_int(value, name, type_error=ParallelConfigError, minimum=1)
 
 
 def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:
@@ -125,18 +119,18 @@ def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:
     return tokens
 
 
-def _rank_grid(tokens: list[str], sizes: dict[str, int], dims: tuple[str, ...]) -> torch.Tensor:
-    """The global ranks as a tensor with dims ``dims`` (order tokens), laid out as Megatron's
-    RankGenerator does: the first token of the order has stride 1."""
+def _rank_grid(tokens: list[str], sizes: dict[str, int], axes: tuple[str, ...]) -> torch.Tensor:
+    """The global ranks as a tensor with one dim per mesh axis of ``axes`` (order tokens), laid
+    out as Megatron's RankGenerator does: the first token of the order has stride 1."""
     slowest_first = tokens[::-1]
     grid = torch.arange(math.prod(sizes.values())).reshape([sizes[t] for t in slowest_first])
-    rest = [t for t in slowest_first if t not in dims]
-    grid = grid.permute([slowest_first.index(t) for t in (*dims, *rest)])
-    return grid.reshape([sizes[t] for t in dims])
+    rest = [t for t in slowest_first if t not in axes]
+    grid = grid.permute([slowest_first.index(t) for t in (*axes, *rest)])
+    return grid.reshape([sizes[t] for t in axes])
 
 
 def _pipeline_groups(grid: torch.Tensor) -> set[tuple[int, ...]]:
-    """The ranks along dim 0 (pp) of ``grid``, one tuple per pipeline."""
+    """The ranks along the pp axis (the first) of ``grid``, one tuple per pipeline."""
     return {tuple(column) for column in grid.reshape(grid.shape[0], -1).T.tolist()}
 
 
@@ -198,11 +192,11 @@ def init_model_parallel(
             f"order {order!r} gives the dense and the expert layers different pipeline groups "
             "(Megatron refuses it too); put 'pp' last"
         )
-    mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_DIMS)
-    expert_mesh = DeviceMesh(device_type, experts, mesh_dim_names=_EXPERT_DIMS)
+    mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_AXES)
+    expert_mesh = DeviceMesh(device_type, experts, mesh_dim_names=_EXPERT_AXES)
     sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": tp, "edp": edp}
-    coords = {dim: mesh.get_local_rank(dim) for dim in _DENSE_DIMS}
-    coords.update({dim: expert_mesh.get_local_rank(dim) for dim in _EXPERT_DIMS[1:]})
+    coords = {axis: mesh.get_local_rank(axis) for axis in _DENSE_AXES}
+    coords.update({axis: expert_mesh.get_local_rank(axis) for axis in _EXPERT_AXES[1:]})
     _STATE = ParallelState(mesh=mesh, expert_mesh=expert_mesh, sizes=sizes, ranks=coords)
     _GROUPS = _groups_created_by(mesh, expert_mesh)
     return _STATE
@@ -211,8 +205,8 @@ def init_model_parallel(
 def _groups_created_by(*meshes: DeviceMesh) -> tuple[dist.ProcessGroup, ...]:
     groups: list[dist.ProcessGroup] = []
     for mesh in meshes:
-        for dim in mesh.mesh_dim_names or ():
-            group = mesh.get_group(dim)
+        for axis in mesh.mesh_dim_names or ():
+            group = mesh.get_group(axis)
             if group is not dist.group.WORLD and all(group is not g for g in groups):
                 groups.append(group)
     return tuple(groups)

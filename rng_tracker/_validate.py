@@ -6,6 +6,29 @@ import operator
 
 __all__ = ["checked_int"]
 
+_SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
+
+
+def _power_of_two_exponent(value: int) -> int | None:
+    """k where ``value`` is 2**k and large enough to be written so, else None."""
+    if value >= _SHOWN_AS_POWER and value & (value - 1) == 0:
+        return value.bit_length() - 1
+    return None
+
+
+def _wanted(minimum: int | None, maximum: int | None) -> str:
+    """The allowed range in words: "in [0, 2**64)", "a positive int", ">= 0", "<= 7"."""
+    if minimum is not None and maximum is not None:
+        exponent = _power_of_two_exponent(maximum + 1)
+        if exponent is not None:
+            return f"in [{minimum}, 2**{exponent})"
+        return f"in [{minimum}, {maximum}]"
+    if minimum == 1:
+        return "a positive int"
+    if minimum is not None:
+        return f">= {minimum}"
+    return f"<= {maximum}"
+
 
 def checked_int(
     value: object,
@@ -15,13 +38,14 @@ def checked_int(
     value_error: type[Exception] | None = None,
     minimum: int | None = None,
     maximum: int | None = None,
+    note: str = "",
 ) -> int:
     """``value`` as an int in [``minimum``, ``maximum``] (either bound optional).
 
     Anything with ``__index__`` is accepted (numpy and 0-dim integer tensors included); a bool is
     refused, since ``True`` as a rank or a size is a mistake, not a 1. A non-int raises
     ``type_error``, an int out of range ``value_error`` (``type_error`` when not given); both
-    messages name ``what``.
+    messages name ``what``, and the range message ends with ``note`` (why the range is what it is).
     """
     if isinstance(value, bool):
         raise type_error(f"{what} must be an int, got the bool {value!r}")
@@ -29,9 +53,8 @@ def checked_int(
         result = operator.index(value)
     except TypeError:
         raise type_error(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-    out_of_range = value_error or type_error
-    if minimum is not None and result < minimum:
-        raise out_of_range(f"{what} must be >= {minimum}, got {result}")
-    if maximum is not None and result > maximum:
-        raise out_of_range(f"{what} must be <= {maximum}, got {result}")
+    if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+        raise (value_error or type_error)(
+            f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
+        )
     return result

@@ -18,7 +18,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,11 @@ from rng_tracker.errors import (
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
 from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
-from rng_tracker.tracker import RNGStatesTracker, all_trackers
+from rng_tracker.seeds import _process_layout
+from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers, all_trackers
+
+if TYPE_CHECKING:
+    from rng_tracker.parallel.mesh import ParallelState
 
 __all__ = [
     "check_split_input",
@@ -161,9 +165,8 @@ class _Replay:
     def __enter__(self) -> None:
         record = self._record
         assert record.start is not None, "recompute before forward"
-        found = record.capture()
         with disable_current_dispatch_modes():
-            record.start.restore()
+            found = record.start.swap_in(record.devices, record.trackers)
         log = RandomOpLog() if record.check else None
         self._open.append((found, log))
         _enter_checkpointing()
@@ -240,27 +243,15 @@ def rng_context_fn(
     streams (every tracker of the process when ``tracker`` is None) and the trackers'
     device generators. Its recompute context replays them at every recompute.
     """
-    trackers = _resolve_trackers(tracker)
+    # Refuse a bad tracker now; None stays None: every tracker alive at each forward.
+    given = None if tracker is None else _resolve_trackers(tracker, type_error=CheckpointTypeError)
 
     def context_fn() -> tuple[_Forward, _Replay]:
-        record = _RNGRecord((), trackers if trackers is not None else all_trackers(), False)
+        trackers = _resolve_trackers(given, type_error=CheckpointTypeError)
+        record = _RNGRecord((), trackers, False)
         return record.forward(), record.replay()
 
     return context_fn
-
-
-def _resolve_trackers(
-    tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None,
-) -> list[RNGStatesTracker] | None:
-    if tracker is None:
-        return None
-    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
-    for t in trackers:
-        if not isinstance(t, RNGStatesTracker):
-            raise CheckpointTypeError(
-                f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
-            )
-    return trackers
 
 
 def _autocast_state(device_types: Iterable[str]) -> list[tuple[str, bool, torch.dtype]]:
@@ -400,6 +391,7 @@ def checkpoint(
     early_stop: bool | None = None,
     distribute_saved_activations: bool = False,
     tp_group: dist.ProcessGroup | None = None,
+    parallel_state: ParallelState | None = None,
     offload_to_cpu: bool = False,
     tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None = None,
     check_rng: bool = False,
@@ -418,9 +410,13 @@ def checkpoint(
         use_reentrant: an autograd Function (``.backward()`` only) instead of torch's
             non-reentrant machinery.
         distribute_saved_activations: keep only this rank's slice of the first input,
-            split across ``tp_group`` (default: the TP group of the parallel state), and
+            split across ``tp_group`` (default: the TP group of ``parallel_state``), and
             all-gather it for the recompute. The caller's tensor is not changed (see
             :func:`reentrant_checkpoint` for Megatron's in-place variant).
+        parallel_state: the layout whose TP group ``distribute_saved_activations`` splits
+            over when ``tp_group`` is not given (a
+            :class:`~rng_tracker.parallel.ParallelState`, or anything with ``.group(axis)``);
+            default: the process's parallel state (rng_tracker's, else Megatron's).
         offload_to_cpu: keep saved inputs in (pinned) CPU memory until the recompute.
         tracker: tracker(s) whose streams to replay; default every tracker of the process.
         check_rng: verify each complete recompute drew exactly the forward's randomness,
@@ -442,17 +438,20 @@ def checkpoint(
             "stops the recompute early; drop one of them"
         )
     devices = _input_devices(args, kwargs)
-    trackers = _resolve_trackers(tracker)
-    if trackers is not None:
+    trackers = _resolve_trackers(tracker, type_error=CheckpointTypeError)
+    if tracker is not None and devices:  # a tracker given must drive the inputs' device
         for t in trackers:
-            if devices and t.device not in devices:
+            if t.device not in devices:
                 raise TrackerDeviceError(
-                    f"the tracker drives {t.device} but the inputs live on {[str(d) for d in devices]}; "
-                    "pass the tracker of the inputs' device (get_rng_tracker(x.device))"
+                    f"the tracker drives {t.device} but the inputs live on "
+                    f"{[str(d) for d in devices]}; pass the tracker of the inputs' device "
+                    "(get_rng_tracker(x.device))"
                 )
-    else:
-        trackers = all_trackers()
-    saver = _input_saver(args, distribute_saved_activations, tp_group, offload_to_cpu)
+    if distribute_saved_activations and tp_group is None and parallel_state is None:
+        parallel_state = _process_layout()  # the edge: looked up here, passed in below
+    saver = _input_saver(
+        args, distribute_saved_activations, tp_group, parallel_state, offload_to_cpu
+    )
     record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:
         _warn_if_no_input_requires_grad(args)
@@ -529,21 +528,22 @@ def check_split_input(args: Sequence[Any]) -> None:
         )
 
 
-def _parallel_state_tp_group() -> dist.ProcessGroup:
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
+def _tp_group_of(state: ParallelState | None) -> dist.ProcessGroup:
     if state is None:
         raise CheckpointConfigError(
-            "distribute_saved_activations=True needs tp_group=... or an initialised "
-            "parallel state (rng_tracker.parallel.init_model_parallel, or Megatron's "
-            "parallel_state.initialize_model_parallel)"
+            "distribute_saved_activations=True needs tp_group=..., parallel_state=... or an "
+            "initialised parallel state (rng_tracker.parallel.init_model_parallel, or "
+            "Megatron's parallel_state.initialize_model_parallel)"
         )
     return state.group("tp")
 
 
 def _input_saver(
-    args: Sequence[Any], distribute: bool, group: dist.ProcessGroup | None, offload: bool
+    args: Sequence[Any],
+    distribute: bool,
+    group: dist.ProcessGroup | None,
+    state: ParallelState | None,
+    offload: bool,
 ) -> InputSaver:
     if not distribute:
         return InputSaver(offload=offload)
@@ -552,5 +552,5 @@ def _input_saver(
             "distribute_saved_activations=True needs a tensor as the first argument"
         )
     if group is None:
-        group = _parallel_state_tp_group()
+        group = _tp_group_of(state)
     return InputSaver(distribute=args[0], group=group, offload=offload)

@@ -29,7 +29,7 @@ from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker.activation_checkpoint import _backward_recomputed
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
-from rng_tracker.tracker import RNGStatesTracker, all_trackers
+from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
 
@@ -129,10 +129,8 @@ class CheckpointWithoutOutput:
         self.fp8 = fp8
         self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
-        self._trackers = (
-            None
-            if tracker is None
-            else ([tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker))
+        self._trackers = (  # None: every tracker alive at each checkpoint()
+            None if tracker is None else _resolve_trackers(tracker, type_error=CheckpointTypeError)
         )
         self.outputs: tuple[torch.Tensor, ...] | None = None
         self._function: Callable[..., Any] | None = None
@@ -152,7 +150,7 @@ class CheckpointWithoutOutput:
             )
         self._function = run_function
         self._devices = list({a.device: None for a in args if isinstance(a, torch.Tensor)})
-        self._replayed = self._trackers if self._trackers is not None else all_trackers()
+        self._replayed = _resolve_trackers(self._trackers, type_error=CheckpointTypeError)
         self._snapshot = RNGSnapshot.capture(self._devices, self._replayed)
         self._recomputed = None
         self._discarded = False

@@ -10,12 +10,12 @@ it reshards to any layout. See docs/keyed.md.
 from __future__ import annotations
 
 import hashlib
-import operator
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.device_rng import _normalize
 from rng_tracker.errors import (
     KeyedTypeError,
@@ -67,33 +67,28 @@ def _check_name(name: object) -> str:
     return name
 
 
-def _check_int(what: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise KeyedTypeError(f"{what} must be an int, got the bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise KeyedTypeError(
-            f"{what} must be an int, got {type(value).__name__} {value!r}"
-        ) from None
-
-
 def _check_step(step: object) -> int:
-    value = _check_int("step", step)
-    if not 0 <= value < STEP_LIMIT:
-        raise StepRangeError(
-            f"step must be in [0, 2**32), got {value}: it is one 32-bit Philox counter word"
-        )
-    return value
+    return checked_int(
+        step,
+        "step",
+        type_error=KeyedTypeError,
+        value_error=StepRangeError,
+        minimum=0,
+        maximum=STEP_LIMIT - 1,
+        note=": it is one 32-bit Philox counter word",
+    )
 
 
 def _check_site_id(site_id: object) -> int:
-    value = _check_int("site_id", site_id)
-    if not 1 <= value < _SITE_LIMIT:
-        raise SiteIdError(
-            f"site_id must be in [1, 2**32), got {value} (0 is reserved for generator-driven draws)"
-        )
-    return value
+    return checked_int(
+        site_id,
+        "site_id",
+        type_error=KeyedTypeError,
+        value_error=SiteIdError,
+        minimum=1,
+        maximum=_SITE_LIMIT - 1,
+        note=" (0 is reserved for generator-driven draws)",
+    )
 
 
 class KeyedRNG:
@@ -210,7 +205,7 @@ class KeyedRNG:
 
     def advance(self, steps: int = 1) -> None:
         """Advance the step by ``steps`` in place on the device (no host sync, capturable)."""
-        steps = _check_int("steps", steps)
+        steps = checked_int(steps, "steps", type_error=KeyedTypeError)
         if steps < 0 or self._host_step + steps >= STEP_LIMIT:
             raise StepRangeError(
                 f"advancing step {self._host_step} by {steps} leaves [0, 2**32); "

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,7 @@ from rng_tracker.checkpoint_without_output import (
     CheckpointWithoutOutput,
     CheckpointWithoutOutputManager,
 )
-from rng_tracker.device_rng import RNGState, default_generator, device_rng
+from rng_tracker.device_rng import RNGState, device_rng
 from rng_tracker.errors import (
     CheckpointConfigError,
     ParallelStateError,
@@ -48,8 +48,9 @@ from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
-    _missing_ranks_source,
-    _nonnegative_int,
+    _process_layout,
+    _rank,
+    _ranks_from,
     model_parallel_seed,
     plan_seeds,
 )
@@ -58,6 +59,9 @@ from rng_tracker.tracker import (
     RNGStatesTracker,
     _set_process_tracker,
 )
+
+if TYPE_CHECKING:
+    from rng_tracker.parallel.mesh import ParallelState
 
 __all__ = [
     "HAVE_TE",
@@ -104,13 +108,8 @@ def _get_cuda_rng_state(
     - on CUDA the live graph-safe handle, or a clone of it with ``clone=True``; on
     devices without graph-safe states always a clone.
     """
-    rng = device_rng(device)
-    generator = rng.generator
-    if not graph_safe:
-        return generator.get_state()
-    if clone or not hasattr(generator, "graphsafe_get_state") or rng.device.type != "cuda":
-        return generator.clone_state()
-    return generator.graphsafe_get_state()
+    rng = device_rng(device, generator_states=graph_safe)
+    return rng.snapshot() if clone else rng.live()
 
 
 def _set_cuda_rng_state(
@@ -120,26 +119,13 @@ def _set_cuda_rng_state(
     default generator (-1: the current device). With ``graph_safe=True`` on CUDA a
     generator is installed by handle, as Megatron does; otherwise its state is copied."""
     target = None if isinstance(device, int) and device == -1 else device
-    generator = default_generator(target)
-    if isinstance(new_state, torch.Generator):
-        if new_state.device.type != generator.device.type:
-            raise TrackerDeviceError(
-                f"a generator of {new_state.device} cannot set the state of {generator.device}"
-            )
-        if graph_safe and generator.device.type == "cuda":
-            generator.graphsafe_set_state(new_state)
+    if graph_safe and isinstance(new_state, torch.Generator):
+        handles = device_rng(target, generator_states=True)
+        if handles.graph_safe and new_state.device.type == handles.device.type:
+            handles.install(new_state)
             return
-        new_state = new_state.get_state()
-    if not isinstance(new_state, torch.Tensor):
-        raise TrackerDeviceError(
-            f"a generator state is a torch.Tensor or a torch.Generator, got {type(new_state).__name__}"
-        )
-    try:
-        generator.set_state(new_state)
-    except (RuntimeError, TypeError) as error:
-        raise TrackerDeviceError(
-            f"the tensor is not a {generator.device.type} generator state: {error}"
-        ) from None
+    copies = device_rng(target, generator_states=False)
+    copies.install(copies.convert(new_state))  # convert refuses what is not a state of it
 
 
 def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGState:
@@ -313,12 +299,12 @@ def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
 
 # -- seeding -------------------------------------------------------------------------------
 def _parallel_ranks(
-    tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
+    state: ParallelState | None, tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
 ) -> dict[str, int]:
-    """The tp/ep/etp ranks: as given, else from the parallel state, else 0 in one process."""
+    """The tp/ep/etp ranks: as given, else from ``state``, else 0 in one process."""
     given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
     missing = [f"{axis}_rank" for axis, rank in given.items() if rank is None]
-    found = _missing_ranks_source(missing, "model_parallel_cuda_manual_seed") if missing else {}
+    found = _ranks_from(state, missing, "model_parallel_cuda_manual_seed") if missing else {}
     return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}
 
 
@@ -326,7 +312,7 @@ def _gtp_seed(
     axis: str, rank: int | None, world_size: int | None, base: int, offset: int
 ) -> int | None:
     """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
-    size = 1 if world_size is None else _nonnegative_int(f"{axis}_world_size", world_size)
+    size = 1 if world_size is None else _rank(f"{axis}_world_size", world_size)
     if size <= 1:
         return None
     if rank is None:
@@ -334,7 +320,7 @@ def _gtp_seed(
             f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
             f"{axis} axis, so pass the rank explicitly"
         )
-    return base + offset + 65536 * (1 + _nonnegative_int(f"{axis}_rank", rank))
+    return base + offset + 65536 * (1 + _rank(f"{axis}_rank", rank))
 
 
 def model_parallel_cuda_manual_seed(
@@ -360,7 +346,8 @@ def model_parallel_cuda_manual_seed(
     (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
     Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
     """
-    ranks = _parallel_ranks(tp_rank, ep_rank, etp_rank)
+    state = _process_layout()  # the facade is the edge: the process-wide layout, once
+    ranks = _parallel_ranks(state, tp_rank, ep_rank, etp_rank)
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
         name: value
@@ -420,15 +407,12 @@ def model_parallel_cuda_manual_seed(
     )
     for name, value in extra.items():
         tracker.add(name, value)
-    return _placed_on_mesh(plan)
+    return _placed_on_mesh(plan, state)
 
 
-def _placed_on_mesh(plan: SeedPlan) -> SeedPlan:
-    """The plan with the mesh's pp/dp/cp coordinates: Megatron folds them into ``seed`` before
+def _placed_on_mesh(plan: SeedPlan, state: ParallelState | None) -> SeedPlan:
+    """The plan with ``state``'s pp/dp/cp coordinates: Megatron folds them into ``seed`` before
     the call, so the plan records where the rank really is and verifies against the mesh."""
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
     if state is None:
         return plan
     placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}
@@ -481,9 +465,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
 
 
 def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()
+    state = _process_layout()  # the facade is the edge
     if state is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs an initialised parallel state "

@@ -50,6 +50,15 @@ class RNGSnapshot:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)
 
+    def swap_in(
+        self, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
+    ) -> RNGSnapshot:
+        """Install this snapshot and return a snapshot of what it replaced (of ``devices`` and
+        ``trackers``), to :meth:`restore` once the replayed code has run."""
+        found = RNGSnapshot.capture(devices, trackers)
+        self.restore()
+        return found
+
     def differences(self, other: RNGSnapshot) -> list[str]:
         """Names of the generators and streams whose states differ between two snapshots."""
         names = []
@@ -75,8 +84,7 @@ def replaying(
     snapshot: RNGSnapshot, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
 ) -> Iterator[None]:
     """Run the body from ``snapshot``'s states; afterwards restore the states found on entry."""
-    found = RNGSnapshot.capture(devices, trackers)
-    snapshot.restore()
+    found = snapshot.swap_in(devices, trackers)
     try:
         yield
     finally:

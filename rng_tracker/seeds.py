@@ -11,13 +11,13 @@ arithmetic, kept bit for bit for migrating users; its collisions are reported.
 from __future__ import annotations
 
 import hashlib
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
     ParallelStateError,
     RankError,
@@ -27,7 +27,13 @@ from rng_tracker.errors import (
     SeedReuseError,
     SeedSchemeError,
 )
-from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker, validate_seed
+from rng_tracker.tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    _first_repeat,
+    get_rng_tracker,
+    validate_seed,
+)
 
 if TYPE_CHECKING:
     from rng_tracker.parallel.mesh import ParallelState
@@ -136,17 +142,9 @@ class SeedPlan:
         return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
 
 
-def _nonnegative_int(what: str, value: object) -> int:
-    """``value`` as an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
-    if isinstance(value, bool):
-        raise RankError(f"{what} must be an int, got {value!r}")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise RankError(f"{what} must be an int, got {type(value).__name__}") from None
-    if result < 0:
-        raise RankError(f"{what} must be >= 0, got {result}")
-    return result
+def _rank(what: str, value: object) -> int:
+    """``value`` as a rank, an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
+    return checked_int(value, what, type_error=RankError, minimum=0)
 
 
 def _coordinates(coordinates: object) -> dict[str, int]:
@@ -166,7 +164,7 @@ def _coordinates(coordinates: object) -> dict[str, int]:
             f"unknown coordinate axis {shown}: the axes are {', '.join(AXES)} (a rank like "
             "tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
         )
-    return {axis: _nonnegative_int(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
+    return {axis: _rank(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
 
 
 def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: str) -> None:
@@ -218,15 +216,14 @@ def plan_seeds(
     where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
     _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)
-    by_seed: dict[int, str] = {}
-    for stream, value in seeds.items():
-        if value in by_seed:
-            raise SeedReuseError(
-                f"scheme {scheme!r} gives streams {by_seed[value]!r} and {stream!r} the same "
-                f"seed {value} at {where}: they would draw identical masks; use "
-                "scheme='hashed' (collision-free) or another base seed layout"
-            )
-        by_seed[value] = stream
+    repeat = _first_repeat(seeds.items())
+    if repeat is not None:
+        first, second, value = repeat
+        raise SeedReuseError(
+            f"scheme {scheme!r} gives streams {first!r} and {second!r} the same seed {value} "
+            f"at {where}: they would draw identical masks; use scheme='hashed' (collision-free) "
+            "or another base seed layout"
+        )
     return SeedPlan(
         scheme=scheme,
         base_seed=seed,
@@ -241,17 +238,25 @@ def _ranks_of(state: ParallelState) -> dict[str, int]:
     return {axis: state.rank(axis) for axis in AXES}
 
 
-def _missing_ranks_source(
-    missing: list[str], caller: str = "model_parallel_seed"
+def _process_layout() -> ParallelState | None:
+    """The process-wide parallel state (rng_tracker's, else Megatron's initialised one), or None.
+
+    Only the public entry points call this, when the caller passed no ``state``: everything
+    below them takes the layout as an argument.
+    """
+    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
+
+    return current_layout()
+
+
+def _ranks_from(
+    state: ParallelState | None, missing: list[str], caller: str = "model_parallel_seed"
 ) -> dict[str, int]:
-    """Ranks for the axes the caller left out: the parallel state's, else 0 in a single process.
+    """Ranks for the axes the caller left out: ``state``'s, else 0 in a single process.
 
     Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
     that is refused rather than guessed.
     """
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    state = current_layout()  # ours, else Megatron's initialised parallel_state
     if state is not None:
         return _ranks_of(state)
     import torch.distributed as dist
@@ -301,12 +306,9 @@ def model_parallel_seed(
         "cp": cp_rank,
     }
     missing = [f"{axis}_rank" for axis in AXES if given[axis] is None]
-    if state is not None:
-        coords = _ranks_of(state)
-    elif missing:
-        coords = _missing_ranks_source(missing)
-    else:
-        coords = {}
+    if state is None and missing:
+        state = _process_layout()  # the edge: looked up here, passed in below
+    coords = _ranks_from(state, missing) if state is not None or missing else {}
     coords.update({axis: rank for axis, rank in given.items() if rank is not None})
     plan = plan_seeds(
         seed, scheme=scheme, coordinates=coords, data_parallel_random_init=data_parallel_random_init

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import operator
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from rng_tracker._deprecation import REMOVED_IN
+from rng_tracker._validate import checked_int
 from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
     DuplicateStreamError,
@@ -50,17 +51,14 @@ class CPURNGChangedWarning(UserWarning):
 
 def validate_seed(seed: Any) -> int:
     """Return ``seed`` as an int in [0, 2**64), or raise a typed error."""
-    if isinstance(seed, bool):
-        raise InvalidSeedTypeError(f"seed must be an int, got the bool {seed!r}")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise InvalidSeedTypeError(
-            f"seed must be an int, got {type(seed).__name__} {seed!r}; pass int(seed)"
-        ) from None
-    if not 0 <= value < 2**64:
-        raise InvalidSeedError(f"seed must be in [0, 2**64), got {value}")
-    return value
+    return checked_int(
+        seed,
+        "seed",
+        type_error=InvalidSeedTypeError,
+        value_error=InvalidSeedError,
+        minimum=0,
+        maximum=2**64 - 1,
+    )
 
 
 _SERIALS = itertools.count()
@@ -82,6 +80,17 @@ def _shown_names(names: list[str]) -> str:
     if len(names) > _SHOWN_NAMES:
         shown += f", ... ({len(names) - _SHOWN_NAMES} more)"
     return shown or "none"
+
+
+def _first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:
+    """The first two names given the same value, and the value, or None if all differ
+    (two streams of one seed or state would draw identical values)."""
+    first_with: dict[Hashable, str] = {}
+    for name, value in values:
+        if value in first_with:
+            return first_with[value], name, value
+        first_with[value] = name
+    return None
 
 
 def _check_name(name: object) -> str:
@@ -137,7 +146,7 @@ class RNGStatesTracker:
         self._serial = next(_SERIALS)
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}
-        self._stack: list[str] = []
+        self._open_forks: list[str] = []  # the streams of the open forks, outermost first
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
         _ALL_TRACKERS.add(self)
@@ -165,9 +174,19 @@ class RNGStatesTracker:
         """Whether any stream is registered."""
         return bool(self._states)
 
+    def open_forks(self) -> tuple[str, ...]:
+        """The streams of the open forks, outermost first."""
+        return tuple(self._open_forks)
+
     def active(self) -> tuple[str, ...]:
-        """The open forks, outermost first."""
-        return tuple(self._stack)
+        """Deprecated name of :meth:`open_forks`."""
+        warnings.warn(
+            f"RNGStatesTracker.active() is deprecated and will be removed in {REMOVED_IN}: "
+            "use open_forks()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.open_forks()
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -227,27 +246,27 @@ class RNGStatesTracker:
             raise self._unknown(name)
         rng = self._rng
         live = rng.live()
-        if self._stack:
-            self._states[self._stack[-1]] = live
+        if self._open_forks:
+            self._states[self._open_forks[-1]] = live
         else:
             self._outer = live
         rng.install(self._states[name])
-        self._stack.append(name)
+        self._open_forks.append(name)
 
     def _exit(self, name: str) -> None:
-        if not self._stack or self._stack[-1] != name:
+        if not self._open_forks or self._open_forks[-1] != name:
             # Checked in every mode (an assert vanishes under python -O): closing the wrong
             # fork would save one stream's state into another.
-            top = _shown(self._stack[-1]) if self._stack else "none: no fork is open"
+            top = _shown(self._open_forks[-1]) if self._open_forks else "none: no fork is open"
             raise ForkOrderError(
                 f"fork({_shown(name)}) closed out of order (the innermost open fork is {top}); "
                 "forks must close in reverse order of opening: nest them as with-blocks"
             )
         rng = self._rng
         self._states[name] = rng.live()
-        self._stack.pop()
-        if self._stack:
-            rng.install(self._states[self._stack[-1]])
+        self._open_forks.pop()
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
         else:
             rng.install(self._outer)
             self._outer = None
@@ -278,7 +297,7 @@ class RNGStatesTracker:
     def get_states(self) -> dict[str, RNGState]:
         """Copies of every stream's current state; later draws never change them."""
         rng = self._rng
-        top = self._stack[-1] if self._stack else None
+        top = self._open_forks[-1] if self._open_forks else None
         return {
             name: rng.snapshot() if name == top else rng.copy(state)
             for name, state in self._states.items()
@@ -298,15 +317,15 @@ class RNGStatesTracker:
                 f"set_states() takes a mapping of stream name to state, got {type(states).__name__}"
             )
         converted = {name: self._converted(name, state) for name, state in states.items()}
-        missing = [name for name in self._stack if name not in states]
+        missing = [name for name in self._open_forks if name not in states]
         if missing:
             raise TrackerBusyError(
                 f"set_states() would drop the open fork(s) {_shown_names(missing)}; close them first"
             )
         self._states = converted
         self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
-        if self._stack:
-            rng.install(self._states[self._stack[-1]])
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
 
     def state_dict(self) -> dict[str, Any]:
         """Versioned, device-independent state: streams as seeds and uint8 CPU tensors."""
@@ -371,25 +390,25 @@ class RNGStatesTracker:
     def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
         """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
         way they would draw identical values)."""
-        by_seed: dict[int, str] = {}
-        for name, seed in seeds.items():
-            if seed in by_seed:
-                raise SeedReuseError(
-                    f"state dict gives streams {_shown(by_seed[seed])} and {_shown(name)} the "
-                    f"same seed {seed}: they would draw identical values; it was not saved by "
-                    "state_dict() of a valid tracker (add() refuses a reused seed)"
-                )
-            by_seed[seed] = name
-        by_state: dict[bytes, str] = {}
-        for name, state in states.items():
-            data = bytes(self._rng.to_bytes(state).tolist())  # no numpy needed
-            if data in by_state:
-                raise SeedReuseError(
-                    f"state dict gives streams {_shown(by_state[data])} and {_shown(name)} the "
-                    "same generator state: they would draw identical values; save each stream "
-                    "from its own seed"
-                )
-            by_state[data] = name
+        repeat = _first_repeat(seeds.items())
+        if repeat is not None:
+            first, second, seed = repeat
+            raise SeedReuseError(
+                f"state dict gives streams {_shown(first)} and {_shown(second)} the same seed "
+                f"{seed}: they would draw identical values; it was not saved by state_dict() of "
+                "a valid tracker (add() refuses a reused seed)"
+            )
+        repeat = _first_repeat(
+            (name, bytes(self._rng.to_bytes(state).tolist()))  # no numpy needed
+            for name, state in states.items()
+        )
+        if repeat is not None:
+            first, second, _ = repeat
+            raise SeedReuseError(
+                f"state dict gives streams {_shown(first)} and {_shown(second)} the same "
+                "generator state: they would draw identical values; save each stream from its "
+                "own seed"
+            )
 
     def _unknown(self, name: object) -> UnknownStreamError:
         return UnknownStreamError(
@@ -399,9 +418,9 @@ class RNGStatesTracker:
         )
 
     def _require_idle(self, what: str) -> None:
-        if self._stack:
+        if self._open_forks:
             raise TrackerBusyError(
-                f"{what} inside open fork(s) {_shown_names(self._stack)}; call it outside"
+                f"{what} inside open fork(s) {_shown_names(self._open_forks)}; call it outside"
             )
 
     def _converted(self, name: object, state: object) -> RNGState:
@@ -421,6 +440,23 @@ _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
     return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
+
+
+def _resolve_trackers(
+    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
+    *,
+    type_error: type[Exception],
+) -> list[RNGStatesTracker]:
+    """The trackers ``tracker`` names (one, or an iterable of them), or every live tracker
+    when it is None (:func:`all_trackers`, what checkpoints replay by default); anything else
+    raises ``type_error``."""
+    if tracker is None:
+        return all_trackers()
+    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
+    for t in trackers:
+        if not isinstance(t, RNGStatesTracker):
+            raise type_error(f"tracker must be an RNGStatesTracker, got {type(t).__name__}")
+    return trackers
 
 
 def _set_process_tracker(tracker: RNGStatesTracker) -> None:

@@ -372,3 +372,33 @@ def test_megatron_checkpoint_refuses_what_it_cannot_split_without_touching_x():
         megatron_checkpoint(lambda *a: calls.append(1), True, 3, x)
     assert not calls and x.shape == (4, 4)
     assert_same_end_states(before, (torch.get_rng_state(), tracker.get_states()))
+
+
+def test_a_tracker_that_is_not_one_is_refused_up_front_in_every_entry_point():
+    """checkpoint, rng_context_fn and CheckpointWithoutOutput resolve tracker= one way: one
+    tracker or several, each an RNGStatesTracker, else CheckpointTypeError before anything runs."""
+    from rng_tracker import CheckpointWithoutOutput
+
+    tracker = make_tracker()
+    for bad in ("model-parallel-rng", [tracker, 3]):
+        with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
+            checkpoint(torch.sin, torch.ones(1, requires_grad=True), tracker=bad)
+        with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
+            rng_context_fn(bad)
+        with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
+            CheckpointWithoutOutput(tracker=bad)
+
+
+def test_rng_context_fn_default_replays_trackers_created_after_it():
+    """tracker=None means every tracker alive when the checkpointed forward runs."""
+    context_fn = rng_context_fn()
+    tracker = make_tracker()  # created after the context_fn
+
+    def f(t):
+        with tracker.fork("model-parallel-rng"):
+            return F.dropout(t, 0.5)
+
+    x = torch.ones(64, requires_grad=True)
+    out = torch_checkpoint.checkpoint(f, x, use_reentrant=False, context_fn=context_fn)
+    out.sum().backward()
+    assert torch.equal(x.grad, (out != 0).float() * 2)

@@ -128,3 +128,66 @@ def test_input_saver_says_packing_and_keeps_active_as_a_deprecated_alias():
     assert InputSaver(distribute=kept, group=None).packing
     with pytest.warns(DeprecationWarning, match=r"InputSaver\.active is deprecated.*packing"):
         assert InputSaver(offload=True).active is True
+
+
+class _GivenLayout:
+    """A ParallelState-like layout built by hand: tp over both ranks, on a group of its own."""
+
+    def __init__(self) -> None:
+        self.tp_group = torch.distributed.new_group([0, 1])
+        self.asked: list[str] = []
+
+    def rank(self, axis: str) -> int:
+        return torch.distributed.get_rank() if axis == "tp" else 0
+
+    def group(self, axis: str) -> torch.distributed.ProcessGroup:
+        self.asked.append(axis)
+        return self.tp_group
+
+
+def _distribute_with_a_given_layout() -> dict:
+    """No process-wide parallel state: checkpoint(parallel_state=...) splits over its TP group."""
+    import torch.distributed as dist
+
+    from rng_tracker.parallel._megatron_state import current_layout
+
+    destroy_model_parallel()
+    assert current_layout() is None
+    layout = _GivenLayout()
+    model_parallel_seed(5, state=layout)
+    gathered_over: list[bool] = []
+    all_gather = dist.all_gather
+
+    def recording_all_gather(*args, group=None, **kwargs):
+        gathered_over.append(group is layout.tp_group)
+        return all_gather(*args, group=group, **kwargs)
+
+    dist.all_gather = recording_all_gather
+    try:
+        grads = []
+        for options in (None, {"use_reentrant": True}, {"use_reentrant": False}):
+            x = torch.arange(35.0).reshape(7, 5).clone().requires_grad_()
+            f = lambda t: (F.dropout(t, 0.5).sin() * t).sum()  # noqa: E731 - tiny local function
+            state = torch.get_rng_state()
+            if options is None:
+                loss = f(x)
+            else:
+                loss = checkpoint(
+                    f, x, distribute_saved_activations=True, parallel_state=layout, **options
+                )
+            loss.backward()
+            torch.set_rng_state(state)
+            grads.append(x.grad)
+    finally:
+        dist.all_gather = all_gather
+    return {"grads": grads, "asked": layout.asked, "gathered_over": gathered_over}
+
+
+def test_distribute_saved_activations_takes_the_layout_as_an_argument():
+    """checkpoint(..., parallel_state=layout) splits over layout.group('tp') with no global
+    parallel state initialised, and recomputes bitwise what the plain run computes."""
+    for result in run_distributed(_distribute_with_a_given_layout, world_size=2):
+        plain, *checkpointed = result["grads"]
+        assert all(torch.equal(plain, grad) for grad in checkpointed)
+        assert result["asked"] == ["tp", "tp"]
+        assert result["gathered_over"] == [True, True]

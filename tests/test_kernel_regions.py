@@ -252,3 +252,20 @@ def test_common_placements_merge_to_the_fast_index_maps():
     assert block.dims == ((16, 1),) and block.offset == 16
     assert columns.dims == ((4, 8), (4, 1)) and columns.divisions() == (1, ((4, 4),))
     assert unsharded.aligned and block.aligned and columns.aligned
+
+
+def test_chunk_bounds_and_the_dtensor_split_follow_torch_chunk() -> None:
+    """One split rule for kernels' Chunk and the DTensor placements: torch.chunk's, where the
+    chunks torch.chunk leaves out (10 rows in 4, 3 rows in 4) are empty."""
+    pytest.importorskip("torch.distributed.tensor")
+    from rng_tracker.kernels.index_map import chunk_bounds
+    from rng_tracker.parallel._placement import split_by_chunk
+
+    for extent in range(13):
+        for count in range(1, 6):
+            chunks = torch.arange(extent).chunk(count) if extent else ()
+            for index in range(count):
+                want = chunks[index].tolist() if index < len(chunks) else []
+                start, stop = chunk_bounds(extent, index, count)
+                assert list(range(start, stop)) == want, (extent, index, count)
+                assert split_by_chunk(list(range(extent)), count, index) == want

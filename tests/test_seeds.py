@@ -200,3 +200,29 @@ def test_a_seed_of_the_wrong_type_is_also_an_invalid_seed(tracker):
     with pytest.raises(InvalidSeedError):
         plan_seeds(2.0)
     assert tracker.names() == []
+
+
+class _Ranks:
+    """A ParallelState-like layout: just the ranks."""
+
+    def __init__(self, **ranks: int) -> None:
+        self.ranks = ranks
+
+    def rank(self, axis: str) -> int:
+        return self.ranks.get(axis, 0)
+
+
+def test_the_process_layout_is_read_only_at_the_entry_point_and_only_when_needed(monkeypatch):
+    """model_parallel_seed(state=...) seeds from the state it is given; the process-wide
+    layout is looked up once, at the entry point, and only when ranks are missing."""
+    import rng_tracker.parallel._megatron_state as megatron_state
+
+    lookups: list[int] = []
+    monkeypatch.setattr(megatron_state, "current_layout", lambda: lookups.append(1))
+    plan = model_parallel_seed(3, state=_Ranks(tp=1, dp=2), tracker=RNGStatesTracker("cpu"))
+    assert (plan.coordinates["tp"], plan.coordinates["dp"]) == (1, 2) and lookups == []
+    every_rank = {f"{axis}_rank": 0 for axis in ("tp", "pp", "dp", "ep", "etp", "cp")}
+    model_parallel_seed(3, tracker=RNGStatesTracker("cpu"), **every_rank)
+    assert lookups == []
+    model_parallel_seed(3, tracker=RNGStatesTracker("cpu"))  # ranks missing: one lookup
+    assert lookups == [1]

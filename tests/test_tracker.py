@@ -31,7 +31,7 @@ def full_state(tracker: RNGStatesTracker) -> tuple:
     streams = tracker.state_dict()["streams"]
     return (
         bytes(torch.get_rng_state().tolist()),
-        tracker.active(),
+        tracker.open_forks(),
         [(name, entry["seed"], bytes(entry["state"].tolist())) for name, entry in streams.items()],
     )
 
@@ -61,7 +61,7 @@ def test_fork_restores_state_when_the_body_raises(tracker):
         torch.rand(7)
         raise ZeroDivisionError
     assert torch.equal(torch.get_rng_state(), before)
-    assert tracker.active() == ()
+    assert tracker.open_forks() == ()
     ref = fresh(5)
     torch.rand(7, generator=ref)
     with tracker.fork("a"):
@@ -311,3 +311,13 @@ def test_reset_inside_a_fork_is_refused(tracker):
         with pytest.raises(TrackerBusyError):
             tracker.reset()
         assert full_state(tracker) == before
+
+
+def test_open_forks_names_the_open_forks_and_active_is_its_deprecated_alias(tracker):
+    tracker.add("a", 5)
+    tracker.add("b", 6)
+    with tracker.fork("a"), tracker.fork("b"):
+        assert tracker.open_forks() == ("a", "b")
+        with pytest.warns(DeprecationWarning, match=r"use open_forks\(\)"):
+            assert tracker.active() == ("a", "b")
+    assert tracker.open_forks() == ()

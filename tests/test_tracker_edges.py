@@ -30,7 +30,7 @@ def full_state(tracker: RNGStatesTracker) -> tuple:
     streams = tracker.state_dict()["streams"]
     return (
         bytes(torch.get_rng_state().tolist()),
-        tracker.active(),
+        tracker.open_forks(),
         [(name, entry["seed"], bytes(entry["state"].tolist())) for name, entry in streams.items()],
     )
 
@@ -135,7 +135,7 @@ def test_fork_order_is_checked_under_python_dash_O():
             outer.__exit__(None, None, None)
         except ForkOrderError:
             after = t.state_dict()
-            same = t.active() == ("a", "b") and all(
+            same = t.open_forks() == ("a", "b") and all(
                 torch.equal(before["streams"][n]["state"], after["streams"][n]["state"])
                 for n in ("a", "b")
             )

@@ -23,3 +23,18 @@ def test_bounds_raise_the_value_error_naming_the_bound() -> None:
     with pytest.raises(InvalidSeedError, match="seed must be <= 7, got 8"):
         checked_int(8, "seed", maximum=7, **kwargs)
     assert checked_int(7, "seed", minimum=0, maximum=7, **kwargs) == 7
+
+
+def test_range_messages_read_as_the_docs_write_them() -> None:
+    kwargs = {"type_error": InvalidSeedTypeError, "value_error": InvalidSeedError}
+    with pytest.raises(
+        InvalidSeedError, match=r"seed must be in \[0, 2\*\*64\), got 18446744073709551616$"
+    ):
+        checked_int(2**64, "seed", minimum=0, maximum=2**64 - 1, **kwargs)
+    with pytest.raises(InvalidSeedError, match=r"step must be in \[0, 9\], got 10: why$"):
+        checked_int(10, "step", minimum=0, maximum=9, note=": why", **kwargs)
+    with pytest.raises(InvalidSeedError, match="size must be a positive int, got 0"):
+        checked_int(0, "size", minimum=1, **kwargs)
+    with pytest.raises(InvalidSeedTypeError, match="size must be an int, got the bool True"):
+        checked_int(True, "size", minimum=1, **kwargs)
+    assert checked_int(2**64 - 1, "seed", minimum=0, maximum=2**64 - 1, **kwargs) == 2**64 - 1
