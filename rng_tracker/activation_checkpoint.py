@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
+from rng_tracker._layout import process_layout
 from rng_tracker._torch_private import checkpoint_valid, disable_current_dispatch_modes
 from rng_tracker.errors import (
     CheckpointConfigError,
@@ -35,7 +36,6 @@ from rng_tracker.errors import (
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
 from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
-from rng_tracker.seeds import _process_layout
 from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers, all_trackers
 
 if TYPE_CHECKING:
@@ -448,7 +448,7 @@ def checkpoint(
                     "(get_rng_tracker(x.device))"
                 )
     if distribute_saved_activations and tp_group is None and parallel_state is None:
-        parallel_state = _process_layout()  # the edge: looked up here, passed in below
+        parallel_state = process_layout()  # the edge: looked up here, passed in below
     saver = _input_saver(
         args, distribute_saved_activations, tp_group, parallel_state, offload_to_cpu
     )

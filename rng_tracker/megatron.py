@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rng_tracker._layout import process_layout
 from rng_tracker._megatron_install import (
     KNOWN_MEGATRON_CORE_VERSIONS,
     install,
@@ -48,7 +49,6 @@ from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     SeedPlan,
-    _process_layout,
     _rank,
     _ranks_from,
     model_parallel_seed,
@@ -346,7 +346,7 @@ def model_parallel_cuda_manual_seed(
     (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
     Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
     """
-    state = _process_layout()  # the facade is the edge: the process-wide layout, once
+    state = process_layout()  # the facade is the edge: the process-wide layout, once
     ranks = _parallel_ranks(state, tp_rank, ep_rank, etp_rank)
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
@@ -465,7 +465,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
 
 
 def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
-    state = _process_layout()  # the facade is the edge
+    state = process_layout()  # the facade is the edge
     if state is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs an initialised parallel state "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from rng_tracker._layout import process_layout
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
     ParallelStateError,
@@ -238,17 +239,6 @@ def _ranks_of(state: ParallelState) -> dict[str, int]:
     return {axis: state.rank(axis) for axis in AXES}
 
 
-def _process_layout() -> ParallelState | None:
-    """The process-wide parallel state (rng_tracker's, else Megatron's initialised one), or None.
-
-    Only the public entry points call this, when the caller passed no ``state``: everything
-    below them takes the layout as an argument.
-    """
-    from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
-
-    return current_layout()
-
-
 def _ranks_from(
     state: ParallelState | None, missing: list[str], caller: str = "model_parallel_seed"
 ) -> dict[str, int]:
@@ -307,7 +297,7 @@ def model_parallel_seed(
     }
     missing = [f"{axis}_rank" for axis in AXES if given[axis] is None]
     if state is None and missing:
-        state = _process_layout()  # the edge: looked up here, passed in below
+        state = process_layout()  # the edge: looked up here, passed in below
     coords = _ranks_from(state, missing) if state is not None or missing else {}
     coords.update({axis: rank for axis, rank in given.items() if rank is not None})
     plan = plan_seeds(
