@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "destroy_model_parallel",
     "get_parallel_state",
     "get_parallel_state_or_none",
+    "global_rank",
     "init_model_parallel",
 ]
 
@@ -127,6 +129,34 @@ def _rank_grid(tokens: list[str], sizes: dict[str, int], axes: tuple[str, ...]) 
     rest = [t for t in slowest_first if t not in axes]
     grid = grid.permute([slowest_first.index(t) for t in (*axes, *rest)])
     return grid.reshape([sizes[t] for t in axes])
+
+
+def global_rank(
+    coordinates: Mapping[str, int], sizes: Mapping[str, int], order: str = DEFAULT_ORDER
+) -> int:
+    """The global rank :func:`init_model_parallel` gives the rank at ``coordinates`` of a layout
+    of ``sizes`` (dense axes ``tp``, ``cp``, ``dp``, ``pp``; those left out are 0 and of size 1).
+
+    A pure function of the layout, so a job can place a layout that is not the live mesh
+    (a saved checkpoint's, say) by the mesh's own rule, Megatron's order included.
+    """
+    dense = ("pp", "dp", "cp", "tp")
+    unknown = sorted(set(coordinates) - set(dense)) + sorted(set(sizes) - set(dense))
+    if unknown:
+        raise ParallelConfigError(f"global_rank takes the dense axes {dense}, got {unknown}")
+    full = {axis: 1 for axis in _ORDER_TOKENS}
+    full.update({axis: _positive(f"sizes[{axis!r}]", size) for axis, size in sizes.items()})
+    at = []
+    for axis in dense:
+        rank = checked_int(
+            coordinates.get(axis, 0), f"coordinates[{axis!r}]", type_error=ParallelConfigError
+        )
+        if not 0 <= rank < full[axis]:
+            raise ParallelConfigError(
+                f"coordinates[{axis!r}] is {rank}, outside an axis of size {full[axis]}"
+            )
+        at.append(rank)
+    return int(_rank_grid(_order_tokens(order, full), full, dense)[tuple(at)])
 
 
 def _pipeline_groups(grid: torch.Tensor) -> set[tuple[int, ...]]:

@@ -45,3 +45,20 @@ def test_mesh_layout_groups_and_errors(rank):
         init_model_parallel(tensor=2)
     assert isinstance(info.value, RNGTrackerError)
     destroy_model_parallel()
+
+
+def test_global_rank_places_a_layout_by_megatrons_order_without_a_mesh():
+    """tp varies fastest in the default order; 'tp-cp-ep-pp-dp' puts pp before dp; every
+    coordinate of the layout gets its own rank; bad axes and coordinates are typed errors."""
+    from rng_tracker.errors import ParallelConfigError
+    from rng_tracker.parallel.mesh import global_rank
+
+    sizes = {"tp": 2, "dp": 2, "pp": 2}
+    cells = [{"tp": t, "dp": d, "pp": p} for p in range(2) for d in range(2) for t in range(2)]
+    assert [global_rank(c, sizes) for c in cells] == list(range(8))
+    assert global_rank({"pp": 1}, sizes, order="tp-cp-ep-pp-dp") == 2
+    assert global_rank({"dp": 1}, sizes, order="tp-cp-ep-pp-dp") == 4
+    with pytest.raises(ParallelConfigError, match="dense axes"):
+        global_rank({"ep": 1}, sizes)
+    with pytest.raises(ParallelConfigError, match="outside an axis of size 2"):
+        global_rank({"tp": 2}, sizes)

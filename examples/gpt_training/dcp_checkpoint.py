@@ -38,7 +38,7 @@ from rng_tracker.dcp import RankStates
 from rng_tracker.parallel.collectives import gather_from_tp
 
 # mesh.py has no public "global rank of these coordinates"; its own rank grid is the truth.
-from rng_tracker.parallel.mesh import DEFAULT_ORDER, _order_tokens, _rank_grid
+from rng_tracker.parallel.mesh import global_rank
 
 from .errors import ResumeRefusedError, TrainingCheckpointError
 
@@ -86,12 +86,11 @@ class RunLayout:
     def rank_of(self, *, tp: int, dp: int, pp: int) -> int:
         """The global rank :func:`init_model_parallel` gives coordinate (tp, dp, pp) here.
 
-        Read from the mesh's own rank grid (Megatron's default order; the job runs without
+        The mesh's own rule (Megatron's default order; the job runs without
         context parallelism, so cp is 1), also for a saved layout that is not the live mesh.
         """
-        sizes = {"tp": self.tp, "cp": 1, "ep": 1, "dp": self.dp, "pp": self.pp}
-        grid = _rank_grid(_order_tokens(DEFAULT_ORDER, sizes), sizes, ("pp", "dp", "cp", "tp"))
-        return int(grid[pp, dp, 0, tp])
+        sizes = {"tp": self.tp, "dp": self.dp, "pp": self.pp}
+        return global_rank({"tp": tp, "dp": dp, "pp": pp}, sizes)
 
 
 @dataclass(frozen=True, slots=True)
