@@ -8,19 +8,21 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker import (
-    CheckpointConfigError,
     CheckpointRNGMismatchError,
-    CheckpointTypeError,
-    CheckpointUsageError,
     CheckpointWithoutOutput,
     RNGStatesTracker,
     RNGTrackerError,
-    TrackerDeviceError,
     checkpoint,
     rng_context_fn,
 )
 from rng_tracker import megatron as mg
 from rng_tracker.activation_checkpoint import is_checkpointing
+from rng_tracker.errors import (
+    CheckpointConfigError,
+    CheckpointTypeError,
+    CheckpointUsageError,
+    TrackerDeviceError,
+)
 from rng_tracker.megatron import checkpoint as megatron_checkpoint
 
 MODES = {"non-reentrant": False, "reentrant": True}

@@ -19,13 +19,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from rng_tracker import (
-    CheckpointConfigError,
-    CheckpointUsageError,
-    RNGStatesTracker,
-    checkpoint,
-    rng_context_fn,
-)
+from rng_tracker import RNGStatesTracker, checkpoint, rng_context_fn
+from rng_tracker.errors import CheckpointConfigError, CheckpointUsageError
 from rng_tracker.megatron import checkpoint as megatron_checkpoint
 
 STREAM = "model-parallel-rng"

@@ -12,14 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rng_tracker import (
-    CheckpointConfigError,
-    CheckpointTypeError,
-    CheckpointUsageError,
-    CheckpointWithoutOutput,
-    RNGStatesTracker,
-)
+from rng_tracker import CheckpointWithoutOutput, RNGStatesTracker
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
+from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 
 STREAM = "model-parallel-rng"
 

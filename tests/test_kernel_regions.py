@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rng_tracker import KernelInputError, KernelUnavailableError, RNGTrackerError
+from rng_tracker import RNGTrackerError
+from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import Chunk, IndexMap, Region, bias_dropout_add, dropout
 from rng_tracker.kernels.index_map import index_map_of
 

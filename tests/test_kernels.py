@@ -10,13 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rng_tracker import (
-    KernelInputError,
-    KernelInputTypeError,
-    RNGStatesTracker,
-    RNGTrackerError,
-    checkpoint,
-)
+from rng_tracker import RNGStatesTracker, RNGTrackerError, checkpoint
+from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
 from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.reference import keep_threshold

@@ -12,23 +12,19 @@ import torch.utils.checkpoint
 from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rng_tracker import (
-    DeviceRNG,
+from rng_tracker import KeyedRNG, RNGSnapshot, RNGStatesTracker, RNGTrackerError, get_keyed_rng
+from rng_tracker.device_rng import DeviceRNG
+from rng_tracker.errors import (
     InvalidSeedError,
     InvalidSeedTypeError,
-    KeyedRNG,
     KeyedTypeError,
     KeyedUnseededError,
     ParallelConfigError,
-    RNGSnapshot,
-    RNGStatesTracker,
-    RNGTrackerError,
     SiteCollisionError,
     SiteIdError,
     StateDictError,
     StepRangeError,
     UnknownSiteError,
-    get_keyed_rng,
 )
 from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rng_tracker.errors
 import rng_tracker.megatron
 import rng_tracker.tracker as tracker_module
 
@@ -365,7 +366,7 @@ def _megatron_test_checkpoint_without_output_view_sharing_regression():
 # ---- the pytest tests ---------------------------------------------------------------------
 @pytest.mark.xfail(
     strict=True,
-    raises=rng_tracker.TrackerDeviceError,
+    raises=rng_tracker.errors.TrackerDeviceError,
     reason="stores the int 1234 as a generator state; rng_tracker's set_states keeps only "
     "generator states (TrackerDeviceError), see docs/decisions.md and docs/migrating.md",
 )

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rng_tracker import ParallelConfigError, ParallelStateError, RNGTrackerError
+from rng_tracker import ParallelStateError, RNGTrackerError
+from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel import destroy_model_parallel, get_parallel_state, init_model_parallel
 
 

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rng_tracker import (
-    RankError,
     RNGStatesTracker,
     RNGTrackerError,
     SeedReuseError,
@@ -20,6 +19,7 @@ from rng_tracker import (
 )
 from rng_tracker.errors import (
     InvalidSeedError,
+    RankError,
     SeedCoordinateError,
     SeedCoordinateTypeError,
     SeedOverflowError,

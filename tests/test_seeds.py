@@ -13,17 +13,15 @@ from rng_tracker import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
-    InvalidSeedError,
-    RankError,
     RNGStatesTracker,
     SeedReuseError,
-    SeedSchemeError,
     get_rng_tracker,
     model_parallel_seed,
     plan_seeds,
 )
 from rng_tracker import megatron as mg
 from rng_tracker import seeds as seeds_module
+from rng_tracker.errors import InvalidSeedError, RankError, SeedSchemeError
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import run_distributed
 

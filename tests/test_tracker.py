@@ -6,18 +6,20 @@ import pytest
 import torch
 
 from rng_tracker import (
-    DuplicateStreamError,
-    InvalidSeedError,
-    InvalidSeedTypeError,
     RNGStatesTracker,
     RNGTrackerError,
     SeedReuseError,
+    UnknownStreamError,
+    get_rng_tracker,
+)
+from rng_tracker.errors import (
+    DuplicateStreamError,
+    InvalidSeedError,
+    InvalidSeedTypeError,
     StateDictError,
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
-    UnknownStreamError,
-    get_rng_tracker,
 )
 from rng_tracker.parallel.testing import run_distributed
 

@@ -15,14 +15,17 @@ from rng_tracker import (
     RNGStatesTracker,
     RNGTrackerError,
     SeedReuseError,
+    UnknownStreamError,
+    get_rng_tracker,
+)
+from rng_tracker.device_rng import default_generator
+from rng_tracker.errors import (
+    DuplicateStreamError,
+    ForkOrderError,
     StateDictError,
     StreamNameError,
     TrackerDeviceError,
-    UnknownStreamError,
-    default_generator,
-    get_rng_tracker,
 )
-from rng_tracker.errors import DuplicateStreamError, ForkOrderError
 
 
 def full_state(tracker: RNGStatesTracker) -> tuple:
