@@ -43,3 +43,31 @@ def test_old_chunk_name_builds_the_same_index_map() -> None:
 def test_unknown_name_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         kernels.Nope  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("package", "old", "module"),
+    [
+        ("rng_tracker", "DuplicateStreamError", "rng_tracker.errors"),
+        ("rng_tracker", "KernelInputError", "rng_tracker.errors"),
+        ("rng_tracker", "DeviceRNG", "rng_tracker.device_rng"),
+        ("rng_tracker", "default_generator", "rng_tracker.device_rng"),
+        ("rng_tracker", "CPURNGChangedWarning", "rng_tracker.tracker"),
+        ("rng_tracker.parallel", "TinyGPT", "rng_tracker.parallel.transformer"),
+        ("rng_tracker.parallel", "GPTConfig", "rng_tracker.parallel.transformer"),
+        ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.transformer"),
+        ("rng_tracker.parallel", "get_parallel_state_or_none", "rng_tracker.parallel.mesh"),
+    ],
+)
+def test_names_that_left_a_package_namespace_still_resolve(
+    package: str, old: str, module: str
+) -> None:
+    import importlib
+
+    namespace = importlib.import_module(package)
+    with pytest.warns(
+        DeprecationWarning, match=rf"{package}\.{old} is deprecated.*{module}\.{old}"
+    ):
+        got = getattr(namespace, old)
+    assert got is getattr(importlib.import_module(module), old)
+    assert old not in namespace.__all__
