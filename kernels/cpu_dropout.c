@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "philox4x32.h"
+
 #define RT_ABI_VERSION 1
 #define RT_MAX_DIMS 64
 #define BLOCK 256 /* elements per block: a multiple of 4 */
@@ -101,26 +103,9 @@ static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16
 /* words[4 * i + j] = word j of Philox4x32-10 at counter[i]. */
 static void philox_block(int m, const uint64_t *restrict counter, uint32_t c2, uint32_t c3,
                          uint32_t k0, uint32_t k1, uint32_t *restrict words) {
-    for (int i = 0; i < m; i++) {
-        uint32_t x0 = (uint32_t)counter[i], x1 = (uint32_t)(counter[i] >> 32), x2 = c2, x3 = c3;
-        uint32_t key0 = k0, key1 = k1;
-        for (int round = 0; round < 10; round++) {
-            uint64_t product0 = (uint64_t)0xD2511F53u * x0;
-            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
-            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ key0;
-            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ key1;
-            x1 = (uint32_t)product1;
-            x3 = (uint32_t)product0;
-            x0 = next0;
-            x2 = next2;
-            key0 += 0x9E3779B9u;
-            key1 += 0xBB67AE85u;
-        }
-        words[4 * i] = x0;
-        words[4 * i + 1] = x1;
-        words[4 * i + 2] = x2;
-        words[4 * i + 3] = x3;
-    }
+    for (int i = 0; i < m; i++)
+        philox4x32_10((uint32_t)counter[i], (uint32_t)(counter[i] >> 32), c2, c3, k0, k1,
+                      words + 4 * i);
 }
 
 /* ---- the index map, walked as an odometer over the merged dims ---- */

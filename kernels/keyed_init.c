@@ -20,31 +20,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "philox4x32.h"
+
 #define RT_KEYED_ABI 3
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
-
-static void philox(uint64_t block, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                   uint32_t w[4]) {
-    uint32_t x0 = (uint32_t)block, x1 = (uint32_t)(block >> 32), x2 = c2, x3 = c3;
-    for (int round = 0; round < 10; round++) {
-        uint64_t product0 = (uint64_t)0xD2511F53u * x0;
-        uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
-        uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ k0;
-        uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ k1;
-        x1 = (uint32_t)product1;
-        x3 = (uint32_t)product0;
-        x0 = next0;
-        x2 = next2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    w[0] = x0;
-    w[1] = x1;
-    w[2] = x2;
-    w[3] = x3;
-}
 
 static inline float bits_to_f32(uint32_t u) {
     float f;
@@ -167,7 +148,7 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
 #define CHUNK 64 /* Philox blocks per batch: 256 elements */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
-   vectorises (the same arithmetic as philox(), lane by lane). */
+   vectorises (philox4x32_10 lane by lane: structure of arrays, rounds outermost). */
 static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
                         uint32_t k1, uint32_t *restrict words) {
     uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
@@ -177,19 +158,10 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
         x2[i] = c2;
         x3[i] = c3;
     }
-    for (int round = 0; round < 10; round++) {
-        for (int i = 0; i < m; i++) {
-            uint64_t product0 = (uint64_t)0xD2511F53u * x0[i];
-            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2[i];
-            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1[i] ^ k0;
-            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3[i] ^ k1;
-            x1[i] = (uint32_t)product1;
-            x3[i] = (uint32_t)product0;
-            x0[i] = next0;
-            x2[i] = next2;
-        }
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
+    for (int round = 0; round < PHILOX_ROUNDS; round++) {
+        for (int i = 0; i < m; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], k0, k1);
+        k0 += PHILOX_KEY_STEP0;
+        k1 += PHILOX_KEY_STEP1;
     }
     for (int i = 0; i < m; i++) {
         words[4 * i] = x0[i];
@@ -256,7 +228,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     if (ndims == 0) {
         uint32_t w[4];
         float v[4];
-        philox(0, c2, c3, k0, k1, w);
+        philox4x32_10(0, 0, c2, c3, k0, k1, w);
         values((int)kind, w, &p, v);
         out[0] = v[0];
         return 0;
@@ -280,7 +252,8 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;
             if (block != cached) {
-                philox(block, c2, c3, k0, k1, w);
+                philox4x32_10((uint32_t)block, (uint32_t)(block >> 32), c2, c3, k0, k1,
+                              w);
                 values((int)kind, w, &p, v);
                 cached = block;
             }
