@@ -123,10 +123,27 @@ static inline float truncated(uint32_t word, float lo, float width, float mean, 
     return keyed_select(v > b, b, v);
 }
 
+/* u * scale + shift, u = (word >> 8) * 2^-24 in [0, 1). */
+static inline float uniform(uint32_t word, float scale, float shift) {
+    return (float)(word >> 8) * 0x1p-24f * scale + shift;
+}
+
+/* v[0], v[1] = the normal pair of words w[0] (radius) and w[1] (angle), by Box-Muller, times
+   scale plus shift. */
+static inline void box_muller(const uint32_t w[2], float scale, float shift, float v[2]) {
+    float u1 = (float)((w[0] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
+    float u2 = (float)(w[1] >> 8) * 0x1p-24f;
+    float radius = sqrtf(-2.0f * keyed_log(u1));
+    float c, s;
+    keyed_sincos(u2, &c, &s);
+    v[0] = radius * c * scale + shift;
+    v[1] = radius * s * scale + shift;
+}
+
 static void values(int kind, const uint32_t w[4], const fill_params *p, float v[4]) {
     float scale = p->scale, shift = p->shift;
     if (kind == 0) {
-        for (int j = 0; j < 4; j++) v[j] = (float)(w[j] >> 8) * 0x1p-24f * scale + shift;
+        for (int j = 0; j < 4; j++) v[j] = uniform(w[j], scale, shift);
         return;
     }
     if (kind == 2) {
@@ -134,15 +151,7 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
             v[j] = truncated(w[j], p->lo, p->width, p->mean, p->std, p->a, p->b);
         return;
     }
-    for (int pair = 0; pair < 2; pair++) {
-        float u1 = (float)((w[2 * pair] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
-        float u2 = (float)(w[2 * pair + 1] >> 8) * 0x1p-24f;
-        float radius = sqrtf(-2.0f * keyed_log(u1));
-        float c, s;
-        keyed_sincos(u2, &c, &s);
-        v[2 * pair] = radius * c * scale + shift;
-        v[2 * pair + 1] = radius * s * scale + shift;
-    }
+    for (int pair = 0; pair < 2; pair++) box_muller(w + 2 * pair, scale, shift, v + 2 * pair);
 }
 
 #define CHUNK 64 /* Philox blocks per batch: 256 elements */
@@ -182,21 +191,12 @@ static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, 
         int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
         philox_many(m, block, c2, c3, k0, k1, words);
         if (kind == 0) {
-            for (int i = 0; i < 4 * m; i++)
-                vals[i] = (float)(words[i] >> 8) * 0x1p-24f * scale + shift;
+            for (int i = 0; i < 4 * m; i++) vals[i] = uniform(words[i], scale, shift);
         } else if (kind == 2) {
             float lo = p->lo, width = p->width, mean = p->mean, std = p->std, a = p->a, b = p->b;
             for (int i = 0; i < 4 * m; i++) vals[i] = truncated(words[i], lo, width, mean, std, a, b);
         } else {
-            for (int i = 0; i < 2 * m; i++) { /* pair i: words 2i (radius), 2i + 1 (angle) */
-                float u1 = (float)((words[2 * i] >> 8) + 1u) * 0x1p-24f;
-                float u2 = (float)(words[2 * i + 1] >> 8) * 0x1p-24f;
-                float radius = sqrtf(-2.0f * keyed_log(u1));
-                float c, s;
-                keyed_sincos(u2, &c, &s);
-                vals[2 * i] = radius * c * scale + shift;
-                vals[2 * i + 1] = radius * s * scale + shift;
-            }
+            for (int i = 0; i < 2 * m; i++) box_muller(words + 2 * i, scale, shift, vals + 2 * i);
         }
         uint64_t lo = block * 4 > g0 ? block * 4 : g0;
         uint64_t hi = (block + (uint64_t)m) * 4 < end ? (block + (uint64_t)m) * 4 : end;
