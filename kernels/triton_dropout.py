@@ -176,9 +176,8 @@ def fused_dropout_triton(
             f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this index_map has "
             f"{len(terms) + 1} ({index_map.dims}); use impl='torch' (impl='auto' does)"
         )
-    (inner1, gap1), (inner2, gap2), (inner3, gap3) = terms + ((1, 0),) * (
-        MAX_DIVISIONS - len(terms)
-    )
+    # inner1, gap1, inner2, gap2, inner3, gap3: the unused divisions divide by 1 and add 0
+    divisions = [v for term in terms + ((1, 0),) * (MAX_DIVISIONS - len(terms)) for v in term]
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel() == 0:
@@ -197,12 +196,7 @@ def fused_dropout_triton(
         keep_scale(p),
         index_map.offset,
         last_stride,
-        inner1,
-        gap1,
-        inner2,
-        gap2,
-        inner3,
-        gap3,
+        *divisions,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         DIVISIONS=len(terms),
