@@ -120,16 +120,17 @@ def _index_lists(
     return list(indices)
 
 
+@torch.no_grad()
 def _fill(
     local: torch.Tensor,
     kind: int,
     params: Sequence[float],
-    *,
     seed: int,
     name: str,
     global_shape: Sequence[int] | None,
     indices: Sequence[Sequence[int]] | None,
 ) -> torch.Tensor:
+    """Write the keyed values of ``kind`` into ``local`` (in place, outside autograd)."""
     if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
         raise KernelInputError(
             "keyed init runs on CPU tensors (materialise on CPU, then move); got "
@@ -175,16 +176,7 @@ def keyed_uniform_(
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
-    with torch.no_grad():
-        return _fill(
-            local,
-            _UNIFORM,
-            (b - a, a),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    return _fill(local, _UNIFORM, (b - a, a), seed, name, global_shape, indices)
 
 
 def keyed_normal_(
@@ -198,16 +190,7 @@ def keyed_normal_(
     indices: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
-    with torch.no_grad():
-        return _fill(
-            local,
-            _NORMAL,
-            (std, mean),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    return _fill(local, _NORMAL, (std, mean), seed, name, global_shape, indices)
 
 
 def _normal_cdf(x: float) -> float:
@@ -237,16 +220,8 @@ def keyed_trunc_normal_(
             f"std={std}, a={a}, b={b}"
         )
     lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
-    with torch.no_grad():
-        return _fill(
-            local,
-            _TRUNCATED_NORMAL,
-            (0.0, 0.0, lo, hi - lo, mean, std, a, b),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
+    return _fill(local, _TRUNCATED_NORMAL, params, seed, name, global_shape, indices)
 
 
 def keyed_uniform_reference(
