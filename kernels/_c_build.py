@@ -29,7 +29,7 @@ __all__ = ["BUILD_ERRORS", "HEADERS", "CSource", "load_once"]
 
 # The headers the kernels' C sources include (``#include "..."``): copied next to the source
 # to compile it, and part of every library's cache key.
-HEADERS = ("philox4x32.h",)
+HEADERS = ("f32_bits.h", "philox4x32.h")
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
 

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "f32_bits.h"
 #include "philox4x32.h"
 
 #define RT_ABI_VERSION 1
@@ -28,18 +29,6 @@ enum { RT_F32 = 0, RT_F16 = 1, RT_BF16 = 2 };
 int64_t rt_abi_version(void) { return RT_ABI_VERSION; }
 
 /* ---- fp16 / bf16 <-> fp32, with the rounding torch's CPU casts use ---- */
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 /* Both conversions compute every case and pick one with bit masks, so the loops that call them
    have no branches and vectorise (a branch around an fp operation would not: it may trap). */

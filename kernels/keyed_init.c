@@ -20,24 +20,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "f32_bits.h"
 #include "philox4x32.h"
 
 #define RT_KEYED_ABI 3
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 /* ln(x) for a normal float x > 0, branch-free (so loops of it vectorise): x = 2^e * m with m in
    [sqrt(1/2), sqrt(2)), ln(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172, by its series
