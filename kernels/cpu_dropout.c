@@ -9,9 +9,10 @@
  * c = base + g / 4 is >= threshold. Work runs in blocks: the block's distinct counters
  * first (one loop the compiler vectorises), then one pass that applies them.
  *
- * Built by rng_tracker/kernels/cpu_compiled.py with the system C compiler and loaded with
- * ctypes; plain C11 and pthreads, no torch headers. Compile with -ffp-contract=off: a fused
- * multiply-add of residual + value * scale would round once where the reference rounds twice.
+ * Built (with the headers it includes) by rng_tracker/kernels/cpu_compiled.py through
+ * _c_build.py with the system C compiler and loaded with ctypes; plain C11 and pthreads, no
+ * torch headers. Compile with -ffp-contract=off: a fused multiply-add of residual +
+ * value * scale would round once where the reference rounds twice.
  */
 #include <pthread.h>
 #include <stdint.h>

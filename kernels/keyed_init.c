@@ -14,7 +14,8 @@
  *
  * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
  * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
- * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py (plain C11, ctypes).
+ * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py through _c_build.py
+ * (plain C11, ctypes).
  */
 #include <math.h>
 #include <stdint.h>
