@@ -16,15 +16,8 @@ be built (no C compiler) the reference runs instead, after one
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.resources
 import os
-import platform
-import shutil
 import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -34,6 +27,7 @@ import torch
 
 from rng_tracker._torch_private import dispatch_mode_depth, functorch_transforms_active
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
+from rng_tracker.kernels._c_build import CSource, load_once
 from rng_tracker.kernels.index_map import IndexMap
 from rng_tracker.kernels.ops import (
     _fake,
@@ -57,7 +51,6 @@ __all__ = [
     "may_skip_dispatch",
 ]
 
-_ABI_VERSION = 1  # rt_abi_version() of cpu_dropout.c
 _MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FLAGS = (
@@ -72,6 +65,13 @@ _FLAGS = (
     "-ffp-contract=off",
     "-fno-fast-math",
 )
+_SOURCE = CSource(
+    "cpu_dropout.c",
+    _FLAGS,
+    libraries=(),
+    abi_function="rt_abi_version",
+    abi_version=1,  # RT_ABI_VERSION of cpu_dropout.c
+)
 # Below this many elements per thread, one more thread costs more (a thread start, and on a
 # loaded machine a wait for it to be scheduled) than it saves.
 _MIN_NUMEL_PER_THREAD = 2**17
@@ -85,82 +85,18 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF}
 
 
-def _source() -> bytes:
-    return importlib.resources.files("rng_tracker.kernels").joinpath("cpu_dropout.c").read_bytes()
-
-
-def _compiler() -> str:
-    chosen = os.environ.get("CC")
-    candidates = [chosen] if chosen else ["cc", "gcc", "clang"]
-    for name in candidates:
-        found = shutil.which(name)
-        if found:
-            return found
-    raise FileNotFoundError(
-        f"no C compiler found (looked for {', '.join(candidates)}"
-        + (" from CC" if chosen else " on PATH")
-        + ")"
-    )
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("RNG_TRACKER_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    home_cache = Path(base) / "rng_tracker"
-    try:
-        home_cache.mkdir(parents=True, exist_ok=True)
-        if os.access(home_cache, os.W_OK):
-            return home_cache
-    except OSError:
-        pass
-    # A read-only or missing home (some CI runners and containers): the temp dir, per user.
-    user = getattr(os, "getuid", lambda: "user")()
-    return Path(tempfile.gettempdir()) / f"rng_tracker-{user}"
-
-
 def kernel_library_path() -> Path:
-    """Where the compiled kernel for this source and platform lives (or will).
+    """Where the compiled kernel for this source (and its headers) and platform lives (or will).
 
     The compiler is not part of the key: the library is plain C with a fixed ABI, so one
     built elsewhere (a shared cache) runs here without a compiler.
     """
-    key = hashlib.sha256()
-    for part in (
-        _source(),
-        " ".join(_FLAGS).encode(),
-        f"{sys.platform}:{platform.machine()}".encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    return _cache_dir() / f"cpu_dropout-{key.hexdigest()[:20]}.so"
-
-
-def _build(target: Path) -> None:
-    """Compile cpu_dropout.c into ``target``, atomically (ranks may build at the same time)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        source = Path(scratch) / "cpu_dropout.c"
-        source.write_bytes(_source())
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [_compiler(), *_FLAGS, str(source), "-o", str(built)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling cpu_dropout.c failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
+    return _SOURCE.library_path()
 
 
 def _load() -> ctypes.CDLL:
-    path = kernel_library_path()
-    if not path.exists():
-        _build(path)
-    library = ctypes.CDLL(str(path))
-    if library.rt_abi_version() != _ABI_VERSION:
-        raise RuntimeError(f"{path} has ABI {library.rt_abi_version()}, expected {_ABI_VERSION}")
+    _state["bf16_nan"] = _bf16_nan_bits()
+    library = _SOURCE.load()
     library.rt_fused_dropout.restype = ctypes.c_int64
     # x, bias, residual, out, then every scalar and the index map in one int64 array
     library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]
@@ -175,25 +111,17 @@ def _bf16_nan_bits() -> int:
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; None (after one warning) where it cannot be."""
-    library = _state["library"]
-    if library is not None or _state["failed"] is not None:
-        return library  # type: ignore[return-value]
-    with _lock:
-        if _state["library"] is None and _state["failed"] is None:
-            try:
-                _state["bf16_nan"] = _bf16_nan_bits()
-                _state["library"] = _load()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _state["failed"] = error
-                warnings.warn(
-                    "rng_tracker: the compiled CPU dropout kernel cannot be built here "
-                    f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                    "running the plain-torch reference instead (same masks, slower). Install a C "
-                    "compiler (cc, gcc or clang, or set CC) to use the compiled kernel, or pass "
-                    "impl='torch' to silence this.",
-                    CompiledKernelFallbackWarning,
-                    stacklevel=4,
-                )
+    error = load_once(_state, _lock, _load)
+    if error is not None:
+        warnings.warn(
+            "rng_tracker: the compiled CPU dropout kernel cannot be built here "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "running the plain-torch reference instead (same masks, slower). Install a C "
+            "compiler (cc, gcc or clang, or set CC) to use the compiled kernel, or pass "
+            "impl='torch' to silence this.",
+            CompiledKernelFallbackWarning,
+            stacklevel=4,
+        )
     return _state["library"]  # type: ignore[return-value]
 
 

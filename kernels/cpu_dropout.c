@@ -9,13 +9,17 @@
  * c = base + g / 4 is >= threshold. Work runs in blocks: the block's distinct counters
  * first (one loop the compiler vectorises), then one pass that applies them.
  *
- * Built by rng_tracker/kernels/cpu_compiled.py with the system C compiler and loaded with
- * ctypes; plain C11 and pthreads, no torch headers. Compile with -ffp-contract=off: a fused
- * multiply-add of residual + value * scale would round once where the reference rounds twice.
+ * Built (with the headers it includes) by rng_tracker/kernels/cpu_compiled.py through
+ * _c_build.py with the system C compiler and loaded with ctypes; plain C11 and pthreads, no
+ * torch headers. Compile with -ffp-contract=off: a fused multiply-add of residual +
+ * value * scale would round once where the reference rounds twice.
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "f32_bits.h"
+#include "philox4x32.h"
 
 #define RT_ABI_VERSION 1
 #define RT_MAX_DIMS 64
@@ -26,18 +30,6 @@ enum { RT_F32 = 0, RT_F16 = 1, RT_BF16 = 2 };
 int64_t rt_abi_version(void) { return RT_ABI_VERSION; }
 
 /* ---- fp16 / bf16 <-> fp32, with the rounding torch's CPU casts use ---- */
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 /* Both conversions compute every case and pick one with bit masks, so the loops that call them
    have no branches and vectorise (a branch around an fp operation would not: it may trap). */
@@ -101,26 +93,9 @@ static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16
 /* words[4 * i + j] = word j of Philox4x32-10 at counter[i]. */
 static void philox_block(int m, const uint64_t *restrict counter, uint32_t c2, uint32_t c3,
                          uint32_t k0, uint32_t k1, uint32_t *restrict words) {
-    for (int i = 0; i < m; i++) {
-        uint32_t x0 = (uint32_t)counter[i], x1 = (uint32_t)(counter[i] >> 32), x2 = c2, x3 = c3;
-        uint32_t key0 = k0, key1 = k1;
-        for (int round = 0; round < 10; round++) {
-            uint64_t product0 = (uint64_t)0xD2511F53u * x0;
-            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
-            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ key0;
-            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ key1;
-            x1 = (uint32_t)product1;
-            x3 = (uint32_t)product0;
-            x0 = next0;
-            x2 = next2;
-            key0 += 0x9E3779B9u;
-            key1 += 0xBB67AE85u;
-        }
-        words[4 * i] = x0;
-        words[4 * i + 1] = x1;
-        words[4 * i + 2] = x2;
-        words[4 * i + 3] = x3;
-    }
+    for (int i = 0; i < m; i++)
+        philox4x32_10((uint32_t)counter[i], (uint32_t)(counter[i] >> 32), c2, c3, k0, k1,
+                      words + 4 * i);
 }
 
 /* ---- the index map, walked as an odometer over the merged dims ---- */

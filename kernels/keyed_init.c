@@ -14,49 +14,20 @@
  *
  * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
  * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
- * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py (plain C11, ctypes).
+ * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py through _c_build.py
+ * (plain C11, ctypes).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "f32_bits.h"
+#include "philox4x32.h"
+
 #define RT_KEYED_ABI 3
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
-
-static void philox(uint64_t block, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                   uint32_t w[4]) {
-    uint32_t x0 = (uint32_t)block, x1 = (uint32_t)(block >> 32), x2 = c2, x3 = c3;
-    for (int round = 0; round < 10; round++) {
-        uint64_t product0 = (uint64_t)0xD2511F53u * x0;
-        uint64_t product1 = (uint64_t)0xCD9E8D57u * x2;
-        uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1 ^ k0;
-        uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3 ^ k1;
-        x1 = (uint32_t)product1;
-        x3 = (uint32_t)product0;
-        x0 = next0;
-        x2 = next2;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    w[0] = x0;
-    w[1] = x1;
-    w[2] = x2;
-    w[3] = x3;
-}
-
-static inline float bits_to_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t f32_to_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 
 /* ln(x) for a normal float x > 0, branch-free (so loops of it vectorise): x = 2^e * m with m in
    [sqrt(1/2), sqrt(2)), ln(m) = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172, by its series
@@ -142,10 +113,27 @@ static inline float truncated(uint32_t word, float lo, float width, float mean, 
     return keyed_select(v > b, b, v);
 }
 
+/* u * scale + shift, u = (word >> 8) * 2^-24 in [0, 1). */
+static inline float uniform(uint32_t word, float scale, float shift) {
+    return (float)(word >> 8) * 0x1p-24f * scale + shift;
+}
+
+/* v[0], v[1] = the normal pair of words w[0] (radius) and w[1] (angle), by Box-Muller, times
+   scale plus shift. */
+static inline void box_muller(const uint32_t w[2], float scale, float shift, float v[2]) {
+    float u1 = (float)((w[0] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
+    float u2 = (float)(w[1] >> 8) * 0x1p-24f;
+    float radius = sqrtf(-2.0f * keyed_log(u1));
+    float c, s;
+    keyed_sincos(u2, &c, &s);
+    v[0] = radius * c * scale + shift;
+    v[1] = radius * s * scale + shift;
+}
+
 static void values(int kind, const uint32_t w[4], const fill_params *p, float v[4]) {
     float scale = p->scale, shift = p->shift;
     if (kind == 0) {
-        for (int j = 0; j < 4; j++) v[j] = (float)(w[j] >> 8) * 0x1p-24f * scale + shift;
+        for (int j = 0; j < 4; j++) v[j] = uniform(w[j], scale, shift);
         return;
     }
     if (kind == 2) {
@@ -153,21 +141,13 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
             v[j] = truncated(w[j], p->lo, p->width, p->mean, p->std, p->a, p->b);
         return;
     }
-    for (int pair = 0; pair < 2; pair++) {
-        float u1 = (float)((w[2 * pair] >> 8) + 1u) * 0x1p-24f; /* (0, 1]: log is finite */
-        float u2 = (float)(w[2 * pair + 1] >> 8) * 0x1p-24f;
-        float radius = sqrtf(-2.0f * keyed_log(u1));
-        float c, s;
-        keyed_sincos(u2, &c, &s);
-        v[2 * pair] = radius * c * scale + shift;
-        v[2 * pair + 1] = radius * s * scale + shift;
-    }
+    for (int pair = 0; pair < 2; pair++) box_muller(w + 2 * pair, scale, shift, v + 2 * pair);
 }
 
 #define CHUNK 64 /* Philox blocks per batch: 256 elements */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
-   vectorises (the same arithmetic as philox(), lane by lane). */
+   vectorises (philox4x32_10 lane by lane: structure of arrays, rounds outermost). */
 static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
                         uint32_t k1, uint32_t *restrict words) {
     uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
@@ -177,19 +157,10 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
         x2[i] = c2;
         x3[i] = c3;
     }
-    for (int round = 0; round < 10; round++) {
-        for (int i = 0; i < m; i++) {
-            uint64_t product0 = (uint64_t)0xD2511F53u * x0[i];
-            uint64_t product1 = (uint64_t)0xCD9E8D57u * x2[i];
-            uint32_t next0 = (uint32_t)(product1 >> 32) ^ x1[i] ^ k0;
-            uint32_t next2 = (uint32_t)(product0 >> 32) ^ x3[i] ^ k1;
-            x1[i] = (uint32_t)product1;
-            x3[i] = (uint32_t)product0;
-            x0[i] = next0;
-            x2[i] = next2;
-        }
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
+    for (int round = 0; round < PHILOX_ROUNDS; round++) {
+        for (int i = 0; i < m; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], k0, k1);
+        k0 += PHILOX_KEY_STEP0;
+        k1 += PHILOX_KEY_STEP1;
     }
     for (int i = 0; i < m; i++) {
         words[4 * i] = x0[i];
@@ -210,21 +181,12 @@ static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, 
         int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
         philox_many(m, block, c2, c3, k0, k1, words);
         if (kind == 0) {
-            for (int i = 0; i < 4 * m; i++)
-                vals[i] = (float)(words[i] >> 8) * 0x1p-24f * scale + shift;
+            for (int i = 0; i < 4 * m; i++) vals[i] = uniform(words[i], scale, shift);
         } else if (kind == 2) {
             float lo = p->lo, width = p->width, mean = p->mean, std = p->std, a = p->a, b = p->b;
             for (int i = 0; i < 4 * m; i++) vals[i] = truncated(words[i], lo, width, mean, std, a, b);
         } else {
-            for (int i = 0; i < 2 * m; i++) { /* pair i: words 2i (radius), 2i + 1 (angle) */
-                float u1 = (float)((words[2 * i] >> 8) + 1u) * 0x1p-24f;
-                float u2 = (float)(words[2 * i + 1] >> 8) * 0x1p-24f;
-                float radius = sqrtf(-2.0f * keyed_log(u1));
-                float c, s;
-                keyed_sincos(u2, &c, &s);
-                vals[2 * i] = radius * c * scale + shift;
-                vals[2 * i + 1] = radius * s * scale + shift;
-            }
+            for (int i = 0; i < 2 * m; i++) box_muller(words + 2 * i, scale, shift, vals + 2 * i);
         }
         uint64_t lo = block * 4 > g0 ? block * 4 : g0;
         uint64_t hi = (block + (uint64_t)m) * 4 < end ? (block + (uint64_t)m) * 4 : end;
@@ -256,7 +218,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     if (ndims == 0) {
         uint32_t w[4];
         float v[4];
-        philox(0, c2, c3, k0, k1, w);
+        philox4x32_10(0, 0, c2, c3, k0, k1, w);
         values((int)kind, w, &p, v);
         out[0] = v[0];
         return 0;
@@ -280,7 +242,8 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;
             if (block != cached) {
-                philox(block, c2, c3, k0, k1, w);
+                philox4x32_10((uint32_t)block, (uint32_t)(block >> 32), c2, c3, k0, k1,
+                              w);
                 values((int)kind, w, &p, v);
                 cached = block;
             }

@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.resources
 import math
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels.cpu_compiled import _FLAGS, _cache_dir, _compiler
+from rng_tracker.kernels._c_build import CSource, load_once
+from rng_tracker.kernels.cpu_compiled import _FLAGS
 from rng_tracker.kernels.philox import philox4x32
 
 __all__ = [
@@ -42,7 +38,13 @@ __all__ = [
     "name_hash",
 ]
 
-_ABI_VERSION = 3
+_SOURCE = CSource(
+    "keyed_init.c",
+    (*_FLAGS, "-O3", "-fno-math-errno"),
+    libraries=("-lm",),
+    abi_function="rt_keyed_abi_version",
+    abi_version=3,  # RT_KEYED_ABI of keyed_init.c
+)
 _MASK64 = 2**64 - 1
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
@@ -74,57 +76,23 @@ def name_hash(name: str) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _source() -> bytes:
-    return importlib.resources.files("rng_tracker.kernels").joinpath("keyed_init.c").read_bytes()
-
-
-def _library_path() -> Path:
-    key = hashlib.sha256(_source() + " ".join(_FLAGS).encode() + sys.platform.encode() + b"O3")
-    return _cache_dir() / f"keyed_init-{key.hexdigest()[:20]}.so"
-
-
-def _build(target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        source = Path(scratch) / "keyed_init.c"
-        source.write_bytes(_source())
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [_compiler(), *_FLAGS, "-O3", "-fno-math-errno", str(source), "-o", str(built), "-lm"],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"compiling keyed_init.c failed: {result.stderr.strip()[-2000:]}")
-        built.replace(target)
+def _load() -> ctypes.CDLL:
+    library = _SOURCE.load()
+    library.rt_keyed_fill.restype = ctypes.c_int64
+    library.rt_keyed_fill.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        *(ctypes.POINTER(ctypes.c_int64),) * 3,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_float),
+    ]
+    return library
 
 
 def _library() -> ctypes.CDLL:
-    library = _state["library"]
-    if library is not None:
-        return library  # type: ignore[return-value]
-    with _lock:
-        if _state["library"] is None and _state["failed"] is None:
-            try:
-                path = _library_path()
-                if not path.exists():
-                    _build(path)
-                loaded = ctypes.CDLL(str(path))
-                if loaded.rt_keyed_abi_version() != _ABI_VERSION:
-                    raise RuntimeError(f"{path} has another ABI than {_ABI_VERSION}")
-                loaded.rt_keyed_fill.restype = ctypes.c_int64
-                loaded.rt_keyed_fill.argtypes = [
-                    ctypes.c_void_p,
-                    ctypes.c_int64,
-                    *(ctypes.POINTER(ctypes.c_int64),) * 3,
-                    ctypes.c_uint64,
-                    ctypes.c_uint64,
-                    ctypes.c_int64,
-                    ctypes.POINTER(ctypes.c_float),
-                ]
-                _state["library"] = loaded
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                _state["failed"] = error
+    load_once(_state, _lock, _load)
     if _state["library"] is None:
         raise KernelUnavailableError(
             f"keyed init needs its compiled CPU kernel, which cannot be built here "
@@ -152,16 +120,17 @@ def _index_lists(
     return list(indices)
 
 
+@torch.no_grad()
 def _fill(
     local: torch.Tensor,
     kind: int,
     params: Sequence[float],
-    *,
     seed: int,
     name: str,
     global_shape: Sequence[int] | None,
     indices: Sequence[Sequence[int]] | None,
 ) -> torch.Tensor:
+    """Write the keyed values of ``kind`` into ``local`` (in place, outside autograd)."""
     if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
         raise KernelInputError(
             "keyed init runs on CPU tensors (materialise on CPU, then move); got "
@@ -207,16 +176,7 @@ def keyed_uniform_(
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
-    with torch.no_grad():
-        return _fill(
-            local,
-            _UNIFORM,
-            (b - a, a),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    return _fill(local, _UNIFORM, (b - a, a), seed, name, global_shape, indices)
 
 
 def keyed_normal_(
@@ -230,16 +190,7 @@ def keyed_normal_(
     indices: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
-    with torch.no_grad():
-        return _fill(
-            local,
-            _NORMAL,
-            (std, mean),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    return _fill(local, _NORMAL, (std, mean), seed, name, global_shape, indices)
 
 
 def _normal_cdf(x: float) -> float:
@@ -269,16 +220,8 @@ def keyed_trunc_normal_(
             f"std={std}, a={a}, b={b}"
         )
     lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
-    with torch.no_grad():
-        return _fill(
-            local,
-            _TRUNCATED_NORMAL,
-            (0.0, 0.0, lo, hi - lo, mean, std, a, b),
-            seed=seed,
-            name=name,
-            global_shape=global_shape,
-            indices=indices,
-        )
+    params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
+    return _fill(local, _TRUNCATED_NORMAL, params, seed, name, global_shape, indices)
 
 
 def keyed_uniform_reference(

@@ -58,6 +58,14 @@ if HAS_TRITON:
         return tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
 
     @triton.jit
+    def _philox_at(key, counter, word2, word3):
+        # Philox4x32-10's four words at int64 counters c: counter (lo32(c), hi32(c), word2, word3).
+        zero = tl.zeros_like(counter).to(tl.uint32)
+        return tl.philox(
+            key, counter.to(tl.uint32), (counter >> 32).to(tl.uint32), zero + word2, zero + word3
+        )
+
+    @triton.jit
     def _to_bf16_rne(value):
         # fp32 → bf16, round to nearest even, spelled out for the interpreter, which truncates.
         bits = value.to(tl.uint32, bitcast=True)
@@ -113,15 +121,7 @@ if HAS_TRITON:
                 first += (groups * 4 // inner2) * gap2
             if DIVISIONS >= 3:
                 first += (groups * 4 // inner3) * gap3
-            counter = base + (first + offset) // 4
-            zero = tl.zeros_like(groups).to(tl.uint32)
-            w0, w1, w2, w3 = tl.philox(
-                key,
-                counter.to(tl.uint32),
-                (counter >> 32).to(tl.uint32),
-                zero + word2,
-                zero + word3,
-            )
+            w0, w1, w2, w3 = _philox_at(key, base + (first + offset) // 4, word2, word3)
             word = _pick(lane[None, :], w0[:, None], w1[:, None], w2[:, None], w3[:, None])
         else:
             g = local * last_stride + offset
@@ -131,15 +131,7 @@ if HAS_TRITON:
                 g += (local // inner2) * gap2
             if DIVISIONS >= 3:
                 g += (local // inner3) * gap3
-            counter = base + g // 4
-            zeros = tl.zeros_like(counter).to(tl.uint32)
-            w0, w1, w2, w3 = tl.philox(
-                key,
-                counter.to(tl.uint32),
-                (counter >> 32).to(tl.uint32),
-                zeros + word2,
-                zeros + word3,
-            )
+            w0, w1, w2, w3 = _philox_at(key, base + g // 4, word2, word3)
             word = _pick(g % 4, w0, w1, w2, w3)
         keep = word.to(tl.int64) >= threshold
         value = tl.load(x_ptr + local, mask=inside, other=0.0).to(tl.float32)
@@ -176,9 +168,8 @@ def fused_dropout_triton(
             f"the Triton kernel places up to {MAX_DIVISIONS + 1} merged dims; this index_map has "
             f"{len(terms) + 1} ({index_map.dims}); use impl='torch' (impl='auto' does)"
         )
-    (inner1, gap1), (inner2, gap2), (inner3, gap3) = terms + ((1, 0),) * (
-        MAX_DIVISIONS - len(terms)
-    )
+    # inner1, gap1, inner2, gap2, inner3, gap3: the unused divisions divide by 1 and add 0
+    divisions = [v for term in terms + ((1, 0),) * (MAX_DIVISIONS - len(terms)) for v in term]
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel() == 0:
@@ -197,12 +188,7 @@ def fused_dropout_triton(
         keep_scale(p),
         index_map.offset,
         last_stride,
-        inner1,
-        gap1,
-        inner2,
-        gap2,
-        inner3,
-        gap3,
+        *divisions,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         DIVISIONS=len(terms),

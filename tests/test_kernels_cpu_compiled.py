@@ -10,6 +10,7 @@ C compiler runs on a cold cache, the reference runs after one warning.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels import Chunk, Region, bias_dropout_add, cpu_compiled, dropout
+from rng_tracker.kernels import (
+    Chunk,
+    Region,
+    _c_build,
+    bias_dropout_add,
+    cpu_compiled,
+    dropout,
+    keyed_init,
+)
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -250,6 +259,30 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
     result = _run_without_compiler(cache, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["compiled", "0"]
+
+
+def _library_paths() -> list:
+    return [cpu_compiled.kernel_library_path(), keyed_init._SOURCE.library_path()]
+
+
+def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
+    """Both C sources include the shared Philox header: each library's cache key hashes every
+    header the loaders copy next to the source, and those are all the sources include, so an
+    edited header is never answered by a library built from the old one."""
+    kernels_dir = os.path.dirname(cpu_compiled.__file__)
+    included = set()
+    for name in ("cpu_dropout.c", "keyed_init.c"):
+        with open(os.path.join(kernels_dir, name)) as source:
+            included |= set(re.findall(r'^#include "([^"]+)"', source.read(), re.MULTILINE))
+    assert included == set(_c_build.HEADERS) == {"f32_bits.h", "philox4x32.h"}
+    before = _library_paths()
+    assert len(set(before)) == 2
+    assert _library_paths() == before  # the key is a pure function of the files
+    read = _c_build._read
+    edited = {"philox4x32.h": read("philox4x32.h") + b"\n/* edited */\n"}
+    monkeypatch.setattr(_c_build, "_read", lambda name: edited.get(name) or read(name))
+    after = _library_paths()
+    assert all(b != a for b, a in zip(before, after)), (before, after)
 
 
 _KNOB_SCRIPT = textwrap.dedent(

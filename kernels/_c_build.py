@@ -1,0 +1,145 @@
+"""Build, cache and load a kernel's C source: the one copy shared by the CPU dropout kernel
+(``cpu_compiled``) and keyed init (``keyed_init``).
+
+A library is compiled once per machine with the system C compiler (``CC``, else cc, gcc or
+clang), atomically (ranks may build at the same time), into the cache directory
+(``RNG_TRACKER_CACHE_DIR``, else ``~/.cache/rng_tracker``, else the temp dir), under a name
+hashed from every file it is built from (the .c file and the headers it includes), the flags
+and the platform. The compiler is not part of the key: the library is plain C with a fixed
+ABI, so one built elsewhere (a shared cache) loads here without a compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.resources
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BUILD_ERRORS", "HEADERS", "CSource", "load_once"]
+
+# The headers the kernels' C sources include (``#include "..."``): copied next to the source
+# to compile it, and part of every library's cache key.
+HEADERS = ("f32_bits.h", "philox4x32.h")
+# What a failed build or load raises: the callers' fallback (a warning, or their own error).
+BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+
+
+def _read(name: str) -> bytes:
+    return importlib.resources.files("rng_tracker.kernels").joinpath(name).read_bytes()
+
+
+def _compiler() -> str:
+    chosen = os.environ.get("CC")
+    candidates = [chosen] if chosen else ["cc", "gcc", "clang"]
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(
+        f"no C compiler found (looked for {', '.join(candidates)}"
+        + (" from CC" if chosen else " on PATH")
+        + ")"
+    )
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("RNG_TRACKER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home_cache = Path(base) / "rng_tracker"
+    try:
+        home_cache.mkdir(parents=True, exist_ok=True)
+        if os.access(home_cache, os.W_OK):
+            return home_cache
+    except OSError:
+        pass
+    # A read-only or missing home (some CI runners and containers): the temp dir, per user.
+    user = getattr(os, "getuid", lambda: "user")()
+    return Path(tempfile.gettempdir()) / f"rng_tracker-{user}"
+
+
+@dataclass(frozen=True)
+class CSource:
+    """One kernel library: its C source in rng_tracker.kernels, how to compile it, its ABI."""
+
+    source: str  # the .c file, e.g. "cpu_dropout.c"
+    flags: tuple[str, ...]  # before the source on the command line
+    libraries: tuple[str, ...]  # after the output, e.g. ("-lm",)
+    abi_function: str  # the exported function that returns the ABI version
+    abi_version: int
+
+    def _files(self) -> dict[str, bytes]:
+        return {name: _read(name) for name in (self.source, *HEADERS)}
+
+    def _command(self, source: Path, built: Path) -> list[str]:
+        return [_compiler(), *self.flags, str(source), "-o", str(built), *self.libraries]
+
+    def _path(self, files: dict[str, bytes]) -> Path:
+        key = hashlib.sha256()
+        for part in (
+            *(name.encode() + b"\0" + text for name, text in files.items()),
+            " ".join((*self.flags, *self.libraries)).encode(),
+            f"{sys.platform}:{platform.machine()}".encode(),
+        ):
+            key.update(part)
+            key.update(b"\0")
+        return _cache_dir() / f"{Path(self.source).stem}-{key.hexdigest()[:20]}.so"
+
+    def library_path(self) -> Path:
+        """Where the library built from these files, flags and platform lives (or will)."""
+        return self._path(self._files())
+
+    def _build(self, target: Path, files: dict[str, bytes]) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            for name, text in files.items():
+                (Path(scratch) / name).write_bytes(text)
+            built = Path(scratch) / target.name
+            result = subprocess.run(
+                self._command(Path(scratch) / self.source, built), capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                raise RuntimeError(
+                    f"compiling {self.source} failed: {result.stderr.strip()[-2000:]}"
+                )
+            os.replace(built, target)
+
+    def load(self) -> ctypes.CDLL:
+        """The library, built first where the cache lacks it; RuntimeError on another ABI."""
+        files = self._files()  # read once: the key and the build see the same bytes
+        path = self._path(files)
+        if not path.exists():
+            self._build(path, files)
+        library = ctypes.CDLL(str(path))
+        abi = getattr(library, self.abi_function)()
+        if abi != self.abi_version:
+            raise RuntimeError(f"{path} has ABI {abi}, expected {self.abi_version}")
+        return library
+
+
+def load_once(
+    state: dict[str, object], lock: threading.Lock, load: Callable[[], ctypes.CDLL]
+) -> BaseException | None:
+    """Run ``load`` once per process into ``state["library"]``, or record its failure in
+    ``state["failed"]``; the failure is returned to the one call that met it (to warn once)."""
+    if state["library"] is not None or state["failed"] is not None:
+        return None
+    with lock:
+        if state["library"] is None and state["failed"] is None:
+            try:
+                state["library"] = load()
+            except BUILD_ERRORS as error:
+                state["failed"] = error
+                return error
+    return None
