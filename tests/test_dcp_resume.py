@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _small_run import small_run
 from gpt_training import dcp_checkpoint
 from gpt_training.dcp_checkpoint import FAULT_ENV, RunLayout, read_manifest
 from gpt_training.errors import ResumeRefusedError, TrainingCheckpointError
@@ -19,22 +21,8 @@ from gpt_training.trainer import TrainConfig, _load, build, train
 from rng_tracker import get_rng_tracker
 from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode
 
-SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
-
-
-def config(
-    *,
-    model: GPTConfig = SMALL,
-    rng_mode: RNGMode = "megatron",
-    recompute: Recompute = "none",
-    sp: bool = False,
-    **kw,
-) -> TrainConfig:
-    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
-    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
-    return TrainConfig(**{"global_batch": 4, "quiet": True, "verify": False, "model": model, **kw})
+config = functools.partial(small_run, global_batch=4, verify=False)
 
 
 def _straight_and_half(straight: TrainConfig, half: TrainConfig) -> tuple:

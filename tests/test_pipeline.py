@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
 import torch
+from _small_run import SMALL, small_run
 from gpt_training.pipeline import GPTStage, split_layers
 from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT
+from rng_tracker.parallel.transformer import TinyGPT
 
-SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 NO_DROPOUT = replace(SMALL, attention_dropout=0.0, hidden_dropout=0.0, embedding_dropout=0.0)
 # Layouts that compute the same thing differ only in fp32 summation order (matmuls split over
 # TP, per-microbatch loss sums, all-reduce order). Keyed runs saved on (2,2,1,1) and resumed on
@@ -23,17 +24,7 @@ NO_DROPOUT = replace(SMALL, attention_dropout=0.0, hidden_dropout=0.0, embedding
 LAYOUT_LOSS_TOLERANCE = 1e-4
 
 
-def config(
-    *,
-    model: GPTConfig = SMALL,
-    rng_mode: RNGMode = "megatron",
-    recompute: Recompute = "none",
-    sp: bool = False,
-    **kw,
-) -> TrainConfig:
-    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
-    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
-    return TrainConfig(**{"global_batch": 8, "quiet": True, "verify": False, "model": model, **kw})
+config = functools.partial(small_run, global_batch=8, verify=False)
 
 
 def test_stages_split_the_layers_and_keep_the_full_models_names():

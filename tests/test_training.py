@@ -5,20 +5,19 @@ Same-layout bitwise resume, refusals and kill-safe saves: tests/test_dcp_resume.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
+from _small_run import small_run
 from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker import RNGConsistencyError, get_rng_tracker, model_parallel_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode
 from rng_tracker.parallel.verify import verify_rng_consistency
 
-SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 # Invariant-mode runs on different TP/SP degrees draw identical masks, so their losses differ
 # only by fp32 summation order (matmuls split over TP, all-reduce order): we measured at most
 # 4.8e-7 (one ulp at loss ~4) over 20 steps. The bound leaves 200x headroom and is still 500x
@@ -26,17 +25,7 @@ SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 LAYOUT_LOSS_TOLERANCE = 1e-4
 
 
-def config(
-    *,
-    model: GPTConfig = SMALL,
-    rng_mode: RNGMode = "megatron",
-    recompute: Recompute = "none",
-    sp: bool = False,
-    **kw,
-) -> TrainConfig:
-    """A small run; rng mode, recompute and SP go into its model, where TrainConfig reads them."""
-    model = replace(model, rng_mode=rng_mode, recompute=recompute, sequence_parallel=sp)
-    return TrainConfig(**{"global_batch": 4, "quiet": True, "model": model, **kw})
+config = functools.partial(small_run, global_batch=4)
 
 
 def _megatron_grid(steps: int) -> dict:
