@@ -210,6 +210,8 @@ def test_megatron_gpt_model_with_one_line_install(rank):
         sp_base = _run(sp_spec, sequence_parallel=True)
         assert _bitwise(sp_base, _run(sp_spec, sequence_parallel=True)), "SP: a second run differs"
         sp_hidden = [m for m in sp_base[2] if m.dim() == 3]  # [s/tp, b, h]: sharded over TP
+        # as without SP: embedding dropout, then two bias-dropout-adds per layer
+        assert len(sp_hidden) == 5, [m.shape for m in sp_base[2]]
         assert all(m.shape[0] == _SEQ // 2 for m in sp_hidden), [m.shape for m in sp_hidden]
         assert not any(_same_on_both_tp_ranks(m) for m in sp_hidden)
         for name, config in _RECOMPUTE.items():
