@@ -12,13 +12,12 @@ Parameters carry two attributes used by training code:
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rng_tracker._deprecation import REMOVED_IN
+from rng_tracker._deprecation import warn_deprecated
 from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel.collectives import (
     copy_to_tp,
@@ -50,12 +49,7 @@ def shard_param(
     docstring); ``sp`` is its deprecated old name.
     """
     if sp is not None:
-        warnings.warn(
-            f"shard_param(sp=...) is deprecated and will be removed in {REMOVED_IN}: "
-            "use sequence_parallel=...",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated("shard_param(sp=...)", "sequence_parallel=...")
         sequence_parallel = sp
     rank, size = _tp(group)
     if dim is not None and full.shape[dim] % size:

@@ -140,14 +140,13 @@ def global_rank(
     A pure function of the layout, so a job can place a layout that is not the live mesh
     (a saved checkpoint's, say) by the mesh's own rule, Megatron's order included.
     """
-    dense = ("pp", "dp", "cp", "tp")
-    unknown = sorted(set(coordinates) - set(dense)) + sorted(set(sizes) - set(dense))
+    unknown = sorted(set(coordinates) - set(_DENSE_AXES)) + sorted(set(sizes) - set(_DENSE_AXES))
     if unknown:
-        raise ParallelConfigError(f"global_rank takes the dense axes {dense}, got {unknown}")
+        raise ParallelConfigError(f"global_rank takes the dense axes {_DENSE_AXES}, got {unknown}")
     full = {axis: 1 for axis in _ORDER_TOKENS}
     full.update({axis: _positive(f"sizes[{axis!r}]", size) for axis, size in sizes.items()})
     at = []
-    for axis in dense:
+    for axis in _DENSE_AXES:
         rank = checked_int(
             coordinates.get(axis, 0), f"coordinates[{axis!r}]", type_error=ParallelConfigError
         )
@@ -156,7 +155,7 @@ def global_rank(
                 f"coordinates[{axis!r}] is {rank}, outside an axis of size {full[axis]}"
             )
         at.append(rank)
-    return int(_rank_grid(_order_tokens(order, full), full, dense)[tuple(at)])
+    return int(_rank_grid(_order_tokens(order, full), full, _DENSE_AXES)[tuple(at)])
 
 
 def _pipeline_groups(grid: torch.Tensor) -> set[tuple[int, ...]]:

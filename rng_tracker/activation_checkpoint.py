@@ -36,7 +36,7 @@ from rng_tracker.errors import (
 from rng_tracker.random_op_log import RandomOpLog, first_divergence
 from rng_tracker.rng_snapshot import RNGSnapshot
 from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
-from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers, all_trackers
+from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
 if TYPE_CHECKING:
     from rng_tracker.parallel.mesh import ParallelState
@@ -46,6 +46,7 @@ __all__ = [
     "checkpoint",
     "is_checkpointing",
     "reentrant_checkpoint",
+    "resolve_trackers",
     "rng_context_fn",
 ]
 
@@ -244,14 +245,31 @@ def rng_context_fn(
     device generators. Its recompute context replays them at every recompute.
     """
     # Refuse a bad tracker now; None stays None: every tracker alive at each forward.
-    given = None if tracker is None else _resolve_trackers(tracker, type_error=CheckpointTypeError)
+    given = None if tracker is None else resolve_trackers(tracker)
 
     def context_fn() -> tuple[_Forward, _Replay]:
-        trackers = _resolve_trackers(given, type_error=CheckpointTypeError)
+        trackers = resolve_trackers(given)
         record = _RNGRecord((), trackers, False)
         return record.forward(), record.replay()
 
     return context_fn
+
+
+def resolve_trackers(
+    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
+) -> list[RNGStatesTracker]:
+    """The trackers a checkpoint replays: those ``tracker`` names (one, or an iterable of them),
+    or every live tracker when it is None (:func:`~rng_tracker.tracker.all_trackers`); anything
+    else raises :class:`CheckpointTypeError`."""
+    if tracker is None:
+        return all_trackers()
+    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
+    for t in trackers:
+        if not isinstance(t, RNGStatesTracker):
+            raise CheckpointTypeError(
+                f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
+            )
+    return trackers
 
 
 def _autocast_state(device_types: Iterable[str]) -> list[tuple[str, bool, torch.dtype]]:
@@ -438,7 +456,7 @@ def checkpoint(
             "stops the recompute early; drop one of them"
         )
     devices = _input_devices(args, kwargs)
-    trackers = _resolve_trackers(tracker, type_error=CheckpointTypeError)
+    trackers = resolve_trackers(tracker)
     if tracker is not None and devices:  # a tracker given must drive the inputs' device
         for t in trackers:
             if t.device not in devices:
@@ -516,16 +534,21 @@ def reentrant_checkpoint(
 def check_split_input(args: Sequence[Any]) -> None:
     """Refuse ``args`` whose first item cannot give its storage up to a split (see
     :func:`reentrant_checkpoint`), before anything runs."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise CheckpointConfigError(
-            "distribute_saved_activations=True needs a tensor as the first argument"
-        )
-    if args[0]._base is not None:
+    if _first_tensor(args)._base is not None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True replaces args[0].data by this rank's chunk, but "
             "args[0] is a view of another tensor, whose data would not shrink; pass a tensor "
             "that owns its storage (e.g. x.clone() or Megatron's make_viewless_tensor)"
         )
+
+
+def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The first argument, which distribute_saved_activations splits: it must be a tensor."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True needs a tensor as the first argument"
+        )
+    return args[0]
 
 
 def _tp_group_of(state: ParallelState | None) -> dist.ProcessGroup:
@@ -547,10 +570,7 @@ def _input_saver(
 ) -> InputSaver:
     if not distribute:
         return InputSaver(offload=offload)
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise CheckpointConfigError(
-            "distribute_saved_activations=True needs a tensor as the first argument"
-        )
+    first = _first_tensor(args)
     if group is None:
         group = _tp_group_of(state)
-    return InputSaver(distribute=args[0], group=group, offload=offload)
+    return InputSaver(distribute=first, group=group, offload=offload)

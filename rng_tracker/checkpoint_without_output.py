@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
-from rng_tracker.activation_checkpoint import _backward_recomputed
+from rng_tracker.activation_checkpoint import _backward_recomputed, resolve_trackers
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 from rng_tracker.rng_snapshot import RNGSnapshot, replaying
-from rng_tracker.tracker import RNGStatesTracker, _resolve_trackers
+from rng_tracker.tracker import RNGStatesTracker
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
 
@@ -130,7 +130,7 @@ class CheckpointWithoutOutput:
         self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
         self._trackers = (  # None: every tracker alive at each checkpoint()
-            None if tracker is None else _resolve_trackers(tracker, type_error=CheckpointTypeError)
+            None if tracker is None else resolve_trackers(tracker)
         )
         self.outputs: tuple[torch.Tensor, ...] | None = None
         self._function: Callable[..., Any] | None = None
@@ -150,7 +150,7 @@ class CheckpointWithoutOutput:
             )
         self._function = run_function
         self._devices = list({a.device: None for a in args if isinstance(a, torch.Tensor)})
-        self._replayed = _resolve_trackers(self._trackers, type_error=CheckpointTypeError)
+        self._replayed = resolve_trackers(self._trackers)
         self._snapshot = RNGSnapshot.capture(self._devices, self._replayed)
         self._recomputed = None
         self._discarded = False

@@ -6,7 +6,6 @@ applies them to the inputs torch saves, and the reentrant one calls them directl
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_cat
-from rng_tracker._deprecation import REMOVED_IN
+from rng_tracker._deprecation import warn_deprecated
 
 __all__ = ["InputSaver", "gather_chunks", "gather_saved", "split_for_save"]
 
@@ -84,12 +83,7 @@ class InputSaver:
     @property
     def active(self) -> bool:
         """Deprecated name of :attr:`packing`."""
-        warnings.warn(
-            f"InputSaver.active is deprecated and will be removed in {REMOVED_IN}: "
-            "use InputSaver.packing",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated("InputSaver.active", "InputSaver.packing")
         return self.packing
 
     def pack(self, tensor: torch.Tensor) -> object:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker._deprecation import REMOVED_IN
+from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._validate import checked_int
 from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
@@ -180,12 +180,7 @@ class RNGStatesTracker:
 
     def active(self) -> tuple[str, ...]:
         """Deprecated name of :meth:`open_forks`."""
-        warnings.warn(
-            f"RNGStatesTracker.active() is deprecated and will be removed in {REMOVED_IN}: "
-            "use open_forks()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated("RNGStatesTracker.active()", "open_forks()")
         return self.open_forks()
 
     def __contains__(self, name: object) -> bool:
@@ -440,23 +435,6 @@ _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
     return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
-
-
-def _resolve_trackers(
-    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
-    *,
-    type_error: type[Exception],
-) -> list[RNGStatesTracker]:
-    """The trackers ``tracker`` names (one, or an iterable of them), or every live tracker
-    when it is None (:func:`all_trackers`, what checkpoints replay by default); anything else
-    raises ``type_error``."""
-    if tracker is None:
-        return all_trackers()
-    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
-    for t in trackers:
-        if not isinstance(t, RNGStatesTracker):
-            raise type_error(f"tracker must be an RNGStatesTracker, got {type(t).__name__}")
-    return trackers
 
 
 def _set_process_tracker(tracker: RNGStatesTracker) -> None:
