@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rng_tracker.errors import ParallelStateError
+from rng_tracker.errors import ParallelStateError, ParallelStateMismatchError
 from rng_tracker.parallel.mesh import ParallelState, get_parallel_state_or_none
 
 __all__ = ["MegatronParallelState", "current_layout", "megatron_parallel_state_or_none"]
@@ -102,8 +102,30 @@ def megatron_parallel_state_or_none() -> MegatronParallelState | None:
 
 def current_layout() -> ParallelState | MegatronParallelState | None:
     """The ranks and groups the edges use: rng_tracker's own parallel state first, else
-    Megatron's initialised one, else None (the caller raises; no rank is guessed)."""
+    Megatron's initialised one, else None (the caller raises; no rank is guessed).
+
+    With both initialised they must agree on every axis's size and this rank's coordinate,
+    else :class:`ParallelStateMismatchError`: which one is right cannot be known.
+    """
     state = get_parallel_state_or_none()
-    if state is not None:
-        return state
-    return megatron_parallel_state_or_none()
+    theirs = megatron_parallel_state_or_none()
+    if state is not None and theirs is not None:
+        _check_agree(state, theirs)
+    return state if state is not None else theirs
+
+
+def _check_agree(ours: ParallelState, theirs: MegatronParallelState) -> None:
+    differ = [
+        f"{axis}: rng_tracker {ours.rank(axis)}/{ours.size(axis)}, megatron "
+        f"{theirs.rank(axis)}/{theirs.size(axis)}"
+        for axis in _GETTERS
+        if (ours.rank(axis), ours.size(axis)) != (theirs.rank(axis), theirs.size(axis))
+    ]
+    if differ:
+        raise ParallelStateMismatchError(
+            "rng_tracker's parallel state (init_model_parallel) and megatron-core's "
+            "parallel_state are both initialised and disagree (rank/size): "
+            + "; ".join(differ)
+            + ". Keep one: destroy_model_parallel() the other, or initialise both with the "
+            "same sizes and order"
+        )

@@ -16,25 +16,33 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import threading
 from types import ModuleType
 from typing import Any
 
-from rng_tracker.errors import MegatronVersionError
+from rng_tracker.errors import MegatronInstallError, MegatronVersionError
 
 __all__ = [
+    "KNOWN_KEY_SCHEMES",
     "KNOWN_MEGATRON_CORE_VERSIONS",
     "MEGATRON_RANDOM",
     "REPLACED_NAMES",
     "install",
     "installed",
+    "invariant_installed",
     "uninstall",
 ]
 
 # Versions whose tensor_parallel/random.py this was checked against (0.19.0 to 0.19.2 ship
 # the same file; tests/test_megatron_core_*.py run 0.19.2's own code).
 KNOWN_MEGATRON_CORE_VERSIONS: tuple[str, ...] = ("0.19.0", "0.19.1", "0.19.2")
+
+# Releases whose sharded_state_dict() keys and boxes, init helpers and dropout sites
+# install(invariant=True) was checked against (tests/test_megatron_invariant.py runs 0.19.2's):
+# the keys decide every parameter's values, so no other release is tried.
+KNOWN_KEY_SCHEMES: tuple[str, ...] = ("0.19.2",)
 
 MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
@@ -64,13 +72,45 @@ REPLACED_NAMES: tuple[str, ...] = (
 )
 
 _LOCK = threading.RLock()
-# name -> (Megatron's original object, rng_tracker's replacement), while installed.
+# label -> (Megatron's original object, rng_tracker's replacement), while installed: the names of
+# random (REPLACED_NAMES), megatron's CPU init helper, and in invariant mode the names it swaps.
 _SWAPS: dict[str, tuple[Any, Any]] = {}
+_STATE: dict[str, Any] = {"invariant": False, "class_patches": []}
+
+
+# A fork while another thread is inside install()/uninstall() would copy a half-swapped megatron
+# and a lock no thread of the child holds: the child would deadlock on it, or later record
+# rng_tracker's own objects as megatron's originals. A fork waits for the lock instead, and the
+# child starts with a fresh one.
+def _before_fork() -> None:
+    _LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def installed() -> bool:
     """Whether :func:`install` is in effect."""
     return bool(_SWAPS)
+
+
+def invariant_installed() -> bool:
+    """Whether ``install(invariant=True)`` is in effect."""
+    return bool(_SWAPS) and _STATE["invariant"]
 
 
 def _found_version() -> str | None:
@@ -83,7 +123,7 @@ def _found_version() -> str | None:
     return None
 
 
-def _check_version(allow_unknown_version: bool) -> None:
+def _check_version(allow_unknown_version: bool, invariant: bool) -> None:
     version = _found_version()
     if version is None:
         if importlib.util.find_spec("megatron") is None:
@@ -92,6 +132,12 @@ def _check_version(allow_unknown_version: bool) -> None:
                 "'megatron' package); install megatron-core "
                 f"{' or '.join(KNOWN_MEGATRON_CORE_VERSIONS)}, or use rng_tracker.megatron "
                 "directly without install()"
+            )
+        if invariant:
+            raise MegatronVersionError(
+                "rng_tracker.megatron.install(invariant=True): the 'megatron' package has no "
+                "version record, so its sharded_state_dict() key scheme cannot be checked; "
+                f"invariant mode knows megatron-core {', '.join(KNOWN_KEY_SCHEMES)}"
             )
         return  # a source checkout on sys.path without metadata: nothing to compare
     release = version.split("+")[0]
@@ -102,6 +148,32 @@ def _check_version(allow_unknown_version: bool) -> None:
             "install a known version, or pass allow_unknown_version=True to try this one "
             "(then check with bash scripts/test.sh tests/test_megatron_core_model.py)"
         )
+    if invariant and release not in KNOWN_KEY_SCHEMES:
+        raise MegatronVersionError(
+            f"rng_tracker.megatron.install(invariant=True): found megatron-core {version}, whose "
+            "sharded_state_dict() key scheme, init helpers and dropout sites invariant mode does "
+            f"not know (it knows {', '.join(KNOWN_KEY_SCHEMES)}); keys decide every parameter's "
+            "values, so this is refused even with allow_unknown_version=True. Install a known "
+            "version, or use install() without invariant=True"
+        )
+
+
+def _import_random() -> ModuleType:
+    """megatron's random module; a ``megatron`` package without ``megatron.core`` (another
+    project of that name, a broken install) is a :class:`MegatronVersionError`."""
+    try:
+        return importlib.import_module(MEGATRON_RANDOM)
+    except ModuleNotFoundError as missing:
+        name = missing.name or ""
+        if name == "megatron" or name.startswith("megatron.core"):
+            spec = importlib.util.find_spec("megatron")
+            where = list(spec.submodule_search_locations or []) if spec else []
+            raise MegatronVersionError(
+                f"rng_tracker.megatron.install(): the 'megatron' package found at {where} has no "
+                f"{name!r}: it is not megatron-core (or a broken install of it); install "
+                f"megatron-core {' or '.join(KNOWN_MEGATRON_CORE_VERSIONS)}"
+            ) from missing
+        raise
 
 
 def _megatron_modules() -> list[ModuleType]:
@@ -126,36 +198,83 @@ def _swap_everywhere(table: dict[int, Any]) -> None:
                 setattr(module, attr, replacement[1])
 
 
-def install(*, allow_unknown_version: bool = False) -> None:
+def _plain_swaps(random: ModuleType) -> dict[str, tuple[Any, Any]]:
+    from rng_tracker import megatron as ours
+    from rng_tracker._megatron_layers import expert_forking
+
+    swaps = {
+        name: (getattr(random, name), getattr(ours, name))
+        for name in REPLACED_NAMES
+        if hasattr(random, name)
+    }
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    original = layers._initialize_affine_weight_cpu
+    swaps["layers._initialize_affine_weight_cpu"] = (original, expert_forking(original))
+    ours_objects = {id(repl) for _, repl in swaps.values()}
+    leaked = sorted(label for label, (orig, _) in swaps.items() if id(orig) in ours_objects)
+    if leaked or any(
+        getattr(orig, "__module__", "").startswith("rng_tracker") for orig, _ in swaps.values()
+    ):
+        raise MegatronInstallError(
+            "rng_tracker.megatron.install(): megatron's modules already hold rng_tracker's "
+            f"objects ({leaked or 'some'}) although nothing is installed in this process; restart "
+            "the process (a fork copied a half-installed megatron)"
+        )
+    return swaps
+
+
+def install(*, invariant: bool = False, allow_unknown_version: bool = False) -> None:
     """Make megatron-core's own code use :mod:`rng_tracker.megatron` on any device.
 
     Imports ``megatron.core.tensor_parallel.random`` and replaces :data:`REPLACED_NAMES` in it
-    and in every imported megatron module bound to the same objects. Modules imported
-    afterwards bind the replacements. Calling it again does nothing; :func:`uninstall` undoes
-    it. Raises :class:`~rng_tracker.errors.MegatronVersionError` (changing nothing) when
-    megatron-core is missing or of a version not in :data:`KNOWN_MEGATRON_CORE_VERSIONS`.
+    and in every imported megatron module bound to the same objects (and megatron's CPU init
+    helper, so experts draw from the expert-parallel stream). Modules imported afterwards bind
+    the replacements. ``invariant=True`` also makes megatron-core's init and every dropout and
+    jitter mask a pure function of (seed, step, site, global index): the same values on any
+    layout (see docs/migrating.md, "Invariant mode"). Calling it again in the same mode does
+    nothing; in the other mode it raises :class:`~rng_tracker.errors.MegatronInstallError`
+    (``uninstall()`` first). Raises :class:`~rng_tracker.errors.MegatronVersionError` (changing
+    nothing) when megatron-core is missing or of a version not in
+    :data:`KNOWN_MEGATRON_CORE_VERSIONS` (for ``invariant=True``: not in
+    :data:`KNOWN_KEY_SCHEMES`, whatever ``allow_unknown_version`` says).
     """
+    invariant = bool(invariant)
     with _LOCK:
         if _SWAPS:
+            if _STATE["invariant"] != invariant:
+                raise MegatronInstallError(
+                    f"rng_tracker.megatron.install(invariant={invariant}): install("
+                    f"invariant={_STATE['invariant']}) is in effect; call uninstall() first"
+                )
             return
-        _check_version(allow_unknown_version)
-        random = importlib.import_module(MEGATRON_RANDOM)
-        from rng_tracker import megatron as ours
+        _check_version(allow_unknown_version, invariant)
+        random = _import_random()
+        swaps = _plain_swaps(random)
+        class_patches = []
+        if invariant:
+            from rng_tracker._megatron_invariant import keyed_params, patches
 
-        swaps = {
-            name: (getattr(random, name), getattr(ours, name))
-            for name in REPLACED_NAMES
-            if hasattr(random, name)
-        }
+            swaps.update(patches.name_swaps())
+            class_patches = patches.apply_class_patches()
+            keyed_params.set_active(True)
         _swap_everywhere({id(orig): (orig, repl) for orig, repl in swaps.values()})
         _SWAPS.update(swaps)
+        _STATE.update(invariant=invariant, class_patches=class_patches)
 
 
 def uninstall() -> None:
     """Undo :func:`install`: every megatron module attribute that holds a replacement
-    (also in modules imported after :func:`install`) gets Megatron's original back."""
+    (also in modules imported after :func:`install`) gets Megatron's original back, and
+    invariant mode's class patches are taken out. Models built in invariant mode keep their
+    keyed sites."""
     with _LOCK:
         if not _SWAPS:
             return
+        if _STATE["invariant"]:
+            from rng_tracker._megatron_invariant import keyed_params, patches
+
+            keyed_params.set_active(False)
+            patches.undo_class_patches(_STATE["class_patches"])
         _swap_everywhere({id(repl): (repl, orig) for orig, repl in _SWAPS.values()})
         _SWAPS.clear()
+        _STATE.update(invariant=False, class_patches=[])

@@ -231,3 +231,47 @@ __all__ += [
     "InvariantRandomUnsupportedError",
     "RNGStateLayoutError",
 ]
+
+
+class ParallelStateMismatchError(ParallelStateError):
+    """rng_tracker's and Megatron's parallel states are both initialised and disagree on a
+    size or a coordinate, so no answer to "which rank is this" can be trusted."""
+
+
+class MegatronInstallError(RNGTrackerError, RuntimeError):
+    """``rng_tracker.megatron.install()`` asked for one mode while the other is installed."""
+
+
+class MegatronInvariantUnsupportedError(RNGTrackerError, ValueError):
+    """A megatron-core feature that cannot draw layout-invariantly in ``install(invariant=True)``
+    (TransformerEngine modules, context parallelism, RandomSTE, an init it cannot key)."""
+
+
+class MegatronInvariantInitError(RNGTrackerError, RuntimeError):
+    """A parameter megatron-core initialises was never filled by invariant init (its model was
+    not a ``GPTModel``, or ``sharded_state_dict()`` gives it no box)."""
+
+
+class BatchPositionError(RNGTrackerError, ValueError):
+    """A batch position that is not ints, lies outside the global batch, or does not fit the
+    microbatch that runs in it."""
+
+
+class BatchPositionTypeError(BatchPositionError, TypeError):
+    """A batch position given as something other than ints; also a :class:`BatchPositionError`."""
+
+
+class MissingBatchPositionError(RNGTrackerError, RuntimeError):
+    """A keyed dropout site ran with no batch position where the microbatch's place in the
+    global batch cannot be known (several data-parallel ranks or microbatches)."""
+
+
+__all__ += [
+    "BatchPositionError",
+    "BatchPositionTypeError",
+    "MegatronInstallError",
+    "MegatronInvariantInitError",
+    "MegatronInvariantUnsupportedError",
+    "MissingBatchPositionError",
+    "ParallelStateMismatchError",
+]

@@ -7,7 +7,10 @@ device (CUDA, another ``torch.accelerator`` device, or CPU). Where the behaviour
 differs from Megatron's, ``docs/migrating.md`` says how and why.
 
 ``install()`` routes megatron-core's own modules here (one line in a training script);
-``uninstall()`` undoes it.
+``uninstall()`` undoes it. ``install(invariant=True)`` also makes megatron-core's init and every
+dropout and jitter mask a pure function of (seed, step, site, global index), the same on any
+layout; the training loop then says where each microbatch sits (:func:`batch_position`) and
+which optimizer step runs (:func:`set_step`).
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ import torch
 
 from rng_tracker._layout import process_layout
 from rng_tracker._megatron_install import (
+    KNOWN_KEY_SCHEMES,
     KNOWN_MEGATRON_CORE_VERSIONS,
     install,
     installed,
+    invariant_installed,
     uninstall,
 )
+from rng_tracker._megatron_invariant.position import batch_position
 from rng_tracker.activation_checkpoint import (
     check_split_input,
     is_checkpointing,
@@ -45,6 +51,7 @@ from rng_tracker.errors import (
     TrackerDeviceError,
     TrackerNotInitializedError,
 )
+from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.seeds import (
     DATA_PARALLEL_RNG,
     EXPERT_PARALLEL_RNG,
@@ -65,11 +72,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HAVE_TE",
+    "KNOWN_KEY_SCHEMES",
     "KNOWN_MEGATRON_CORE_VERSIONS",
     "CheckpointFunction",
     "CheckpointWithoutOutput",
     "CheckpointWithoutOutputManager",
     "CudaRNGStatesTracker",
+    "batch_position",
     "checkpoint",
     "convert_cuda_rng_state",
     "get_all_rng_states",
@@ -84,6 +93,7 @@ __all__ = [
     "is_checkpointing",
     "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
+    "set_step",
     "uninstall",
 ]
 
@@ -407,7 +417,18 @@ def model_parallel_cuda_manual_seed(
     )
     for name, value in extra.items():
         tracker.add(name, value)
+    if invariant_installed():  # invariant mode's keyed state is (this seed, step 0)
+        get_keyed_rng().manual_seed(seed)
     return _placed_on_mesh(plan, state)
+
+
+def set_step(step: int) -> None:
+    """Move invariant mode's keyed randomness to optimizer step ``step`` (in [0, 2**32)).
+
+    Call it once per optimizer step, with the same step on every rank, before the step's
+    forwards: every keyed mask then depends on it, and on nothing else that changes per step.
+    """
+    get_keyed_rng().set_step(step)
 
 
 def _placed_on_mesh(plan: SeedPlan, state: ParallelState | None) -> SeedPlan:

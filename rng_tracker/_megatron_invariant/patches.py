@@ -1,0 +1,220 @@
+"""What ``install(invariant=True)`` puts into megatron-core, what it refuses, and how it is undone.
+
+Name swaps (by identity, in every megatron module, as ``install()`` routes ``random``'s names):
+megatron's affine init helpers (deferring), its checkpoint entry points (carrying the batch
+position) and ``schedules.forward_step`` (telling sites how many microbatches run). Class
+patches: ``TransformerConfig.__post_init__`` (refuses what cannot be invariant, wraps the init
+methods so a parameter they are called on is deferred) and ``GPTModel.__init__`` (refuses a
+TransformerEngine spec before megatron builds anything; when construction ends, wires the keyed
+sites and fills every deferred parameter from the model's ``sharded_state_dict()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from rng_tracker._megatron_invariant import keyed_params, sites
+from rng_tracker._megatron_invariant.position import microbatches
+from rng_tracker.errors import MegatronInvariantUnsupportedError
+from rng_tracker.keyed import get_keyed_rng
+
+__all__ = [
+    "ClassPatch",
+    "apply_class_patches",
+    "finish_model",
+    "name_swaps",
+    "refuse_config",
+    "refuse_spec",
+    "undo_class_patches",
+]
+
+_INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+_TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClassPatch:
+    """``owner.attribute`` was ``original`` and is ``replacement`` while installed."""
+
+    owner: type
+    attribute: str
+    original: Any
+    replacement: Any
+
+
+# -- refusals -------------------------------------------------------------------------------
+def refuse_config(config: Any) -> None:
+    """Raise for a config whose randomness cannot be layout-invariant here."""
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise MegatronInvariantUnsupportedError(
+            f"context parallelism (context_parallel_size={config.context_parallel_size}) cannot "
+            "be invariant here: megatron-core runs it only with TransformerEngine attention, whose "
+            "kernels own the dropout; use context_parallel_size=1 with install(invariant=True)"
+        )
+    if getattr(config, "moe_router_force_load_balancing", False):
+        raise MegatronInvariantUnsupportedError(
+            "moe_router_force_load_balancing draws router logits with megatron's RandomSTE, a "
+            "per-rank stream draw with no keyed counterpart: it cannot be invariant; turn it off "
+            "with install(invariant=True)"
+        )
+    if getattr(config, "moe_router_force_biased", None) is not None:
+        raise MegatronInvariantUnsupportedError(
+            "moe_router_force_biased draws a router bias with megatron's RandomSTEShared, a "
+            "stream draw with no keyed counterpart: it cannot be invariant; leave it None with "
+            "install(invariant=True)"
+        )
+
+
+def _classes_in(spec: Any, seen: set[int] | None = None) -> Iterator[type]:
+    """Every class a layer spec names (ModuleSpec trees, submodule dataclasses, lists)."""
+    seen = set() if seen is None else seen
+    if id(spec) in seen:
+        return
+    seen.add(id(spec))
+    if isinstance(spec, type):
+        yield spec
+    elif isinstance(spec, (list, tuple)):
+        for item in spec:
+            yield from _classes_in(item, seen)
+    elif dataclasses.is_dataclass(spec):
+        for field in dataclasses.fields(spec):
+            yield from _classes_in(getattr(spec, field.name, None), seen)
+    elif hasattr(spec, "module") and hasattr(spec, "submodules"):  # a ModuleSpec
+        yield from _classes_in(spec.module, seen)
+        yield from _classes_in(spec.submodules, seen)
+
+
+def _transformer_engine(cls: type) -> bool:
+    return any(cls.__module__.startswith(prefix) for prefix in _TE_MODULES)
+
+
+def _refuse_transformer_engine(classes: Iterator[type], where: str) -> None:
+    for cls in classes:
+        if _transformer_engine(cls):
+            raise MegatronInvariantUnsupportedError(
+                f"TransformerEngine module {cls.__name__} in {where}: TransformerEngine's kernels "
+                "own its dropout (attention) and init, which rng_tracker cannot key, so it cannot "
+                "be invariant; build the model with megatron-core's local spec "
+                "(get_gpt_layer_local_spec) under install(invariant=True)"
+            )
+
+
+def refuse_spec(spec: Any) -> None:
+    """Raise for a layer spec that names a TransformerEngine module."""
+    _refuse_transformer_engine(_classes_in(spec), "the layer spec")
+
+
+# -- the end of a model's construction ----------------------------------------------------------
+def finish_model(model: torch.nn.Module) -> None:
+    """Wire ``model``'s keyed sites and fill its deferred parameters (its construction ended)."""
+    refuse_config(model.config)
+    _refuse_transformer_engine((type(m) for m in model.modules()), "the model")
+    sites.wire(model)
+    keyed_params.fill_deferred(model, seed=get_keyed_rng().seed)
+
+
+def _finishing(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        if "config" in arguments:
+            refuse_config(arguments["config"])
+        refuse_spec(arguments.get("transformer_layer_spec"))
+        original(self, *args, **kwargs)
+        finish_model(self)
+
+    return __init__
+
+
+def _deferring(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        original(self)
+        refuse_config(self)
+        for name in _INIT_METHODS:
+            method = getattr(self, name, None)
+            if callable(method) and not isinstance(method, keyed_params.DeferredInitMethod):
+                setattr(self, name, keyed_params.DeferredInitMethod(method))
+
+    return __post_init__
+
+
+def apply_class_patches() -> list[ClassPatch]:
+    """Patch megatron's classes for invariant mode; returns what to undo."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    patches = [
+        ClassPatch(
+            TransformerConfig,
+            "__post_init__",
+            TransformerConfig.__dict__["__post_init__"],
+            _deferring(TransformerConfig.__dict__["__post_init__"]),
+        ),
+        ClassPatch(
+            GPTModel, "__init__", GPTModel.__dict__["__init__"], _finishing(GPTModel.__init__)
+        ),
+    ]
+    for patch in patches:
+        setattr(patch.owner, patch.attribute, patch.replacement)
+    return patches
+
+
+def undo_class_patches(patches: list[ClassPatch]) -> None:
+    """Put back every original :func:`apply_class_patches` replaced."""
+    for patch in reversed(patches):
+        if patch.owner.__dict__.get(patch.attribute) is patch.replacement:
+            setattr(patch.owner, patch.attribute, patch.original)
+
+
+# -- name swaps -------------------------------------------------------------------------------
+def _counting_microbatches(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's ``schedules.forward_step`` that tells keyed sites how many microbatches run."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        count = signature.bind_partial(*args, **kwargs).arguments.get("num_microbatches")
+        with microbatches(count if isinstance(count, int) else None):
+            return original(*args, **kwargs)
+
+    return forward_step
+
+
+def name_swaps() -> dict[str, tuple[Any, Any]]:
+    """label -> (megatron's object, its invariant-mode replacement), for the identity swap."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    from rng_tracker._megatron_invariant import checkpoints
+
+    keyed_params.check_helpers()
+    return {
+        "layers._initialize_affine_weight_gpu": (
+            layers._initialize_affine_weight_gpu,
+            keyed_params.initialize_affine_weight_gpu,
+        ),
+        "layers._initialize_affine_weight_cpu": (
+            layers._initialize_affine_weight_cpu,
+            keyed_params.initialize_affine_weight_cpu,
+        ),
+        "schedules.forward_step": (
+            schedules.forward_step,
+            _counting_microbatches(schedules.forward_step),
+        ),
+        "checkpoint": (megatron_random.checkpoint, checkpoints.checkpoint),
+        "CheckpointFunction": (megatron_random.CheckpointFunction, checkpoints.CheckpointFunction),
+        "CheckpointWithoutOutput": (
+            megatron_random.CheckpointWithoutOutput,
+            checkpoints.CheckpointWithoutOutput,
+        ),
+    }

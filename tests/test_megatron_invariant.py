@@ -1,0 +1,375 @@
+"""``rng_tracker.megatron.install(invariant=True)``: megatron-core 0.19.2's own GPTModel draws the
+same init and dropout on any layout, on real gloo ranks.
+
+One distributed test (4 ranks) re-initialises megatron's ``parallel_state`` per layout and runs
+Megatron's own code: ``GPTModel`` (local spec, fp32, hidden and attention dropout 0.1) and one
+training step through ``get_forward_backward_func`` with 2 microbatches per data-parallel rank
+over a global batch of 8 samples. The CPU shims megatron itself needs are in tests/_megatron_cpu.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _megatron_cpu import (
+    cuda_means_cpu,
+    destroy_megatron_groups,
+    process_groups,
+    sequence_parallel_spec,
+)
+from torch.overrides import TorchFunctionMode
+
+import rng_tracker.megatron as rm
+from rng_tracker._megatron_invariant.sites import record
+
+_SEQ, _GLOBAL_BATCH, _VOCAB, _MICROBATCHES, _EXPERTS = 16, 8, 64, 2, 4
+_DATA = torch.randint(0, _VOCAB, (_GLOBAL_BATCH, _SEQ), generator=torch.Generator().manual_seed(5))
+_DENSE = {  # name: (tp, pp, sp)
+    "tp1": (1, 1, False),
+    "tp2": (2, 1, False),
+    "tp4": (4, 1, False),
+    "tp2+sp": (2, 1, True),
+    "pp2": (1, 2, False),
+    "tp2xpp2+sp": (2, 2, True),
+}
+_RECOMPUTE = {
+    "full": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+}
+_MOE = {
+    "num_moe_experts": _EXPERTS,
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "allgather",
+    "moe_input_jitter_eps": 0.1,
+    "add_bias_linear": False,  # megatron's experts refuse biases in training (in-place on a view)
+}
+_EXPERT_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+
+# -- megatron's model and one training step ---------------------------------------------------
+def _config(
+    tp: int, pp: int, sp: bool, *, cpu_init: bool, moe: bool = False, ep: int = 1, **extra: Any
+):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sp,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        use_cpu_initialization=cpu_init,
+        pipeline_dtype=torch.float32,
+        # CPU: none of Megatron's fused CUDA kernels; p2p without batching or CUDA syncs
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_comm=False,
+        batch_p2p_sync=False,
+        **(_MOE if moe else {}),
+        **extra,
+    )
+
+
+def _build(
+    tp: int, pp: int, sp: bool, *, cpu_init: bool, moe: bool = False, ep: int = 1, **extra: Any
+):
+    import megatron.core.parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    rm.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    config = _config(tp, pp, sp, cpu_init=cpu_init, moe=moe, ep=ep, **extra)
+    layer = get_gpt_layer_local_spec(num_experts=_EXPERTS if moe else None, moe_grouped_gemm=False)
+    spec = sequence_parallel_spec(layer, get_num_layers_to_build(config)) if sp else layer
+    with cuda_means_cpu():
+        return GPTModel(
+            config,
+            spec,
+            vocab_size=_VOCAB,
+            max_sequence_length=_SEQ,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
+
+
+def _train_step(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """One forward/backward of the global batch through megatron's schedule; returns this rank's
+    per-sample losses {sample index: summed token loss} (last stage only)."""
+    import megatron.core.parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    per_rank = _GLOBAL_BATCH // dp
+    size = per_rank // _MICROBATCHES
+    microbatch = itertools.count()
+    losses: dict[int, torch.Tensor] = {}
+    positions = torch.arange(_SEQ).expand(size, _SEQ)
+    causal = torch.ones(1, 1, _SEQ, _SEQ).tril() < 0.5
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> Any:
+        offset = dp_rank * per_rank + next(microbatch) * size
+        ids = _DATA[offset : offset + size]
+        with rm.batch_position(offset, _GLOBAL_BATCH):
+            output = model(ids, positions, causal, labels=ids)
+
+        def loss(per_token: torch.Tensor) -> Any:
+            for i, value in enumerate(per_token.detach().sum(dim=1)):
+                losses[offset + i] = value
+            total = (per_token * torch.linspace(0.5, 1.5, _SEQ)).sum()
+            return total, {"loss": total.detach()}
+
+        return output, loss
+
+    model.zero_grad(set_to_none=True)
+    with cuda_means_cpu():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=None,
+            model=[model],
+            num_microbatches=_MICROBATCHES,
+            seq_length=_SEQ,
+            micro_batch_size=size,
+        )
+    return losses
+
+
+# -- gathering what every rank holds into logical tensors ----------------------------------------
+def _place(pieces: list[tuple[str, tuple, tuple, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each key's pieces (global shape, offset, local values) placed in its logical tensor; pieces
+    that overlap (replicas, recomputes) must agree bitwise and every element must be covered."""
+    placed: dict[str, torch.Tensor] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for key, shape, offset, values in pieces:
+        if key not in placed:
+            placed[key] = torch.zeros(shape, dtype=values.dtype)
+            filled[key] = torch.zeros(shape, dtype=torch.bool)
+        box = tuple(slice(o, o + n) for o, n in zip(offset, values.shape, strict=True))
+        seen = filled[key][box]
+        assert torch.equal(placed[key][box][seen], values[seen]), (
+            f"{key}: overlapping pieces differ"
+        )
+        placed[key][box] = values
+        filled[key][box] = True
+    for key, mask in filled.items():
+        assert bool(mask.all()), f"{key}: {int((~mask).sum())} elements no rank holds"
+    return placed
+
+
+def _gathered(pieces: list) -> dict[str, torch.Tensor]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, pieces)
+    return _place([piece for rank in everyone for piece in rank])
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered to its logical tensor, keyed as megatron's sharded_state_dict()."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    pieces = []
+    for box in nested_values(state):
+        if isinstance(box, ShardedTensor) and box.data is not None:
+            data = box.data.detach()[(None,) * box.prepend_axis_num].clone()
+            pieces.append((box.key, box.global_shape, box.global_offset, data))
+    return _gathered(pieces)
+
+
+def _masks(records: list) -> dict[str, torch.Tensor]:
+    """Every keyed site's draws (keep masks, jitter noise) over the whole global batch."""
+    return _gathered([(s, r.global_shape, r.offset, t) for s, r, t in records])
+
+
+def _losses(local: dict[int, torch.Tensor]) -> torch.Tensor:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    merged: dict[int, torch.Tensor] = {}
+    for part in everyone:
+        for sample, value in part.items():
+            assert sample not in merged or torch.equal(merged[sample], value), sample
+            merged[sample] = value
+    assert sorted(merged) == list(range(_GLOBAL_BATCH)), sorted(merged)
+    return torch.stack([merged[i] for i in range(_GLOBAL_BATCH)])
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Within fp32 summation order: TP's all-reduces and microbatch sizes reorder sums.
+    return bool(((a - b).abs() <= 1e-5 * b.abs()).all())
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Keys whose logical tensors differ (all keys must be present in both)."""
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _LargestAllocation(TorchFunctionMode):
+    """The largest tensor a factory call (``torch.empty`` & co.) makes off the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            isinstance(out, torch.Tensor)
+            and out.device.type != "meta"
+            and not (args and args[0] is out)
+        ):
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+# -- one layout ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _megatron_layout(tp: int = 1, pp: int = 1, ep: int = 1) -> Iterator[None]:
+    """Megatron's parallel_state for one layout; every group it made is destroyed afterwards."""
+    import megatron.core.parallel_state as ps
+
+    before = process_groups()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        create_gloo_process_groups=False,
+    )
+    # Megatron allocates attention's scratch buffer on torch.cuda.current_device(): a CPU one
+    ps.get_global_memory_buffer().buffer[("mpu", torch.float32)] = torch.empty(1 << 16)
+    try:
+        yield
+    finally:
+        destroy_megatron_groups(ps, before)
+
+
+def _invariant(tp: int, pp: int, sp: bool, *, moe: bool = False, ep: int = 1) -> dict:
+    """One layout in invariant mode: parameters (use_cpu_initialization False and True alike),
+    one step's site draws and per-sample losses; every recompute mode gives the same gradients,
+    losses and draws (forward and recompute) bitwise."""
+    kw = {"moe": moe, "ep": ep}
+    model = _build(tp, pp, sp, cpu_init=False, **kw)
+    params = _parameters(model)
+    cpu_initialised = _parameters(_build(tp, pp, sp, cpu_init=True, **kw))
+    assert not _same(params, cpu_initialised), "use_cpu_initialization changes the values"
+    with record() as records:
+        losses = _train_step(model)
+    grads, masks = _grads(model), _masks(records)
+    for name, recompute in _RECOMPUTE.items():
+        again = _build(tp, pp, sp, cpu_init=False, **kw, **recompute)
+        with record() as recomputed:  # the recompute's draws land on the forward's: equal
+            losses_again = _train_step(again)
+        assert losses_again.keys() == losses.keys()
+        assert all(torch.equal(losses[k], losses_again[k]) for k in losses), name
+        grads_again = _grads(again)
+        assert grads.keys() == grads_again.keys() and grads, name
+        assert [n for n in grads if not torch.equal(grads[n], grads_again[n])] == [], name
+        assert not _same(masks, _masks(recomputed)), name
+    return {"params": params, "masks": masks, "losses": _losses(losses)}
+
+
+def _plain(tp: int, pp: int, sp: bool, *, cpu_init: bool = False, **kw: Any) -> dict:
+    model = _build(tp, pp, sp, cpu_init=cpu_init, **kw)
+    return {"params": _parameters(model), "losses": _losses(_train_step(model))}
+
+
+def _distinct_experts(params: dict[str, torch.Tensor]) -> bool:
+    fc1 = params[_EXPERT_FC1]  # (layers, global experts, 2 ffn, hidden)
+    return all(
+        not torch.equal(fc1[layer, i], fc1[layer, j])
+        for layer in range(fc1.shape[0])
+        for i, j in itertools.combinations(range(fc1.shape[1]), 2)
+    )
+
+
+def _largest_local_parameter(model: torch.nn.Module) -> int:
+    return max(p.numel() for p in model.parameters())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.distributed(world_size=4, timeout=540)
+def test_megatron_gpt_model_draws_the_same_init_masks_and_losses_on_every_layout(rank):
+    """Invariant: with one seed, megatron-core's own GPTModel under install(invariant=True) has
+    every parameter's logical tensor bitwise equal to TP=1's at TP=2, TP=4, TP=2+SP, PP=2 and
+    TP=2xPP=2+SP (use_cpu_initialization True and False), and MoE EP=2 to EP=1 (jitter on);
+    every dropout and jitter site draws TP=1's global tensor bitwise; one step through
+    get_forward_backward_func (2 microbatches) gives TP=1's per-sample losses within fp32
+    summation order (1e-5 relative); full and selective recompute give gradients bitwise equal
+    to no recompute on each layout. Plain install() in the same processes differs (parameters
+    and losses), draws duplicate experts with use_cpu_initialization=True no longer, and builds
+    full master weights where invariant mode builds none."""
+    warnings.simplefilter("ignore")  # Megatron's warnings about TE/Apex and deprecations
+    from rng_tracker.errors import MissingBatchPositionError
+
+    rm.install(invariant=True)
+    results = {}
+    for name, (tp, pp, sp) in _DENSE.items():
+        with _megatron_layout(tp, pp):
+            results[name] = _invariant(tp, pp, sp)
+            if name == "tp2":  # O(local): no rank builds a master weight (TP=2, CPU init)
+                with _LargestAllocation() as allocated:
+                    model = _build(tp, pp, sp, cpu_init=True)
+                assert allocated.largest <= _largest_local_parameter(model), allocated.largest
+                model.train()  # DP=2: a forward without a batch position is refused
+                with pytest.raises(MissingBatchPositionError, match="batch_position"):
+                    model(_DATA[:2], torch.arange(_SEQ).expand(2, _SEQ), None, labels=_DATA[:2])
+    reference = results["tp1"]
+    for name, result in results.items():
+        assert _same(result["params"], reference["params"]) == [], name
+        assert _same(result["masks"], reference["masks"]) == [], name
+        assert _close(result["losses"], reference["losses"]), (name, result["losses"])
+    assert len(reference["masks"]) == 7, sorted(reference["masks"])  # embedding + 3 per layer
+
+    moe = {}
+    for name, ep in (("ep1", 1), ("ep2", 2)):
+        with _megatron_layout(ep=ep):
+            moe[name] = _invariant(1, 1, False, moe=True, ep=ep)
+    assert _same(moe["ep2"]["params"], moe["ep1"]["params"]) == []
+    assert _same(moe["ep2"]["masks"], moe["ep1"]["masks"]) == []
+    assert any(key.endswith("jitter") for key in moe["ep1"]["masks"])
+    assert _close(moe["ep2"]["losses"], moe["ep1"]["losses"])
+    assert _distinct_experts(moe["ep2"]["params"])
+
+    rm.uninstall()
+    rm.install()  # plain: megatron's values, which depend on the layout
+    plain = {}
+    for name in ("tp1", "tp2"):
+        tp, pp, sp = _DENSE[name]
+        with _megatron_layout(tp, pp):
+            plain[name] = _plain(tp, pp, sp)
+            if name == "tp2":
+                with _LargestAllocation() as allocated:
+                    model = _build(tp, pp, sp, cpu_init=True)
+                assert allocated.largest > _largest_local_parameter(model)  # the probe sees it
+    assert _same(plain["tp2"]["params"], plain["tp1"]["params"]) != []
+    assert not _close(plain["tp2"]["losses"], plain["tp1"]["losses"])
+    with _megatron_layout(ep=2):  # every global expert distinct, CPU init included
+        for cpu_init in (False, True):
+            experts = _plain(1, 1, False, cpu_init=cpu_init, moe=True, ep=2)["params"]
+            assert _distinct_experts(experts), cpu_init
+    rm.uninstall()
