@@ -61,7 +61,7 @@ _SCRIPT = textwrap.dedent(
         for name in MODULES:
             importlib.import_module(name)
         from rng_tracker._megatron_install import _SWAPS
-        originals = [orig for orig, _ in _SWAPS.values()]
+        originals = [_SWAPS[n][0] for n in REPLACED_NAMES if n in _SWAPS]
     ours.install()  # idempotent
     assert ours.installed()
     replacements = [getattr(ours, n) for n in REPLACED_NAMES]
@@ -168,3 +168,92 @@ def test_migrating_guide_shows_the_one_line_first_and_keeps_megatrons_parallel_s
         and ("call `rng_tracker.parallel.init_model_parallel" in s or "replace" in s.lower())
     ]
     assert not told_to_replace, told_to_replace
+
+
+def test_an_unknown_key_scheme_is_refused_for_invariant_mode_even_when_unknown_versions_are_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Invariant: install(invariant=True) keys every parameter by megatron-core's
+    sharded_state_dict() scheme, so a release whose scheme it does not know is refused with
+    MegatronVersionError naming the feature, whatever allow_unknown_version says; nothing
+    changes."""
+    _fake_distribution(tmp_path, "0.99.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = {m for m in sys.modules if m.startswith("megatron")}
+    with pytest.raises(MegatronVersionError, match="key scheme") as caught:
+        rng_tracker.megatron.install(invariant=True, allow_unknown_version=True)
+    assert "0.99.0" in str(caught.value) and "invariant=True" in str(caught.value)
+    assert not rng_tracker.megatron.installed()
+    assert {m for m in sys.modules if m.startswith("megatron")} == loaded
+
+
+def test_a_megatron_package_without_megatron_core_is_a_version_error(tmp_path: Path):
+    """Invariant: a 'megatron' package that is not megatron-core (here one without
+    megatron.core, first on sys.path) makes install() raise MegatronVersionError, not
+    ModuleNotFoundError, and nothing is installed."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import rng_tracker.megatron as ours
+        from rng_tracker.errors import MegatronVersionError
+        try:
+            ours.install()
+        except MegatronVersionError as error:
+            assert "megatron.core" in str(error) and {str(tmp_path)!r} in str(error), error
+            assert not ours.installed()
+            print("refused")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_ENV, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "refused" in out.stdout, out.stdout + out.stderr
+
+
+_FORK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import rng_tracker._megatron_install as machinery
+    import rng_tracker.megatron as ours
+    import megatron.core.tensor_parallel.random as random  # imported now: install() only swaps
+
+    megatrons = random.get_cuda_rng_tracker
+    swapping, swap = threading.Event(), machinery._swap_everywhere
+
+    def slow_swap(table):  # a swap that takes a while, so the fork lands inside install()
+        swapping.set()
+        time.sleep(0.5)
+        swap(table)
+
+    machinery._swap_everywhere = slow_swap
+    installer = threading.Thread(target=ours.install)
+    installer.start()
+    swapping.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: its only thread must be able to use install() and uninstall()
+        machinery._swap_everywhere = swap
+        seen = ours.installed() and random.get_cuda_rng_tracker is ours.get_cuda_rng_tracker
+        ours.uninstall()
+        restored = random.get_cuda_rng_tracker is megatrons
+        ours.install()
+        ours.uninstall()
+        os._exit(0 if seen and restored and random.get_cuda_rng_tracker is megatrons else 3)
+    installer.join()
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_fork_during_install_in_another_thread_leaves_the_child_a_whole_install():
+    """Invariant: os.fork() while another thread is inside install() waits for it, so the child
+    sees megatron either untouched or wholly routed, never holds a lock no thread of it owns (it
+    used to deadlock), and its uninstall() puts megatron's own objects back (never rng_tracker's
+    recorded as megatron's)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT], env=_ENV, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "child exit 0" in out.stdout, out.stdout + out.stderr

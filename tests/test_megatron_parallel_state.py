@@ -14,7 +14,11 @@ import torch
 import torch.distributed as dist
 
 import rng_tracker.megatron as megatron
-from rng_tracker.errors import ParallelConfigError, ParallelStateError
+from rng_tracker.errors import (
+    ParallelConfigError,
+    ParallelStateError,
+    ParallelStateMismatchError,
+)
 from rng_tracker.parallel import verify_rng_consistency
 from rng_tracker.parallel._megatron_state import (
     MegatronParallelState,
@@ -123,8 +127,9 @@ def test_megatron_parallel_state_alone_serves_seeding_checkpoints_and_verificati
     """With only Megatron's parallel_state initialised (tp2 ep2 dp2, order "dp-tp-ep"):
     seeding takes Megatron's tp/ep/etp ranks, distribute_saved_activations its TP group,
     CheckpointWithoutOutput replays the streams, verify_rng_consistency places every rank by
-    Megatron's coordinates; rng_tracker's own state takes precedence; without either state
-    nothing is guessed."""
+    Megatron's coordinates; rng_tracker's own state takes precedence where both agree, and where
+    they disagree every edge raises ParallelStateMismatchError; without either state nothing is
+    guessed."""
     import megatron.core.parallel_state as ps
 
     ps.initialize_model_parallel(
@@ -184,9 +189,18 @@ def test_megatron_parallel_state_alone_serves_seeding_checkpoints_and_verificati
     (_dropout_block(y2) * y2).sum().backward()
     assert torch.equal(y.grad, y2.grad)
 
-    # rng_tracker's own parallel state comes first
-    ours = init_model_parallel(tensor=4)
+    # rng_tracker's own parallel state comes first where both agree; where they disagree
+    # neither is trusted (it used to answer with rng_tracker's silently)
+    ours = init_model_parallel(tensor=2, expert=2, order="dp-tp-ep")
     assert current_layout() is ours
+    destroy_model_parallel()
+    init_model_parallel(tensor=4)
+    with pytest.raises(ParallelStateMismatchError, match="tp: rng_tracker"):
+        current_layout()
+    with pytest.raises(ParallelStateMismatchError):
+        verify_rng_consistency(plan=plan, strict=True)
+    with pytest.raises(ParallelStateMismatchError):
+        megatron.model_parallel_cuda_manual_seed(1234)
     destroy_model_parallel()
 
     # neither state: refused, not guessed
