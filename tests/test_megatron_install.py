@@ -215,7 +215,7 @@ def test_a_megatron_package_without_megatron_core_is_a_version_error(tmp_path: P
 
 _FORK_SCRIPT = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import os, signal, sys, threading, time
     import rng_tracker._megatron_install as machinery
     import rng_tracker.megatron as ours
     import megatron.core.tensor_parallel.random as random  # imported now: install() only swaps
@@ -234,6 +234,7 @@ _FORK_SCRIPT = textwrap.dedent(
     swapping.wait()
     pid = os.fork()
     if pid == 0:  # the child: its only thread must be able to use install() and uninstall()
+        signal.alarm(20)  # a deadlocked child ends itself instead of outliving the test
         machinery._swap_everywhere = swap
         seen = ours.installed() and random.get_cuda_rng_tracker is ours.get_cuda_rng_tracker
         ours.uninstall()
@@ -242,7 +243,7 @@ _FORK_SCRIPT = textwrap.dedent(
         ours.uninstall()
         os._exit(0 if seen and restored and random.get_cuda_rng_tracker is megatrons else 3)
     installer.join()
-    _, status = os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)  # a child killed by its alarm exits -14
     print("child exit", os.waitstatus_to_exitcode(status))
     """
 )
