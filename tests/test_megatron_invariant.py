@@ -373,3 +373,125 @@ def test_megatron_gpt_model_draws_the_same_init_masks_and_losses_on_every_layout
             experts = _plain(1, 1, False, cpu_init=cpu_init, moe=True, ep=2)["params"]
             assert _distinct_experts(experts), cpu_init
     rm.uninstall()
+
+
+def _block(config: Any) -> torch.nn.Module:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    return TransformerBlock(config, get_gpt_layer_local_spec())
+
+
+@pytest.mark.distributed(world_size=1, timeout=240)
+def test_megatron_invariant_mode_refuses_what_it_cannot_key_and_its_loop_calls_check_their_input(
+    rank,
+):
+    """Invariant: what cannot be invariant is refused with a typed error naming the feature
+    (TransformerEngine attention, context parallelism, RandomSTE, an init it cannot key, a
+    parameter unfilled at the first forward, a model built before seeding); batch_position
+    refuses positions outside the batch; a forward without one is refused under several
+    microbatches and is the whole batch under one; set_step moves every mask; uninstall() puts
+    megatron's own classes and functions back and keeps built models keyed."""
+    warnings.simplefilter("ignore")
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from rng_tracker.errors import (
+        BatchPositionError,
+        BatchPositionTypeError,
+        KeyedUnseededError,
+        MegatronInstallError,
+        MegatronInvariantInitError,
+        MegatronInvariantUnsupportedError,
+        MissingBatchPositionError,
+    )
+
+    originals = (
+        GPTModel.__init__,
+        TransformerConfig.__post_init__,
+        layers._initialize_affine_weight_cpu,
+        layers._initialize_affine_weight_gpu,
+        schedules.forward_step,
+    )
+    rm.install(invariant=True)
+    with pytest.raises(MegatronInstallError, match="uninstall"):
+        rm.install()
+    with _megatron_layout():
+        with (
+            pytest.raises(KeyedUnseededError, match="model_parallel_cuda_manual_seed"),
+            cuda_means_cpu(),
+        ):  # (_build seeds: build without it)
+            GPTModel(_config(1, 1, False, cpu_init=True), get_gpt_layer_local_spec(), 64, _SEQ)
+        with pytest.raises(MegatronInvariantUnsupportedError, match="context parallelism"):
+            _config(1, 1, False, cpu_init=True, context_parallel_size=2)
+        with pytest.raises(MegatronInvariantUnsupportedError, match="RandomSTE"):
+            _config(1, 1, False, cpu_init=True, moe=True, moe_router_force_load_balancing=True)
+        te_attention = get_gpt_layer_local_spec()
+        te_attention.submodules.self_attention.submodules.core_attention = TEDotProductAttention
+        with pytest.raises(MegatronInvariantUnsupportedError, match="TransformerEngine"):
+            GPTModel(_config(1, 1, False, cpu_init=True), te_attention, _VOCAB, _SEQ)
+        with pytest.raises(MegatronInvariantUnsupportedError, match="orthogonal_"):
+            _build(1, 1, False, cpu_init=True, init_method=torch.nn.init.orthogonal_)
+        block = _block(_config(1, 1, False, cpu_init=True))  # built outside a GPTModel
+        with pytest.raises(MegatronInvariantInitError, match="never filled"):
+            block(torch.randn(_SEQ, 2, 32), attention_mask=None)
+
+        model = _build(1, 1, False, cpu_init=True)
+        ids, positions = _DATA[:2], torch.arange(_SEQ).expand(2, _SEQ)
+        causal = torch.ones(1, 1, _SEQ, _SEQ).tril() < 0.5
+
+        def forward() -> tuple[torch.Tensor, list]:
+            with record() as records:
+                return model(ids, positions, causal, labels=ids).detach(), records
+
+        for bad, error in (((-1, 8), BatchPositionError), ((8, 8), BatchPositionError)):
+            with pytest.raises(error), rm.batch_position(*bad):
+                pass
+        with pytest.raises(BatchPositionTypeError), rm.batch_position("0", 8):
+            pass
+        with pytest.raises(BatchPositionError, match="does not fit"), rm.batch_position(7, 8):
+            forward()
+        whole, records = forward()  # one rank, one microbatch: the batch is the whole batch
+        with rm.batch_position(0, 2):
+            placed, placed_records = forward()
+        assert torch.equal(whole, placed)
+        assert not _same(_masks(records), _masks(placed_records))
+        with pytest.raises(MissingBatchPositionError, match="2 microbatch"), cuda_means_cpu():
+            schedules.forward_backward_no_pipelining(
+                forward_step_func=lambda _, m: (m(ids, positions, causal, labels=ids), None),
+                data_iterator=None,
+                model=[model],
+                num_microbatches=2,
+                seq_length=_SEQ,
+                micro_batch_size=2,
+                forward_only=True,
+            )
+        rm.set_step(1)
+        step1, step1_records = forward()
+        assert not torch.equal(step1, whole)
+        assert all(not torch.equal(a[2], b[2]) for a, b in zip(records, step1_records))
+        rm.set_step(0)
+        assert torch.equal(forward()[0], whole)
+        model.eval()  # no dropout: no position needed, nothing drawn
+        with record() as drawn:
+            model(ids, positions, causal, labels=ids)
+        assert drawn == []
+        model.train()
+
+        rm.uninstall()
+        now = (
+            GPTModel.__init__,
+            TransformerConfig.__post_init__,
+            layers._initialize_affine_weight_cpu,
+            layers._initialize_affine_weight_gpu,
+            schedules.forward_step,
+        )
+        assert all(a is b for a, b in zip(now, originals, strict=True))
+        rm.install()  # plain routing: a model built invariant stays keyed
+        rm.model_parallel_cuda_manual_seed(99)
+        assert torch.equal(forward()[0], whole)
+        rm.uninstall()

@@ -199,7 +199,8 @@ def _distribution(
     init_method: Callable[..., Any], shape: tuple[int, ...]
 ) -> tuple[str, tuple[float, ...]] | None:
     """(kind, parameters) of the one draw ``init_method`` makes on a tensor of ``shape``; None
-    for an init that only fills a constant. Anything else cannot be keyed and is refused."""
+    for an init that only fills a constant. Anything else cannot be keyed and is refused, an
+    init that does nothing on the meta device probe included (``orthogonal_``)."""
     probe = _Draws()
     truncated: list[tuple[float, ...]] = []
 
@@ -229,8 +230,8 @@ def _distribution(
     others = [op for op in probe.others if op != "constant"]
     if len(draws) == 1 and len(probe.draws) + len(truncated) == 1 and not probe.others:
         return draws[0]
-    if not draws and not probe.draws and not truncated and not others:
-        return None
+    if not probe.draws and not truncated and probe.others and not others:
+        return None  # it wrote a constant (zeros_, constant_): no draw to key
     raise MegatronInvariantUnsupportedError(
         f"invariant init cannot key the init method {_describe(init_method)}: on a tensor of "
         f"shape {shape} it makes {len(probe.draws) + len(truncated)} draw(s) and the in-place "

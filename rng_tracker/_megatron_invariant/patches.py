@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,43 +72,57 @@ def refuse_config(config: Any) -> None:
         )
 
 
-def _classes_in(spec: Any, seen: set[int] | None = None) -> Iterator[type]:
-    """Every class a layer spec names (ModuleSpec trees, submodule dataclasses, lists)."""
+def _leaves(spec: Any, seen: set[int] | None = None) -> Iterator[Any]:
+    """Every class or callable a layer spec names (ModuleSpec trees, submodule dataclasses,
+    lists)."""
     seen = set() if seen is None else seen
-    if id(spec) in seen:
+    if id(spec) in seen or spec is None:
         return
     seen.add(id(spec))
-    if isinstance(spec, type):
-        yield spec
-    elif isinstance(spec, (list, tuple)):
+    if isinstance(spec, (list, tuple)):
         for item in spec:
-            yield from _classes_in(item, seen)
-    elif dataclasses.is_dataclass(spec):
+            yield from _leaves(item, seen)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
-            yield from _classes_in(getattr(spec, field.name, None), seen)
-    elif hasattr(spec, "module") and hasattr(spec, "submodules"):  # a ModuleSpec
-        yield from _classes_in(spec.module, seen)
-        yield from _classes_in(spec.submodules, seen)
+            yield from _leaves(getattr(spec, field.name, None), seen)
+    elif hasattr(spec, "module") and hasattr(spec, "submodules") and not isinstance(spec, type):
+        yield from _leaves(spec.module, seen)  # a ModuleSpec
+        yield from _leaves(spec.submodules, seen)
+    else:
+        yield spec
 
 
-def _transformer_engine(cls: type) -> bool:
-    return any(cls.__module__.startswith(prefix) for prefix in _TE_MODULES)
+def _transformer_engine_name(obj: Any) -> str | None:
+    """The name of ``obj`` if it is one of megatron's TransformerEngine wrappers or a TE class.
+
+    Without TransformerEngine installed megatron binds its TE wrappers to stand-in objects in
+    ``megatron.core.extensions.transformer_engine``; they are found by identity there."""
+    extension = sys.modules.get(_TE_MODULES[0])
+    if extension is not None:
+        for name, value in vars(extension).items():
+            if value is obj and name.startswith("TE"):
+                return name
+    module = getattr(obj, "__module__", None) if isinstance(obj, type) else None
+    if isinstance(module, str) and module.startswith(_TE_MODULES):
+        return obj.__name__
+    return None
 
 
-def _refuse_transformer_engine(classes: Iterator[type], where: str) -> None:
-    for cls in classes:
-        if _transformer_engine(cls):
+def _refuse_transformer_engine(objects: Iterator[Any], where: str) -> None:
+    for obj in objects:
+        name = _transformer_engine_name(obj)
+        if name is not None:
             raise MegatronInvariantUnsupportedError(
-                f"TransformerEngine module {cls.__name__} in {where}: TransformerEngine's kernels "
-                "own its dropout (attention) and init, which rng_tracker cannot key, so it cannot "
-                "be invariant; build the model with megatron-core's local spec "
+                f"TransformerEngine module {name} in {where}: TransformerEngine's kernels own its "
+                "dropout (attention) and init, which rng_tracker cannot key, so it cannot be "
+                "invariant; build the model with megatron-core's local spec "
                 "(get_gpt_layer_local_spec) under install(invariant=True)"
             )
 
 
 def refuse_spec(spec: Any) -> None:
     """Raise for a layer spec that names a TransformerEngine module."""
-    _refuse_transformer_engine(_classes_in(spec), "the layer spec")
+    _refuse_transformer_engine(_leaves(spec), "the layer spec")
 
 
 # -- the end of a model's construction ----------------------------------------------------------
