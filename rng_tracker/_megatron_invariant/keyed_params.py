@@ -304,6 +304,13 @@ def fill_deferred(model: torch.nn.Module, *, seed: int | None) -> int:
     for value in nested_values(sharded):
         if isinstance(value, ShardedTensor) and value.data is not None:
             by_storage.setdefault(_storage_key(value.data), []).append(value)
+    on_meta = [name for name, param in waiting if param.device.type == "meta"]
+    if on_meta:
+        raise MegatronInvariantUnsupportedError(
+            f"invariant init fills parameters when the model is built, but {on_meta[:3]} are on "
+            "the meta device (init_model_with_meta_device): their values would be drawn again "
+            "when materialised, outside invariant init; build the model on a real device"
+        )
     plan = []
     for name, param in waiting:
         if any(p is param for _, p, _ in plan):
