@@ -192,7 +192,7 @@ def _site_paths(model: torch.nn.Module) -> dict[int, str]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     paths: dict[int, str] = {id(model): ""}
-    for path, module in model.named_modules():
+    for module in model.modules():
         for name, child in module.named_children():
             if id(child) in paths:
                 continue
@@ -200,7 +200,6 @@ def _site_paths(model: torch.nn.Module) -> dict[int, str]:
                 name = str(child.layer_number - 1)
             base = paths[id(module)]
             paths[id(child)] = f"{base}.{name}" if base else name
-        del path
     return paths
 
 
@@ -257,14 +256,12 @@ def wire(model: torch.nn.Module) -> list[str]:
             layout = _layout(module.tp_group, 1, 0 if _sequence_parallel(module) else None)
             for attribute in ("self_attn_bda", "cross_attn_bda", "mlp_bda"):
                 bda = getattr(module, attribute)
+                if isinstance(bda, KeyedBiasDropoutAdd):  # wired before (a nested model)
+                    bda = bda.original
                 if bda is get_bias_dropout_add:
-                    edits.append(
-                        (module, attribute, KeyedBiasDropoutAdd(bda, f"{path}.{attribute}", layout))
-                    )
-                elif not isinstance(bda, (IdentityFuncOp, IdentityOp)) and bda not in (
-                    IdentityFuncOp,
-                    IdentityOp,
-                ):
+                    site = KeyedBiasDropoutAdd(bda, f"{path}.{attribute}", layout)
+                    edits.append((module, attribute, site))
+                elif not (isinstance(bda, IdentityOp) or bda in (IdentityOp, IdentityFuncOp)):
                     raise MegatronInvariantUnsupportedError(
                         f"{path}.{attribute} is {bda!r}, not megatron's get_bias_dropout_add: "
                         "invariant mode has no keyed site for its dropout; use the local spec's"
