@@ -202,7 +202,37 @@ def _save_at_tp2(root: str) -> dict:
         format1[name] = _states(tracker1, keyed1)
     out["format1"] = format1
     destroy_model_parallel()
+    _save_with_a_mesh(root)
     return out
+
+
+def _mesh_run(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh given as layout=: its named axes give the coordinates. The stream 'per-tp'
+    varies over tp only, as a model-parallel stream does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("per-tp", 500 + mesh.get_local_rank("tp"))
+    keyed = KeyedRNG("cpu", seed=8)
+    return mesh, tracker, keyed
+
+
+def _save_with_a_mesh(root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    mesh, tracker, keyed = _mesh_run((2,), ("tp",))
+    dcp.save({"rng": RNGStateful(tracker, keyed, layout=mesh)}, checkpoint_id=f"{root}/mesh")
+
+
+def _load_with_a_mesh(root: str) -> tuple[int, str]:
+    """Load the tp=2 mesh checkpoint on a (dp=2, tp=2) mesh: 'per-tp' re-derived per tp rank."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh, tracker, keyed = _mesh_run((2, 2), ("dp", "tp"))
+    with pytest.warns(RNGStateRederivedWarning, match="per-tp"):
+        dcp.load({"rng": RNGStateful(tracker, keyed, layout=mesh)}, checkpoint_id=f"{root}/mesh")
+    return mesh.get_local_rank("tp"), _digest(tracker.state_dict()["streams"]["per-tp"]["state"])
 
 
 def _refused_save(root: str, name: str, stateful: RNGStateful):
@@ -253,7 +283,11 @@ def _load_at(root: str, tensor: int) -> dict:
 
 
 def _on_four_ranks(root: str) -> dict:
-    return {"tp4": _load_at(root, 4), "tp2dp2": _load_at(root, 2)}
+    return {
+        "tp4": _load_at(root, 4),
+        "tp2dp2": _load_at(root, 2),
+        "mesh": _load_with_a_mesh(root),
+    }
 
 
 def _on_one_rank(root: str) -> dict:
@@ -331,6 +365,13 @@ def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(t
                 by_tp.setdefault(result["tp"], set()).add(result["restored"][f"stream/{stream}"])
             assert all(len(states) == 1 for states in by_tp.values()), layout  # equal within tp
             assert len(set().union(*by_tp.values())) == len(by_tp), layout  # distinct across tp
+
+    # the same with a DeviceMesh as layout=: equal within a tp coordinate, distinct across
+    by_tp_mesh: dict[int, set] = {}
+    for result in four:
+        by_tp_mesh.setdefault(result["mesh"][0], set()).add(result["mesh"][1])
+    assert sorted(by_tp_mesh) == [0, 1] and all(len(v) == 1 for v in by_tp_mesh.values())
+    assert by_tp_mesh[0] != by_tp_mesh[1]
 
     # O(1) per rank: two entries of the same size, the same collective bytes, at 2 and 4 ranks
     sizes_two = {sum(r["held"].values()) for r in two}
