@@ -4,7 +4,9 @@ Each op computes, on every rank, exactly its part of the op on the full logical 
 with the generator state the full op would see, and leaves the generator where the full
 op leaves it. So ``result.full_tensor()`` is bitwise the same for any mesh and any
 placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as long as
-every rank of the mesh starts from the same generator state (the replicated stream).
+every rank of the mesh starts from the same generator state (the replicated stream). Keyed
+(``seed=``/``site=``), dropout draws nothing: the mask is a pure function of the seed words and
+the global index; ``region_of(x)`` gives the ``Region`` of a rank's local tensor for the kernels.
 
 ``invariant_random()`` routes torch's dropout and init calls on plain tensors and DTensors
 alike through these ops and the same kernels, so a single-device run draws what any mesh
