@@ -13,7 +13,7 @@ checkpoint's metadata through the reader DCP itself built. torch names:
 
 | relies on | public? | guard |
 | --- | --- | --- |
-| ``state_dict_loader.load`` with locals ``storage_reader``, ``state_dict``, ``process_group``, ``no_dist`` | the function is public, its locals are not | a missing local raises :class:`~rng_tracker.errors.StateDictError` naming it; ``tests/test_dcp_scale.py`` runs plain ``dcp.save``/``load``/``async_save`` and torchtitan's ``CheckpointManager`` |
+| ``state_dict_loader.load`` with locals ``storage_reader``, ``state_dict``, ``process_group``, ``no_dist`` | the function is public, its locals are not | a missing local raises :class:`~rng_tracker.errors.StateDictError` naming it; ``tests/test_dcp_resume_anywhere.py`` runs plain ``dcp.save``/``load``, ``tests/test_torchtitan_checkpoint.py`` torchtitan's ``CheckpointManager`` (sync and async) |
 | ``state_dict_saver._stateful_to_state_dict`` (local ``state_dict``), called by ``save``/``async_save`` (locals ``process_group``, ``no_dist``) | private | not found: the call is taken as not a DCP save, and ``RNGStateful(saved_by="each_rank")`` says it explicitly |
 | ``StorageReader.read_metadata().state_dict_metadata`` | public | |
 """
