@@ -4,7 +4,9 @@ Each op computes, on every rank, exactly its part of the op on the full logical 
 with the generator state the full op would see, and leaves the generator where the full
 op leaves it. So ``result.full_tensor()`` is bitwise the same for any mesh and any
 placements (Shard, _StridedShard, Replicate, Partial; even or uneven splits), as long as
-every rank of the mesh starts from the same generator state (the replicated stream).
+every rank of the mesh starts from the same generator state (the replicated stream). Keyed
+(``seed=``/``site=``), dropout draws nothing: the mask is a pure function of the seed words and
+the global index; ``region_of(x)`` gives the ``Region`` of a rank's local tensor for the kernels.
 
 ``invariant_random()`` routes torch's dropout and init calls on plain tensors and DTensors
 alike through these ops and the same kernels, so a single-device run draws what any mesh
@@ -43,6 +45,7 @@ from rng_tracker.errors import (
     InvariantRandomConfigError,
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
+    KernelInputError,
     RNGConsistencyError,
 )
 from rng_tracker.kernels import IndexMap, Region
@@ -50,6 +53,7 @@ from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels.fused_dropout import _check_p
 from rng_tracker.kernels.reference import keep_scale
+from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel._placement import LocalIndex, local_index_of
 from rng_tracker.parallel.keyed_init import (
     KeyedInit,
@@ -67,6 +71,7 @@ __all__ = [
     "enable_invariant_random",
     "invariant_random",
     "normal_",
+    "region_of",
     "uniform_",
 ]
 
@@ -161,14 +166,60 @@ def _wrap(local: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
-def dropout(x: DTensor, p: float, *, training: bool = True) -> DTensor:
+def region_of(x: DTensor) -> Region:
+    """Where this rank's local tensor of ``x`` sits in the logical tensor, as a kernels ``Region``.
+
+    For keyed (or any explicit) dropout on ``x.to_local()`` with ``rng_tracker.kernels``: no
+    torch private call needed. Every Shard/Replicate layout is one box; a DTensor whose local
+    tensor is several boxes (uneven ``_StridedShard``) or a partial sum (``Partial``) raises
+    :class:`DTensorPlacementError` - use :func:`dropout` with ``seed=`` or ``site=`` there.
+    """
+    _require_dtensor("x", x)
+    if any(isinstance(p, Partial) for p in x.placements):
+        raise DTensorPlacementError(
+            f"x has placements {x.placements}: its local tensor is a partial sum, not its values; "
+            "redistribute the Partial axes to Replicate() first (dtensor.dropout does that)"
+        )
+    boxes = local_index_of(x).boxes()
+    if len(boxes) != 1:
+        raise DTensorPlacementError(
+            f"this rank's local tensor of x (placements {x.placements}) is {len(boxes)} boxes of "
+            "the logical tensor, not one Region; call rng_tracker.parallel.dtensor.dropout(x, p, "
+            "seed=...) instead, which handles strided shards"
+        )
+    return boxes[0][1]
+
+
+def _keyed_seed(x: DTensor, seed: torch.Tensor | None, site: str | None) -> torch.Tensor | None:
+    """The seed words of a keyed call: ``seed`` itself, or keyed site ``site``'s at its step."""
+    if site is None:
+        return seed
+    if seed is not None:
+        raise KernelInputError(
+            "pass site= (a keyed site of get_keyed_rng) or seed= (its seed words), not both"
+        )
+    return get_keyed_rng(x.device).seed_tensor(site)
+
+
+def dropout(
+    x: DTensor,
+    p: float,
+    *,
+    training: bool = True,
+    seed: torch.Tensor | None = None,
+    site: str | None = None,
+) -> DTensor:
     """Dropout of a DTensor whose gathered result is ``rng_tracker.kernels.dropout(full, p)``.
 
     Partial axes are reduced first (the result is Replicate there); other placements are
-    kept. Every rank draws from its default generator, which must be in the same state on
-    all ranks of the mesh, and advances it by the logical element count.
+    kept. Without ``seed``/``site`` every rank draws from its default generator, which must be
+    in the same state on all ranks of the mesh, and advances it by the logical element count.
+    Keyed: ``site`` (a name registered with ``get_keyed_rng(x.device)``) or ``seed`` (the int64
+    words ``[key, base, c2, c3]``, e.g. ``keyed.seed_tensor(site)``) makes the mask a pure
+    function of those words and the global index: nothing is drawn from any generator.
     """
     _require_dtensor("x", x)
+    seed = _keyed_seed(x, seed, site)
     if not training or _check_p(p) == 0.0:
         return x  # as torch and the kernel: nothing drawn, x itself
     x = _without_partial(x)
@@ -181,6 +232,8 @@ def dropout(x: DTensor, p: float, *, training: bool = True) -> DTensor:
         shard: Region | IndexMap,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
+        if seed is not None:  # keyed: no generator takes part
+            return _kernel_dropout(local[part], p, training=training, shard=shard, seed=seed)
         return _kernel_dropout(local[part], p, training=training, shard=shard, generator=generator)
 
     return _wrap(_run_kernel(local, index, call), x)
@@ -201,13 +254,17 @@ def bias_dropout_add(
     p: float,
     *,
     training: bool = True,
+    seed: torch.Tensor | None = None,
+    site: str | None = None,
 ) -> DTensor:
     """``residual + dropout(x + bias)`` on DTensors, gathered equal to the fused kernel on the full tensors.
 
     ``bias`` (shape ``(x.shape[-1],)``, any placements) is gathered - it is small - and
     sliced to x's last-dim indices; ``residual`` is redistributed to x's placements.
+    ``seed``/``site``: keyed, as in :func:`dropout`.
     """
-    x = _without_partial(_require_dtensor("x", x))
+    seed = _keyed_seed(_require_dtensor("x", x), seed, site)
+    x = _without_partial(x)
     residual = _require_dtensor("residual", residual)
     if bias is not None:
         bias = _require_dtensor("bias", bias)
@@ -249,7 +306,8 @@ def bias_dropout_add(
             p,
             training=training,
             shard=shard,
-            generator=generator,
+            generator=None if seed is not None else generator,
+            seed=seed,
         )
 
     return _wrap(_run_kernel(local, index, call), x)

@@ -1,19 +1,25 @@
-"""RNG state in any torch.distributed.checkpoint (DCP) checkpoint, reshardable where it can be.
+"""RNG state in any checkpoint, resumable on any layout, O(1) bytes per rank, checked end to end.
 
-Put an :class:`RNGStateful` in the state dict given to ``dcp.save``/``dcp.load`` (or to
-torchtitan's ``CheckpointManager`` states): it saves this process's default generators (CPU
-and accelerator), the rng_tracker streams and the keyed RNG state, for every rank.
+Put an :class:`RNGStateful` in the state dict given to ``dcp.save``/``dcp.load`` (or torchtitan's
+``CheckpointManager`` states, or accelerate's ``register_for_checkpointing``): it saves this
+process's default generators (CPU and accelerator), the rng_tracker streams and the keyed RNG
+state. docs/resume.md has the whole story; in short:
 
-DCP keeps one copy of equal keys written by several ranks (pytorch#120356), so a per-rank
-state under a shared key would lose all ranks but one. Here every rank's states are gathered
-(one small all-gather of their bytes, nothing pickled) into one blob that is the same on every
-rank: the copy DCP keeps holds all ranks. Loading follows these rules:
-
-- keyed state (seed, step, sites): any layout;
-- a generator or stream that was equal on every saved rank (a replicated stream, e.g. the
-  default generator under ``invariant_random()``): any layout;
-- any other per-rank state: the same layout (``layout=`` and world size) restores each rank's
-  own state; another layout raises :class:`RNGStateLayoutError` before anything changes.
+- **Entries.** ``shared`` holds the keyed state and every generator or stream that is equal on
+  every rank (the same bytes on each rank: DCP keeps one copy, pytorch#120356, so it is written
+  once); ``rank<r>`` holds rank r's own states (the parts that differ between ranks) and is
+  written by rank r. Under DCP each rank returns ``shared`` and its own entry: O(1) bytes per rank
+  at any world size. Where only the main process writes (accelerate's ``save_state``, a
+  ``torch.save`` on rank 0) the entries are gathered to it: O(world) there, O(1) elsewhere.
+- **Checks.** Every entry carries a BLAKE2b checksum over its key and bytes. A load parses and
+  checks everything it was given and what it will restore, then all ranks agree (one small
+  all-reduce) before any rank changes anything. A save refuses, before writing, what no load could
+  restore (ranks with different streams, keyed states or layouts).
+- **Layouts.** The same layout (world size and ``layout=``) restores every state bitwise. On
+  another layout the keyed state and the shared states are restored, and each per-rank part is
+  re-derived from (the run's seed, the saved step, the rank's new coordinates on the axes that
+  part varied over when saved), with one :class:`RNGStateRederivedWarning` naming them;
+  ``strict=True`` raises :class:`RNGStateLayoutError` instead.
 
 :class:`RankStates` is the lower-level container (given ranks' states under ``rank<r>`` keys
 and the keyed state as JSON) for a job that gathers states itself and saves from one process,
@@ -22,22 +28,46 @@ as the demo trainer does.
 
 from __future__ import annotations
 
+import hashlib
 import io
-from collections.abc import Mapping
-from typing import Any
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from rng_tracker._collective import all_gather_tensor_tree
-from rng_tracker.device_rng import default_device, default_generator
-from rng_tracker.errors import RNGStateLayoutError, StateDictError
+from rng_tracker._collective import _device_of, _to_bytes, _to_uint8
+from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
+from rng_tracker._layout import process_layout
+from rng_tracker._rng_entries import canonical, decode_entry, encode_entry, split_blob
+from rng_tracker._validate import checked_int
+from rng_tracker.device_rng import default_device, default_generator, device_rng
+from rng_tracker.errors import (
+    RNGStateConfigError,
+    RNGStateLayoutError,
+    RNGStateRederivedWarning,
+    RNGStateSaveError,
+    StateDictError,
+    TrackerBusyError,
+)
 from rng_tracker.keyed import KeyedRNG, get_keyed_rng
 from rng_tracker.tracker import RNGStatesTracker, get_rng_tracker
 
-__all__ = ["FORMAT", "RNGStateful", "RankStates"]
+__all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 
-FORMAT = 1
+FORMAT = 2  # 1: one blob of every rank's states, gathered to every rank (rng_tracker <= da7a863)
+SavedBy = Literal["auto", "each_rank", "main_process"]
+_SAVED_BY = ("auto", "each_rank", "main_process")
+_RANK_KEY = re.compile(r"rank(0|[1-9][0-9]{0,8})")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_PART_NAME = re.compile(r"cpu|device|stream/.+", re.DOTALL)
+_AXES = ("tp", "cp", "dp", "pp", "ep", "etp")  # a ParallelState's axes, in a fixed order
+_WORD = (1 << 62) - 1  # digest words are 62-bit, so -word fits an int64 (MAX gives min and max)
 
 
 class RankStates:
@@ -83,22 +113,125 @@ def _layout_text(layout: object) -> str:
     )
 
 
-def _equal(values: list[torch.Tensor]) -> bool:
-    return all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values[1:])
+# --- collectives, counted (scripts/bench_rng_checkpoint.py reads the counts) -----------------
+
+_COMM = {"sent": 0, "received": 0}
+
+
+def comm_bytes() -> dict[str, int]:
+    """Bytes this process's RNGStateful collectives sent and received so far (an all-reduce of n
+    bytes counts 2n each way: the bound of a ring all-reduce)."""
+    return dict(_COMM)
+
+
+def _all_reduce_max(values: list[int], group: Any) -> list[int]:
+    data = torch.tensor(values, dtype=torch.int64, device=_device_of(group))
+    dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group)
+    _COMM["sent"] += 2 * data.nbytes
+    _COMM["received"] += 2 * data.nbytes
+    return [int(v) for v in data.cpu().tolist()]
+
+
+def _gather_to_main(payload: bytes, group: Any) -> list[bytes] | None:
+    """Every rank's ``payload`` on the group's rank 0 (None elsewhere): O(world) there only."""
+    (longest,) = _all_reduce_max([len(payload)], group)
+    device = _device_of(group)
+    data = torch.zeros(8 + longest, dtype=torch.uint8, device=device)
+    data[:8] = _to_uint8(len(payload).to_bytes(8, "little"), device)
+    data[8 : 8 + len(payload)] = _to_uint8(payload, device)
+    main = dist.get_rank(group) == 0
+    parts = [torch.empty_like(data) for _ in range(dist.get_world_size(group))] if main else None
+    dist.gather(data, parts, group=group, group_dst=0)
+    if not main:
+        _COMM["sent"] += data.nbytes
+        return None
+    _COMM["received"] += data.nbytes * (len(parts) - 1)
+    out = []
+    for part in parts:
+        raw = _to_bytes(part)
+        out.append(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return out
+
+
+def _world(group: Any) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _digest(data: bytes) -> tuple[int, int]:
+    raw = hashlib.blake2b(data, digest_size=16, person=b"rng_tracker.same").digest()
+    return int.from_bytes(raw[:8], "little") & _WORD, int.from_bytes(raw[8:], "little") & _WORD
+
+
+def _spread(words: tuple[int, int]) -> list[int]:
+    """A digest as [w0, -w0, w1, -w1]: after an all-reduce MAX, equal everywhere iff max == min."""
+    return [words[0], -words[0], words[1], -words[1]]
+
+
+def _same(reduced: list[int]) -> bool:
+    return reduced[0] == -reduced[1] and reduced[2] == -reduced[3]
+
+
+# --- this rank's states ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One generator state: ``cpu``, ``device`` or ``stream/<name>``, its bytes, a stream's seed."""
+
+    name: str
+    state: bytes
+    seed: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.name == "cpu":
+            return "the CPU default generator"
+        if self.name == "device":
+            return "the device default generator"
+        return f"tracker stream {self.name[len('stream/') :]!r}"
+
+
+def _label(name: str) -> str:
+    return _Part(name, b"").label
+
+
+def _fresh_state(seed: int) -> bytes:
+    return _to_bytes(torch.Generator().manual_seed(seed).get_state())
+
+
+@dataclass
+class _Plan:
+    """What a load will install, chosen and checked before anything changes."""
+
+    cpu: torch.Tensor | None = None
+    device: torch.Tensor | None = None
+    tracker: dict[str, Any] | None = None
+    keyed: dict[str, Any] | None = None
+    rederived: list[str] = field(default_factory=list)
 
 
 class RNGStateful:
-    """This process's RNG state as a DCP ``Stateful``: default generators, tracker streams, keyed.
+    """This process's RNG state as a checkpoint ``Stateful``: default generators, streams, keyed.
 
     Args:
         tracker: the rng_tracker tracker whose streams to save; None means the process's
             tracker for the default device (``get_rng_tracker()``).
         keyed: the keyed RNG; None means ``get_keyed_rng()`` (saved only once seeded).
         layout: what makes two runs' per-rank states interchangeable: a str, a mapping of
-            axis sizes (``{"tp": 2, "dp": 2}``) or the DeviceMesh. The world size always counts.
+            axis sizes (``{"tp": 2, "dp": 2}``) or the DeviceMesh (whose named axes then also
+            give each rank's coordinates). The world size always counts.
+        strict: on another layout, raise :class:`RNGStateLayoutError` instead of re-deriving the
+            per-rank parts that cannot move.
+        step: the trainer's step (a callable, e.g. ``lambda: train_state.step``): saved as the
+            step re-derivation uses, and a save refuses a keyed step that is not it.
+        saved_by: who writes the entries: ``"each_rank"`` (DCP: every rank its own, O(1) per
+            rank), ``"main_process"`` (gathered to rank 0, e.g. accelerate's ``save_state``), or
+            ``"auto"``: ``"each_rank"`` inside ``dcp.save``/``async_save``, else ``"main_process"``.
 
     ``state_dict()`` and ``load_state_dict()`` are collective where torch.distributed is
-    initialised (every rank calls them, as ``dcp.save``/``dcp.load`` do).
+    initialised (every rank calls them, as ``dcp.save``/``dcp.load`` and accelerate do).
     """
 
     def __init__(
@@ -107,125 +240,600 @@ class RNGStateful:
         keyed: KeyedRNG | None = None,
         *,
         layout: object = None,
+        strict: bool = False,
+        step: Callable[[], int] | None = None,
+        saved_by: SavedBy = "auto",
     ) -> None:
+        if saved_by not in _SAVED_BY:
+            raise RNGStateConfigError(
+                f"saved_by must be one of {', '.join(map(repr, _SAVED_BY))}, got {saved_by!r}"
+            )
+        if step is not None and not callable(step):
+            raise RNGStateConfigError(
+                f"step must be a callable returning the trainer's step (e.g. lambda: "
+                f"train_state.step), got {type(step).__name__}"
+            )
+        if not isinstance(strict, bool):
+            raise RNGStateConfigError(f"strict must be a bool, got {type(strict).__name__}")
         self._device = default_device()
         self.tracker = tracker if tracker is not None else get_rng_tracker(self._device)
         self.keyed = keyed if keyed is not None else get_keyed_rng(self._device)
         self.layout = _layout_text(layout)
+        self._mesh = layout if getattr(layout, "mesh_dim_names", None) is not None else None
+        self.strict = strict
+        self.saved_by: SavedBy = saved_by
+        self._step = step
 
-    # -- this rank --------------------------------------------------------------------
-    def _mine(self) -> dict[str, Any]:
-        states: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    # -- where this rank sits -------------------------------------------------------------
+    def _coordinates(self, group: Any) -> dict[str, tuple[int, int, Any]]:
+        """Axis -> (coordinate, size, group) from ``layout``'s DeviceMesh, else the process's
+        parallel state; {} when neither describes the whole world."""
+        world = _world(group)[1]
+        if world == 1:
+            return {}
+        mesh = self._mesh
+        if mesh is not None and mesh.size() == world and mesh.get_coordinate() is not None:
+            coordinate = mesh.get_coordinate()
+            return {
+                str(name): (int(coordinate[i]), int(mesh.size(i)), mesh.get_group(i))
+                for i, name in enumerate(mesh.mesh_dim_names)
+            }
+        state = process_layout()
+        if state is None or state.world_size != world:
+            return {}
+        out = {}
+        for axis in _AXES:
+            try:
+                out[axis] = (state.rank(axis), state.size(axis), state.group(axis))
+            except Exception:  # an axis this parallel state does not have
+                continue
+        return out
+
+    def _trainer_step(self) -> int | None:
+        if self._step is None:
+            return None
+        return checked_int(
+            self._step(),
+            "the trainer's step",
+            type_error=RNGStateConfigError,
+            value_error=RNGStateConfigError,
+            minimum=0,
+        )
+
+    def _parts(self) -> list[_Part]:
+        parts = [_Part("cpu", _to_bytes(torch.get_rng_state()))]
         if self._device.type != "cpu":
-            states["device"] = default_generator(self._device).get_state()
-        tracker = self.tracker.state_dict()
-        states["tracker"] = {
-            "version": tracker["version"],
-            "device_type": tracker["device_type"],
-            "streams": {
-                name: {"seed": entry["seed"], "state": entry["state"].clone()}
-                for name, entry in tracker["streams"].items()
-            },
-        }
-        return states
+            parts.append(_Part("device", _to_bytes(default_generator(self._device).get_state())))
+        streams = self.tracker.state_dict()["streams"]
+        for name in sorted(streams):
+            entry = streams[name]
+            parts.append(_Part(f"stream/{name}", _to_bytes(entry["state"]), entry["seed"]))
+        return parts
 
-    @staticmethod
-    def _world() -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+    # -- save -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, bytes]:
+        """``shared`` and this rank's ``rank<r>`` entry (all ranks' on the main process when it
+        alone writes); inside ``dcp.load``, the entries of the checkpoint this rank will read."""
+        call = find_dcp_call(self)
+        if call is not None and call.kind == "load":
+            return self._load_template(call)
+        group = call.process_group if call is not None else None
+        single = call is not None and call.no_dist
+        saved_by = self.saved_by
+        if saved_by == "auto":
+            saved_by = "each_rank" if call is not None else "main_process"
+        shared, mine, rank = self._entries(group, single=single)
+        if saved_by == "main_process" and not single and _world(group)[1] > 1:
+            everyone = _gather_to_main(mine, group)
+            if everyone is not None:
+                return {"shared": shared, **{f"rank{r}": e for r, e in enumerate(everyone)}}
+        return {"shared": shared, f"rank{rank}": mine}
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"blob": bytes}``: every rank's states, equal on all ranks (collective)."""
-        _, world = self._world()
-        mine = self._mine()
-        everyone = all_gather_tensor_tree(mine) if world > 1 else [mine]
+    def _entries(self, group: Any, *, single: bool) -> tuple[bytes, bytes, int]:
+        rank, world = (0, 1) if single else _world(group)
+        parts = self._parts()
         keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
-        payload = {
+        problem = None
+        try:
+            trainer_step = self._trainer_step()
+        except RNGStateConfigError as exc:
+            trainer_step, problem = None, str(exc)
+        if keyed is not None and trainer_step is not None and keyed["step"] != trainer_step:
+            problem = (
+                f"the keyed step {keyed['step']} is not the trainer's step {trainer_step}: a resume "
+                "would draw the masks of another step; drive the keyed step from the trainer "
+                "(keyed.set_step(train_state.step) before each step)"
+            )
+        fields = {
+            "generators and tracker streams": [p.name for p in parts] + [self.tracker.device.type],
+            "keyed RNG states (seed, step or sites)": keyed,
+            "layouts (world size, layout=)": [world, self.layout],
+            "trainer steps": trainer_step,
+        }
+        local = [1 if problem else 0, rank if problem else -1]
+        for value in fields.values():
+            local += _spread(_digest(canonical(value)))
+        nonce = os.urandom(16) if rank == 0 else b""  # not torch's RNG: saving must not draw
+        seed = self.keyed.seed if keyed is not None else torch.initial_seed()
+        if rank == 0:
+            local += [
+                int.from_bytes(nonce[:8], "little") >> 2,
+                int.from_bytes(nonce[8:], "little") >> 2,
+            ]
+            local += [seed >> 32, seed & 0xFFFFFFFF]
+        else:
+            local += [-1, -1, -1, -1]
+        agreed = local if world == 1 else _all_reduce_max(local, group)
+        if agreed[0]:
+            if problem:
+                raise RNGStateSaveError(f"{problem}; nothing was written")
+            raise RNGStateSaveError(
+                f"rank {agreed[1]} refused to save its RNG state (see its error); nothing was "
+                "written by any rank"
+            )
+        for index, what in enumerate(fields):
+            if not _same(agreed[2 + 4 * index : 6 + 4 * index]):
+                raise RNGStateSaveError(
+                    f"the ranks hold different {what}, so no load could restore them (a rank "
+                    "would take another rank's copy); give every rank the same tracker streams, "
+                    "keyed seed and step, and layout= before saving. Nothing was written"
+                )
+        tail = agreed[2 + 4 * len(fields) :]
+        nonce_hex = (tail[0].to_bytes(8, "little") + tail[1].to_bytes(8, "little")).hex()
+        run_seed = (tail[2] << 32) | tail[3]
+
+        replicated, axes = self._variation(parts, group, world)
+        shared_parts = [p for p in parts if replicated[p.name]]
+        own = [p for p in parts if not replicated[p.name]]
+        tracker_sd = self.tracker.state_dict()
+        step = keyed["step"] if keyed is not None else trainer_step
+        shared_header = {
+            "kind": "shared",
             "format": FORMAT,
+            "nonce": nonce_hex,
             "world": world,
             "layout": self.layout,
-            "ranks": dict(enumerate(everyone)),
+            "run_seed": run_seed,
+            "step": step,
+            "trainer_step": trainer_step,
             "keyed": keyed,
+            "tracker": {"version": tracker_sd["version"], "device_type": tracker_sd["device_type"]},
+            "parts": [
+                {
+                    "name": p.name,
+                    "replicated": replicated[p.name],
+                    "nbytes": len(p.state) if replicated[p.name] else 0,
+                    "seed": p.seed if replicated[p.name] else None,
+                    "axes": axes.get(p.name, []),
+                }
+                for p in parts
+            ],
         }
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        return {"blob": buffer.getvalue()}
+        shared = encode_entry("shared", shared_header, [p.state for p in shared_parts])
+        mine_header = {
+            "kind": "rank",
+            "format": FORMAT,
+            "rank": rank,
+            "world": world,
+            "nonce": nonce_hex,
+            "shared": hashlib.blake2b(shared, digest_size=32).hexdigest(),
+            "parts": [{"name": p.name, "nbytes": len(p.state), "seed": p.seed} for p in own],
+        }
+        mine = encode_entry(f"rank{rank}", mine_header, [p.state for p in own])
+        return shared, mine, rank
+
+    def _variation(
+        self, parts: list[_Part], group: Any, world: int
+    ) -> tuple[dict[str, bool], dict[str, list[str]]]:
+        """Which parts are equal on every rank, and for the others the axes they vary over."""
+        if world == 1:
+            return {p.name: True for p in parts}, {}
+        digests = [_digest(p.state + canonical(p.seed)) for p in parts]
+        local = [w for d in digests for w in _spread(d)]
+        reduced = _all_reduce_max(local, group)
+        replicated = {p.name: _same(reduced[4 * i : 4 * i + 4]) for i, p in enumerate(parts)}
+        varying = [i for i, p in enumerate(parts) if not replicated[p.name]]
+        if not varying:
+            return replicated, {}
+        coordinates = self._coordinates(group)
+        names = sorted(a for a, (_, size, _) in coordinates.items() if size > 1)
+        flags = []
+        for axis in names:
+            sub = _all_reduce_max(
+                [w for i in varying for w in _spread(digests[i])], coordinates[axis][2]
+            )
+            flags += [0 if _same(sub[4 * j : 4 * j + 4]) else 1 for j in range(len(varying))]
+        flags = _all_reduce_max(flags, group) if flags else []
+        axes = {}
+        for j, i in enumerate(varying):
+            over = [axis for a, axis in enumerate(names) if flags[a * len(varying) + j]]
+            axes[parts[i].name] = over or ["rank"]
+        return replicated, axes
+
+    # -- load -------------------------------------------------------------------------------
+    def _load_template(self, call: Any) -> dict[str, bytes]:
+        """The entries this rank reads in ``call``: ``shared``, and its own one where the
+        checkpoint has as many ranks as this run (another world re-derives per-rank parts)."""
+        keys = saved_keys(call, self)
+        rank, world = (0, 1) if call.no_dist else _world(call.process_group)
+        if "shared" in keys:
+            saved_world = sum(1 for key in keys if _RANK_KEY.fullmatch(key))
+            own = f"rank{rank}"
+            wanted = ["shared"] + ([own] if saved_world == world and own in keys else [])
+            return dict.fromkeys(wanted, b"")
+        if keys == {"blob"}:
+            return {"blob": b""}
+        name = top_level_key(call, self)
+        raise StateDictError(
+            f"the checkpoint holds no RNG state under {name!r} (it has {sorted(keys)[:8] or 'no'} "
+            f"entries there): it was saved without RNGStateful, or under another key; load it "
+            f"without {name!r}, or from a checkpoint that has it"
+        )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore by the rules of the module docstring; on any error nothing changes."""
-        blob = state_dict.get("blob") if isinstance(state_dict, Mapping) else None
-        if not isinstance(blob, bytes | bytearray):
+        """Restore by the rules of the module docstring; on any refusal nothing changes on any rank."""
+        call = find_dcp_call(self)
+        group = call.process_group if call is not None else None
+        single = call is not None and call.no_dist
+        rank, world = (0, 1) if single else _world(group)
+        plan: _Plan | None = None
+        error: BaseException | None = None
+        try:
+            plan = self._plan(state_dict, rank, world, group)
+        except Exception as exc:  # every rank must reach the agreement below, whatever failed
+            error = exc
+        if world > 1:
+            bad, who = _all_reduce_max([1 if error else 0, rank if error else -1], group)
+            if bad and error is None:
+                error = StateDictError(
+                    f"rank {who} refused the RNG state (see its error), so no rank restores "
+                    "any of it: every generator, stream and keyed state is as it was"
+                )
+        if error is not None:
+            raise error
+        assert plan is not None
+        self._apply(plan)
+        if plan.rederived:
+            warnings.warn(
+                "the checkpoint was saved on another layout: re-derived "
+                f"{', '.join(_label(n) for n in plan.rederived)} from the run's seed, the saved "
+                "step and this rank's coordinates (they differed between the saved ranks, so "
+                "they cannot move); the keyed state and the shared streams were restored. "
+                "Pass strict=True to refuse instead",
+                RNGStateRederivedWarning,
+                stacklevel=2,
+            )
+
+    def _plan(self, state_dict: object, rank: int, world: int, group: Any) -> _Plan:
+        if not isinstance(state_dict, Mapping):
             raise StateDictError(
-                "expected {'blob': bytes} as saved by RNGStateful.state_dict(); got "
+                f"expected the mapping RNGStateful.state_dict() returns, got "
                 f"{type(state_dict).__name__}"
             )
-        payload = torch.load(io.BytesIO(blob), weights_only=True)
-        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise StateDictError(
-                f"RNG state of format {payload.get('format') if isinstance(payload, dict) else '?'}"
-                f", this rng_tracker reads format {FORMAT}; save it again with this version"
+        if self.tracker.open_forks():
+            raise TrackerBusyError(
+                f"cannot load RNG state inside open fork(s) {list(self.tracker.open_forks())}; "
+                "load outside any fork"
             )
-        rank, world = self._world()
-        ranks: dict[int, dict[str, Any]] = payload["ranks"]
-        same_layout = payload["world"] == world and payload["layout"] == self.layout
-        own = ranks.get(rank) if same_layout else None
-
-        def pick(what: str, values: list[torch.Tensor]) -> torch.Tensor:
-            if _equal(values):
-                return values[0]
-            if own is None:
-                raise RNGStateLayoutError(
-                    f"{what} differs between the {payload['world']} saved ranks (layout "
-                    f"{payload['layout']!r}), so it can only be restored on that layout; this "
-                    f"run has {world} ranks, layout {self.layout!r}. Resume on the saved layout, "
-                    "or use replicated streams / keyed randomness, which reshard"
+        if "blob" in state_dict:
+            return self._plan_format1(state_dict, rank, world)
+        unknown = [k for k in state_dict if k != "shared" and not _is_rank_key(k)]
+        if unknown or "shared" not in state_dict:
+            raise StateDictError(
+                f"an RNG state has the entries 'shared' and 'rank<r>'; got {sorted(map(str, state_dict))[:8]}"
+                ": it was not written by RNGStateful.state_dict()"
+            )
+        header, blob, _ = decode_entry("shared", state_dict["shared"])
+        shared = _check_shared(header)
+        shared_sum = hashlib.blake2b(state_dict["shared"], digest_size=32).hexdigest()
+        pieces = split_blob(
+            "shared", blob, [p["nbytes"] for p in shared["parts"] if p["replicated"]]
+        )
+        states: dict[str, tuple[bytes, int | None]] = {}
+        replicated = [p for p in shared["parts"] if p["replicated"]]
+        for part, piece in zip(replicated, pieces, strict=True):
+            states[part["name"]] = (piece, part["seed"])
+        per_rank = [p["name"] for p in shared["parts"] if not p["replicated"]]
+        # every rank entry handed to this load is checked, each by one of this run's ranks
+        own_key = f"rank{rank}"
+        entries = {}
+        for key in state_dict:
+            if key != "shared" and (key == own_key or int(key[4:]) % world == rank):
+                entries[key] = _check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
+        same = shared["world"] == world and shared["layout"] == self.layout
+        rederived: list[str] = []
+        if per_rank and same:
+            if own_key not in entries:
+                raise StateDictError(
+                    f"the RNG state lacks this rank's entry {own_key!r} (saved on {shared['world']} "
+                    "ranks): the checkpoint is incomplete; resume from another one"
                 )
-            return values[rank]
+            states.update(entries[own_key])
+        elif per_rank:
+            if self.strict:
+                raise RNGStateLayoutError(
+                    f"{_label(per_rank[0])} differs between the {shared['world']} saved ranks "
+                    f"(layout {shared['layout']!r}), so it can only be restored on that layout; "
+                    f"this run has {world} ranks, layout {self.layout!r}; per-rank parts: "
+                    f"{', '.join(_label(n) for n in per_rank)}. Resume on the saved layout, pass "
+                    "strict=False to re-derive them, or use replicated streams / keyed "
+                    "randomness, which reshard"
+                )
+            states.update(self._rederive(shared, per_rank, rank, group))
+            rederived = per_rank
+        return self._checked_plan(states, shared["tracker"], shared["keyed"], rederived)
 
-        saved = [ranks[r] for r in sorted(ranks)]
-        cpu = pick("the CPU default generator", [s["cpu"] for s in saved])
-        device = None
-        if self._device.type != "cpu" and all("device" in s for s in saved):
-            device = pick("the device default generator", [s["device"] for s in saved])
-        names = sorted(saved[0]["tracker"]["streams"])
-        if any(sorted(s["tracker"]["streams"]) != names for s in saved):
-            raise StateDictError("the saved ranks hold different tracker streams; cannot restore")
-        tracker_sd = {
-            "version": saved[0]["tracker"]["version"],
-            "device_type": saved[0]["tracker"]["device_type"],
+    def _rederive(
+        self, shared: dict[str, Any], names: list[str], rank: int, group: Any
+    ) -> dict[str, tuple[bytes, int | None]]:
+        """Fresh states of the per-rank parts ``names`` for this rank of the new layout."""
+        coordinates = self._coordinates(group)
+        out = {}
+        for part in shared["parts"]:
+            if part["name"] not in names:
+                continue
+            axes = part["axes"]
+            if all(a in coordinates for a in axes):
+                at = {a: coordinates[a][0] for a in axes}
+            else:  # the rank's place along those axes is unknown here: its global rank decides
+                at = {"rank": rank}
+            moment = (
+                {"step": shared["step"]}
+                if shared["step"] is not None
+                else {"checkpoint": shared["nonce"]}
+            )
+            record = {"seed": shared["run_seed"], "part": part["name"], "at": at, **moment}
+            digest = hashlib.blake2b(canonical(record), digest_size=8, person=b"rng_tracker.redo")
+            seed = int.from_bytes(digest.digest(), "little")
+            if part["name"] == "cpu":
+                out["cpu"] = (_fresh_state(seed), None)
+            elif part["name"] == "device":
+                rng = device_rng(self._device)
+                out["device"] = (_to_bytes(rng.to_bytes(rng.fresh(seed))), None)
+            else:
+                rng = device_rng(self.tracker.device)
+                out[part["name"]] = (_to_bytes(rng.to_bytes(rng.fresh(seed))), seed)
+        return out
+
+    def _checked_plan(
+        self,
+        states: dict[str, tuple[bytes, int | None]],
+        tracker_info: Mapping[str, Any],
+        keyed: Mapping[str, Any] | None,
+        rederived: list[str],
+    ) -> _Plan:
+        """The plan of ``states``, every piece tried on scratch objects: nothing live changes."""
+        plan = _Plan(rederived=rederived)
+        cpu = states.get("cpu")
+        if cpu is None:
+            raise StateDictError("the RNG state holds no CPU default generator state")
+        plan.cpu = torch.frombuffer(bytearray(cpu[0]), dtype=torch.uint8).clone()
+        try:
+            torch.Generator().set_state(plan.cpu)
+        except RuntimeError as exc:
+            raise StateDictError(f"the saved CPU generator state does not decode: {exc}") from None
+        if "device" in states and self._device.type != "cpu":
+            plan.device = _to_uint8(states["device"][0], torch.device("cpu")).clone()
+            try:
+                device_rng(self._device).from_bytes(plan.device)
+            except RuntimeError as exc:
+                raise StateDictError(
+                    f"the saved device generator state does not decode: {exc}"
+                ) from None
+        plan.tracker = {
+            "version": tracker_info["version"],
+            "device_type": tracker_info["device_type"],
             "streams": {
-                name: {
-                    "seed": saved[0]["tracker"]["streams"][name]["seed"]
-                    if own is None
-                    else own["tracker"]["streams"][name]["seed"],
-                    "state": pick(
-                        f"tracker stream {name!r}",
-                        [s["tracker"]["streams"][name]["state"] for s in saved],
-                    ),
+                name[len("stream/") :]: {
+                    "seed": seed,
+                    "state": torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+                    if data
+                    else torch.empty(0, dtype=torch.uint8),
                 }
-                for name in names
+                for name, (data, seed) in sorted(states.items())
+                if name.startswith("stream/")
             },
         }
-        # Everything is chosen; apply, and put back what was there if any part refuses.
+        RNGStatesTracker(self.tracker.device).load_state_dict(plan.tracker)  # refuses typed
+        if keyed is not None:
+            scratch = KeyedRNG(self.keyed.device)
+            scratch.load_state_dict(self.keyed.state_dict())  # the sites registered here
+            scratch.load_state_dict(keyed)  # refuses bad values and collisions, typed
+            plan.keyed = dict(keyed)
+        return plan
+
+    def _apply(self, plan: _Plan) -> None:
+        generator = default_generator(self._device)
         before = (
             torch.get_rng_state(),
-            default_generator(self._device).get_state() if device is not None else None,
+            generator.get_state() if plan.device is not None else None,
             self.tracker.state_dict(),
-            self.keyed.state_dict() if self.keyed.seed is not None else None,
+            self.keyed.state_dict(),
         )
         try:
-            if payload["keyed"] is not None:
-                self.keyed.load_state_dict(payload["keyed"])
-            self.tracker.load_state_dict(tracker_sd)
-            torch.set_rng_state(cpu)
-            if device is not None:
-                default_generator(self._device).set_state(device)
-        except Exception:
+            if plan.keyed is not None:
+                self.keyed.load_state_dict(plan.keyed)
+            self.tracker.load_state_dict(plan.tracker)
+            torch.set_rng_state(plan.cpu)
+            if plan.device is not None:
+                device_rng(self._device).install(device_rng(self._device).from_bytes(plan.device))
+        except BaseException:  # checked on scratch objects first: this is a last resort
             torch.set_rng_state(before[0])
             if before[1] is not None:
-                default_generator(self._device).set_state(before[1])
+                generator.set_state(before[1])
             self.tracker.load_state_dict(before[2])
-            if before[3] is not None:
-                self.keyed.load_state_dict(before[3])
+            self.keyed.load_state_dict(before[3])
             raise
+
+    # -- format 1 ---------------------------------------------------------------------------
+    def _plan_format1(self, state_dict: Mapping[str, Any], rank: int, world: int) -> _Plan:
+        """A format-1 checkpoint (one blob of every rank): the same layout restores everything;
+        another layout restores the keyed and shared states, and refuses per-rank ones."""
+        blob = state_dict["blob"]
+        if set(state_dict) != {"blob"} or not isinstance(blob, bytes | bytearray):
+            raise StateDictError("a format-1 RNG state is {'blob': bytes}; this one is malformed")
+        try:
+            payload = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+            ranks = payload["ranks"]
+            saved = [ranks[r] for r in sorted(ranks)]
+            parts_of = [_format1_parts(s) for s in saved]
+            same = payload["world"] == world and payload["layout"] == self.layout
+            names = list(parts_of[0])
+            keyed = payload["keyed"]
+            tracker = saved[0]["tracker"]
+            tracker_info = {"version": tracker["version"], "device_type": tracker["device_type"]}
+        except Exception as exc:
+            raise StateDictError(
+                f"a format-1 RNG state (rng_tracker <= da7a863) that does not decode "
+                f"({type(exc).__name__}: {exc}); format 1 has no checksum: resume from another "
+                "checkpoint"
+            ) from None
+        if any(list(p) != names for p in parts_of) or len(parts_of) != payload["world"]:
+            raise StateDictError(
+                "the format-1 RNG state's ranks hold different streams; it cannot be restored"
+            )
+        states = {}
+        for name in names:
+            values = [p[name] for p in parts_of]
+            if all(v == values[0] for v in values):
+                states[name] = values[0]
+            elif same:
+                states[name] = parts_of[rank][name]
+            else:
+                raise RNGStateLayoutError(
+                    f"{_label(name)} differs between the {payload['world']} saved ranks of this "
+                    f"format-1 checkpoint (layout {payload['layout']!r}); format 1 holds no "
+                    "run seed or coordinates to re-derive it on another layout, so it restores "
+                    f"only on the saved layout (this run: {world} ranks, layout {self.layout!r}). "
+                    "To convert: load it on the saved layout and save again (format 2)"
+                )
+        return self._checked_plan(states, tracker_info, keyed, [])
+
+
+def _is_rank_key(key: object) -> bool:
+    return isinstance(key, str) and _RANK_KEY.fullmatch(key) is not None
+
+
+def _format1_parts(saved: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
+    parts = {"cpu": (_to_bytes(saved["cpu"]), None)}
+    if "device" in saved:
+        parts["device"] = (_to_bytes(saved["device"]), None)
+    for name, entry in sorted(saved["tracker"]["streams"].items()):
+        parts[f"stream/{name}"] = (_to_bytes(entry["state"]), entry["seed"])
+    return parts
+
+
+# --- header schemas (a checksum proves integrity, not that a writer followed the format) -------
+
+
+def _malformed(what: str) -> StateDictError:
+    return StateDictError(
+        f"the RNG state's {what} is malformed: it was not written by this rng_tracker's "
+        "RNGStateful; resume from another checkpoint"
+    )
+
+
+def _is_int(value: object, low: int = 0, high: int | None = None) -> bool:
+    return (
+        type(value) is int and value >= low and (high is None or value <= high)  # no bools
+    )
+
+
+def _check_shared(header: dict[str, Any]) -> dict[str, Any]:
+    keys = {
+        "kind",
+        "format",
+        "nonce",
+        "world",
+        "layout",
+        "run_seed",
+        "step",
+        "trainer_step",
+        "keyed",
+        "tracker",
+        "parts",
+    }
+    if set(header) != keys or header["kind"] != "shared":
+        raise _malformed("shared entry")
+    if header["format"] != FORMAT:
+        raise StateDictError(
+            f"RNG state of format {header['format']!r}; this rng_tracker reads formats 1 and "
+            f"{FORMAT}: load it with the version that wrote it"
+        )
+    tracker = header["tracker"]
+    if not (
+        isinstance(header["nonce"], str)
+        and _HEX32.fullmatch(header["nonce"])
+        and _is_int(header["world"], 1)
+        and isinstance(header["layout"], str)
+        and _is_int(header["run_seed"], 0, 2**64 - 1)
+        and (header["step"] is None or _is_int(header["step"]))
+        and (header["trainer_step"] is None or _is_int(header["trainer_step"]))
+        and (header["keyed"] is None or isinstance(header["keyed"], dict))
+        and isinstance(tracker, dict)
+        and set(tracker) == {"version", "device_type"}
+        and isinstance(header["parts"], list)
+    ):
+        raise _malformed("shared entry's header")
+    names = []
+    for part in header["parts"]:
+        if not (
+            isinstance(part, dict)
+            and set(part) == {"name", "replicated", "nbytes", "seed", "axes"}
+            and isinstance(part["name"], str)
+            and _PART_NAME.fullmatch(part["name"])
+            and type(part["replicated"]) is bool
+            and _is_int(part["nbytes"])
+            and (part["seed"] is None or _is_int(part["seed"], 0, 2**64 - 1))
+            and isinstance(part["axes"], list)
+            and all(isinstance(a, str) and a for a in part["axes"])
+            and (part["replicated"] or (part["axes"] and part["nbytes"] == 0))
+        ):
+            raise _malformed("shared entry's list of states")
+        names.append(part["name"])
+    if len(set(names)) != len(names) or "cpu" not in names:
+        raise _malformed("shared entry's list of states")
+    return header
+
+
+def _check_rank_entry(
+    key: str,
+    data: object,
+    shared: dict[str, Any],
+    shared_sum: str,
+    per_rank: list[str],
+) -> dict[str, tuple[bytes, int | None]]:
+    header, blob, _ = decode_entry(key, data)
+    if set(header) != {"kind", "format", "rank", "world", "nonce", "shared", "parts"} or not (
+        header["kind"] == "rank"
+        and header["format"] == FORMAT
+        and _is_int(header["rank"])
+        and f"rank{header['rank']}" == key
+        and isinstance(header["shared"], str)
+        and _HEX64.fullmatch(header["shared"])
+        and isinstance(header["parts"], list)
+    ):
+        raise _malformed(f"entry {key!r}")
+    if (header["world"], header["nonce"], header["shared"]) != (
+        shared["world"],
+        shared["nonce"],
+        shared_sum,
+    ) or header["rank"] >= shared["world"]:
+        raise StateDictError(
+            f"the RNG state's entry {key!r} belongs to another save than its 'shared' entry: "
+            "the checkpoint mixes saves; resume from another one"
+        )
+    parts = header["parts"]
+    if (
+        not all(
+            isinstance(p, dict)
+            and set(p) == {"name", "nbytes", "seed"}
+            and _is_int(p["nbytes"])
+            and (p["seed"] is None or _is_int(p["seed"], 0, 2**64 - 1))
+            for p in parts
+        )
+        or [p["name"] for p in parts] != per_rank
+    ):
+        raise _malformed(f"entry {key!r}'s list of states")
+    pieces = split_blob(key, blob, [p["nbytes"] for p in parts])
+    return {p["name"]: (piece, p["seed"]) for p, piece in zip(parts, pieces, strict=True)}

@@ -275,3 +275,21 @@ __all__ += [
     "MissingBatchPositionError",
     "ParallelStateMismatchError",
 ]
+
+
+class RNGStateSaveError(RNGTrackerError, ValueError):
+    """An RNG state a save refuses before writing, since no load could restore it: ranks holding
+    different streams, keyed states or layouts, or a keyed step that is not the trainer's step."""
+
+
+class RNGStateConfigError(RNGTrackerError, ValueError):
+    """``RNGStateful`` given an option it cannot use (an unknown ``saved_by``, a ``step`` that is
+    not callable, a ``strict`` that is not a bool)."""
+
+
+class RNGStateRederivedWarning(UserWarning):
+    """A load on another layout re-derived per-rank RNG states that cannot move (named in the
+    message) from the run's seed, the saved step and each rank's new coordinates."""
+
+
+__all__ += ["RNGStateConfigError", "RNGStateRederivedWarning", "RNGStateSaveError"]

@@ -3,8 +3,8 @@
 Claims: ``dcp.save`` keeps every rank's states (DCP's equal-key dedup, pytorch#120356, drops
 none); ``dcp.load`` on the saved layout restores each rank's own default generator, tracker
 streams and keyed state; on another layout it restores the keyed state and the replicated
-(equal on every rank) states, and refuses per-rank states with RNGStateLayoutError,
-changing nothing.
+(equal on every rank) states, and with ``strict=True`` refuses per-rank states with
+RNGStateLayoutError, changing nothing (without it they are re-derived: tests/test_dcp_resume_anywhere.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def test_dcp_save_at_one_layout_load_at_another(rank: int, tmp_path) -> None:
     tp4 = {"dp": 1, "tp": 4}
     with pytest.raises(RNGStateLayoutError, match="tracker stream 'per-rank' differs") as info:
         dcp.load(
-            {"rng": RNGStateful(tracker, keyed, layout=tp4)}, checkpoint_id=str(tmp_path / "a")
+            {"rng": RNGStateful(tracker, keyed, layout=tp4, strict=True)},
+            checkpoint_id=str(tmp_path / "a"),
         )
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
     assert torch.equal(torch.get_rng_state(), before[0])

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,68 @@ def test_as_a_process_the_refusal_is_one_line_and_exit_2(argv):
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_an_empty_save_is_refused_before_training(capsys, tmp_path):
+    """On main ``--save ""`` trained every step, saved nothing and exited 0: the run was lost."""
+    line = _refused(capsys, ["--rng-mode", "keyed", "--steps", "1", "--save", ""])
+    assert "SaveTargetError" in line and "--save is empty" in line
+    with pytest.raises(SaveTargetError):
+        preflight(TrainConfig(save=""), world=1)
+
+
+def test_preflight_proves_the_save_target_writable_by_creating_an_entry(capsys, tmp_path):
+    """As root (CI, containers) ``os.access`` says yes under /proc, so main trained every step and
+    lost the run at the commit; the probe (create and remove an entry) refuses it up front, and
+    leaves nothing behind in a writable target."""
+    line = _refused(capsys, ["--rng-mode", "keyed", "--steps", "1", "--save", "/proc/ckpt"])
+    assert "SaveTargetError" in line and "creating an entry in /proc failed" in line
+    target = tmp_path / "out"
+    target.mkdir()
+    check_save_target(str(target))
+    check_save_target(str(target / "new" / "ckpt"))  # probed in the nearest existing parent
+    assert list(target.iterdir()) == [] and not (target / "new").exists()
+
+
+def _save_then_fail_the_commit(ckpt: str) -> tuple:
+    """Save step 2 into ckpt; make its commit pointer's temporary path a directory, so the next
+    commit fails for real (the OS refuses to write it); resume and save step 4 there."""
+    from _small_run import small_run
+    from gpt_training.dcp_checkpoint import COMMITTED
+    from gpt_training.errors import SaveCommitError
+    from gpt_training.trainer import train
+
+    cfg = small_run(
+        rng_mode="keyed", global_batch=4, verify=False, steps=2, save=ckpt, pp=2, microbatches=2
+    )
+    train(cfg)
+    if dist.get_rank() == 0:
+        os.mkdir(os.path.join(ckpt, COMMITTED + ".tmp"))
+    dist.barrier()
+    try:
+        train(replace(cfg, steps=4, resume=ckpt))
+    except SaveCommitError as exc:
+        return type(exc).__mro__[1].__name__, str(exc)
+    return None, None
+
+
+def test_a_save_that_fails_at_commit_keeps_the_previous_checkpoint_and_rescues_the_run(tmp_path):
+    """pp=2 on 2 ranks: the commit of step 4 fails (the OS refuses the pointer's write). Every rank
+    raises one typed SaveCommitError (a TrainingCheckpointError, so train.py prints it as one line,
+    exit 2) naming the cause, that the step-2 checkpoint is kept, and the rescue directory that
+    holds step 4 committed; on main rank 0 raised a raw IsADirectoryError and rank 1 waited."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_save_then_fail_the_commit, world_size=2, args=(ckpt,), timeout=240)
+    assert results[0] == results[1] and results[0][0] == "TrainingCheckpointError", results
+    message = results[0][1]
+    assert "IsADirectoryError" in message and "is still the committed one" in message
+    assert read_manifest(ckpt).step == 2  # kept, every file checked against its hash
+    rescue = message.split("was committed to ")[1].split(" instead")[0]
+    try:
+        rescued = read_manifest(rescue)
+        assert rescued.step == 4 and rescued.run_id == read_manifest(ckpt).run_id
+        assert f"resume with --resume {rescue}" in message
+    finally:
+        shutil.rmtree(rescue, ignore_errors=True)

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -40,7 +41,7 @@ from rng_tracker.parallel.collectives import gather_from_tp
 # mesh.py has no public "global rank of these coordinates"; its own rank grid is the truth.
 from rng_tracker.parallel.mesh import global_rank
 
-from .errors import ResumeRefusedError, TrainingCheckpointError
+from .errors import ResumeRefusedError, SaveCommitError, TrainingCheckpointError
 
 __all__ = [
     "FAULT_ENV",
@@ -329,17 +330,113 @@ def save_checkpoint(
         specs, local, layout=manifest.layout, coords=coords, tp_group=tp_group
     )
     per_rank = _gather_rng(rng)
+    failure = ""
     if dist.get_rank() == 0:
-        _commit(path, tensors, RNGCheckpoint(per_rank, keyed), manifest)
+        failure = _commit_or_rescue(path, tensors, RNGCheckpoint(per_rank, keyed), manifest)
+    failure = _from_rank0(failure)  # every rank raises the same error, none waits forever
+    if failure:
+        raise SaveCommitError(failure)
     dist.barrier()
+
+
+def _from_rank0(text: str) -> str:
+    """Rank 0's ``text`` on every rank (two broadcasts of bytes; nothing pickled)."""
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size), dtype=torch.uint8)
+    if dist.get_rank() == 0 and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if int(size):
+        dist.broadcast(buffer, src=0)
+    return bytes(buffer.tolist()).decode()
+
+
+def _committed_step(path: str) -> str:
+    """What ``path`` holds committed, in words, for an error message."""
+    try:
+        with open(os.path.join(path, COMMITTED), "rb") as f:
+            pointer = parse_pointer(f.read(), os.path.join(path, COMMITTED))
+    except (OSError, TrainingCheckpointError):
+        return f"{path} holds no readable committed checkpoint, and none was changed"
+    return (
+        f"the checkpoint {path} held before (step {pointer['step']} of run "
+        f"{pointer['run_id'][:8]}) is still the committed one, unchanged"
+    )
+
+
+def _commit_or_rescue(
+    path: str, tensors: dict[str, torch.Tensor], rng: RNGCheckpoint, manifest: Manifest
+) -> str:
+    """Commit into ``path``; if that fails, into a fresh rescue directory. "" on success, else
+    the error message: what failed, that ``path``'s checkpoint is kept, where the state is."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        _commit(path, tensors, rng, manifest)
+        return ""
+    except (OSError, _WriteFailed) as exc:
+        cause = str(exc) if isinstance(exc, _WriteFailed) else f"{type(exc).__name__}: {exc}"
+    kept = _committed_step(path)
+    try:
+        rescue = tempfile.mkdtemp(prefix=f"rng-tracker-rescue-step{manifest.step}-")
+        _commit(rescue, tensors, rng, manifest)
+        where = (
+            f"this run's state at step {manifest.step} was committed to {rescue} instead: "
+            f"resume with --resume {rescue}"
+        )
+    except (OSError, _WriteFailed) as exc:
+        where = (
+            f"committing it to a rescue directory under {tempfile.gettempdir()} failed too "
+            f"({exc}): the state of step {manifest.step} is not on disk"
+        )
+    return (
+        f"--save {path}: committing the checkpoint of step {manifest.step} failed ({cause}); "
+        f"{kept}; {where}"
+    )
 
 
 def _commit(
     path: str, tensors: dict[str, torch.Tensor], rng: RNGCheckpoint, manifest: Manifest
 ) -> None:
-    os.makedirs(path, exist_ok=True)
     name = f"step-{manifest.step:08d}-{manifest.run_id[:8]}-{uuid.uuid4().hex[:8]}"
     tmp = os.path.join(path, f".tmp-{name}")
+    from torch.distributed.checkpoint.api import CheckpointException  # wraps DCP's write errors
+
+    try:
+        _write_and_commit(path, name, tmp, tensors, rng, manifest)
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _pointer_directory(path) != name:  # not committed: leave the directory as it was
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            raise _WriteFailed(f"{type(exc).__name__}: {str(exc).strip()[:300]}") from exc
+    _fault("cleanup")
+    with contextlib.suppress(OSError):  # stale directories of earlier saves; the commit stands
+        for entry in os.listdir(path):
+            if entry != name and (entry.startswith("step-") or entry.startswith(".tmp-")):
+                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
+def _pointer_directory(path: str) -> str | None:
+    """The step directory ``path/COMMITTED`` names, or None."""
+    try:
+        with open(os.path.join(path, COMMITTED), "rb") as f:
+            return parse_pointer(f.read(), path)["directory"]
+    except (OSError, TrainingCheckpointError):
+        return None
+
+
+class _WriteFailed(Exception):
+    """A checkpoint write or commit failed; the message says how."""
+
+
+def _write_and_commit(
+    path: str,
+    name: str,
+    tmp: str,
+    tensors: dict[str, torch.Tensor],
+    rng: RNGCheckpoint,
+    manifest: Manifest,
+) -> None:
     state = {
         "tensors": tensors,
         "rng": rng,
@@ -356,10 +453,6 @@ def _commit(
     _fsync_dir(path)
     _fault("rename")
     commit_pointer(path, replace(manifest, directory=name), digest)
-    _fault("cleanup")
-    for entry in os.listdir(path):
-        if entry != name and (entry.startswith("step-") or entry.startswith(".tmp-")):
-            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
 
 
 # --- the manifest and the commit pointer: canonical JSON, hashed, parsed by a strict schema ---

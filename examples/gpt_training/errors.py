@@ -10,6 +10,7 @@ from rng_tracker.errors import RNGTrackerError
 
 __all__ = [
     "ResumeRefusedError",
+    "SaveCommitError",
     "SaveTargetError",
     "TrainArgumentError",
     "TrainingCheckpointError",
@@ -30,3 +31,8 @@ class TrainArgumentError(RNGTrackerError, ValueError):
 
 class SaveTargetError(RNGTrackerError, ValueError):
     """A checkpoint target the job cannot write into, or one holding another run's checkpoint."""
+
+
+class SaveCommitError(TrainingCheckpointError):
+    """A checkpoint that could not be committed: the message says that the previous checkpoint
+    is kept and where this run's state was written instead."""

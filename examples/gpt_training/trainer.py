@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -261,13 +262,32 @@ def _committed_run(path: str) -> str | None:
         return ""
 
 
+def _probe_writable(save: str, directory: str) -> None:
+    """Create and remove an entry in ``directory``: the only proof of writability that holds for
+    root too (``os.access`` says yes to root even on read-only and virtual filesystems)."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".rng-tracker-probe-", dir=directory)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise SaveTargetError(
+            f"--save {save} cannot be written: creating an entry in {directory} failed "
+            f"({exc.strerror or exc}); give a directory on a writable filesystem"
+        ) from None
+
+
 def check_save_target(save: str, *, overwrite: bool = False, resume: str | None = None) -> None:
     """Refuse a ``save`` directory the job could not commit into, before training starts.
 
-    It must be a directory (or creatable as one) that this process can write. If it holds a
-    committed checkpoint of another run than the one ``resume`` continues, saving would replace
-    that run's checkpoint: refused unless ``overwrite``. Raises :class:`SaveTargetError`.
+    It must be a non-empty path of a directory (or creatable as one) in which this process can
+    create an entry (a probe is created and removed). If it holds a committed checkpoint of
+    another run than the one ``resume`` continues, saving would replace that run's checkpoint:
+    refused unless ``overwrite``. Raises :class:`SaveTargetError`.
     """
+    if not save:
+        raise SaveTargetError(
+            "--save is empty, so the run would train and save nothing; give the directory to "
+            "commit the checkpoint to, or leave --save out"
+        )
     if os.path.lexists(save) and not os.path.isdir(save):
         raise SaveTargetError(
             f"--save {save} exists and is not a directory; a checkpoint is a directory - "
@@ -280,10 +300,7 @@ def check_save_target(save: str, *, overwrite: bool = False, resume: str | None 
         raise SaveTargetError(
             f"--save {save} cannot be created: {existing} is a file, not a directory"
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SaveTargetError(
-            f"--save {save} cannot be written: {existing} is not writable by this user"
-        )
+    _probe_writable(save, existing)
     if existing != os.path.abspath(save) or overwrite:
         return
     held = _committed_run(save)
@@ -597,7 +614,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 flush=True,
             )
     seconds = time.perf_counter() - start
-    if cfg.save:
+    if cfg.save is not None:
         _save(job, cfg.save, step, losses, run_id)
     report_end = report()
     result = TrainResult(

@@ -1,0 +1,543 @@
+"""RNGStateful: a checkpoint that resumes on any layout, costs O(1) per rank, and detects corruption.
+
+Claims (issues 23 and 26), each on real gloo ranks and real DCP checkpoints:
+
+- The same layout restores every generator, stream and keyed state bitwise. Another layout or
+  world size (2 -> 4 ranks, 2 -> 1) restores the keyed state and the shared streams bitwise and
+  re-derives each per-rank stream from (run seed, saved step, the rank's new coordinates on the
+  axes it varied over): ranks that share those coordinates get equal states, the others distinct
+  ones, never the state the run's seeding gave (which would replay the first steps), with one
+  ``RNGStateRederivedWarning`` naming them; ``strict=True`` refuses, changing nothing.
+- Under DCP each rank holds two entries (``shared``, its own) of the same size at 2 and 4 ranks,
+  sends the same bytes in our collectives, and reads ``shared`` plus its own entry (saved layout)
+  or ``shared`` alone (another world size): never another rank's state.
+- Every single-bit flip anywhere in a state dict (hundreds, at random), and every malformed
+  payload, is refused with ``StateDictError`` and changes nothing; one rank's refusal makes every
+  rank refuse, changing nothing anywhere; a save refuses, before writing, ranks that hold
+  different streams or a keyed step that is not the trainer's.
+- Format-1 checkpoints (written by the previous release) still load: replicated states on any
+  layout, per-rank states on the saved layout, and elsewhere a typed error naming the format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rng_tracker.dcp import RNGStateful
+from rng_tracker.errors import (
+    RNGStateLayoutError,
+    RNGStateRederivedWarning,
+    RNGStateSaveError,
+    RNGTrackerError,
+    StateDictError,
+    TrackerBusyError,
+)
+from rng_tracker.keyed import KeyedRNG
+from rng_tracker.parallel.testing import run_distributed
+from rng_tracker.tracker import RNGStatesTracker
+
+FORMAT1 = Path(__file__).resolve().parent / "data" / "rng_format1"
+_MP = "model-parallel-rng"
+_EP = "expert-parallel-rng"  # varies over etp, which follows tp here
+
+
+def _digest(state: torch.Tensor) -> str:
+    return hashlib.sha256(bytes(state.tolist())).hexdigest()
+
+
+def _states(tracker: RNGStatesTracker, keyed: KeyedRNG) -> dict:
+    """Everything an RNGStateful restores, as digests: CPU generator, streams, keyed state."""
+    streams = tracker.state_dict()["streams"]
+    return {
+        "cpu": _digest(torch.get_rng_state()),
+        **{f"stream/{n}": (_digest(e["state"]), e["seed"]) for n, e in streams.items()},
+        "keyed": json.dumps(keyed.state_dict(), sort_keys=True),
+        "keyed_seed": keyed.seed,
+    }
+
+
+class _Recorder(RNGStateful):
+    """RNGStateful that keeps what its state_dict() returned (the bytes DCP took from it)."""
+
+    def state_dict(self) -> dict:
+        self.returned = super().state_dict()
+        return self.returned
+
+
+def _reader(path: str, read: list[str]):
+    """DCP's own FileSystemReader, noting the keys of every item it reads."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan, planner):
+            read.extend(item.storage_index.fqn for item in plan.items)
+            return super().read_data(plan, planner)
+
+    return Reader(path)
+
+
+def _megatron_like(tensor: int, keyed_step: int) -> tuple[RNGStatesTracker, KeyedRNG, object]:
+    """model_parallel_seed on a (tp=tensor) mesh: the default generator and data-parallel-rng are
+    equal on every rank, model- and expert-parallel-rng differ over tp (etp); keyed seeded."""
+    from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
+    from rng_tracker.seeds import model_parallel_seed
+
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=tensor)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(1234, tracker=tracker, state=state)
+    keyed = KeyedRNG("cpu", seed=1234)
+    keyed.register("layer.0.dropout")
+    keyed.set_step(keyed_step)
+    with tracker.fork(_MP):
+        torch.rand(5)  # the run has drawn: no stream is at its seeded state any more
+    torch.rand(3)
+    return tracker, keyed, state
+
+
+def _fresh_model_parallel_state(tensor: int) -> str:
+    """The model-parallel stream a fresh model_parallel_seed(1234) gives this rank (step 0)."""
+    tracker = RNGStatesTracker("cpu")
+    from rng_tracker.seeds import model_parallel_seed
+
+    model_parallel_seed(
+        1234, tracker=tracker, tp_rank=dist.get_rank() % tensor, pp_rank=0, dp_rank=0
+    )
+    return _digest(tracker.state_dict()["streams"][_MP]["state"])
+
+
+# --- 2 ranks: save, same-layout loads, refusals --------------------------------------------------
+
+
+def _save_at_tp2(root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker.dcp import comm_bytes
+    from rng_tracker.parallel.mesh import destroy_model_parallel
+
+    rank = dist.get_rank()
+    out: dict = {}
+    tracker, keyed, _ = _megatron_like(2, keyed_step=5)
+    recorder = _Recorder(tracker, keyed, layout={"tp": 2})
+    sent = comm_bytes()["sent"]
+    dcp.save({"rng": recorder}, checkpoint_id=os.path.join(root, "tp2"))
+    out["sent"] = comm_bytes()["sent"] - sent
+    out["held"] = {key: len(value) for key, value in recorder.returned.items()}
+    out["saved"] = _states(tracker, keyed)
+
+    # the saved layout: every state back bitwise, reading 'shared' and this rank's entry only
+    with tracker.fork(_MP):
+        torch.rand(7)
+    torch.rand(7)
+    keyed.set_step(9)
+    read: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RNGStateRederivedWarning)
+        dcp.load(
+            {"rng": RNGStateful(tracker, keyed, layout={"tp": 2})},
+            storage_reader=_reader(os.path.join(root, "tp2"), read),
+        )
+    out["same_layout_restored"] = _states(tracker, keyed) == out["saved"]
+    out["same_layout_read"] = sorted(set(read))
+
+    # the main-process form (accelerate's): every rank's entry on rank 0; one rank's bad entry
+    # makes every rank refuse, and nothing changes on any rank
+    everything = RNGStateful(tracker, keyed, layout={"tp": 2}).state_dict()
+    if rank == 0:
+        torch.save(everything, os.path.join(root, "main.pt"))
+    dist.barrier()
+    whole = torch.load(os.path.join(root, "main.pt"), weights_only=True)
+    bad = dict(whole)
+    flipped = bytearray(bad["rank1"])
+    flipped[len(flipped) // 2] ^= 0x10
+    bad["rank1"] = bytes(flipped)
+    torch.manual_seed(99)
+    before = _states(tracker, keyed)
+    try:
+        RNGStateful(tracker, keyed, layout={"tp": 2}).load_state_dict(bad)
+        out["one_bad_entry"] = None
+    except StateDictError as exc:
+        out["one_bad_entry"] = (str(exc), _states(tracker, keyed) == before)
+    RNGStateful(tracker, keyed, layout={"tp": 2}).load_state_dict(whole)
+    out["main_form_restored"] = _states(tracker, keyed) == out["saved"]
+
+    # strict=False is the default; strict=True on another layout refuses, changing nothing
+    torch.manual_seed(98)
+    before = _states(tracker, keyed)
+    try:
+        dcp.load(
+            {"rng": RNGStateful(tracker, keyed, layout={"tp": 1}, strict=True)},
+            checkpoint_id=os.path.join(root, "tp2"),
+        )
+        out["strict"] = None
+    except RNGStateLayoutError as exc:
+        out["strict"] = (str(exc), _states(tracker, keyed) == before)
+
+    # a save that no load could restore is refused on every rank before anything is written
+    other = RNGStatesTracker("cpu")
+    other.add("data", 3)
+    if rank == 1:
+        other.add("extra", 4)
+    out["different_streams"] = _refused_save(root, "streams", RNGStateful(other, keyed))
+    step = RNGStateful(tracker, keyed, step=lambda: 4)  # the keyed step is 5
+    out["keyed_not_trainer_step"] = _refused_save(root, "step", step)
+
+    # format-1 checkpoints of the previous release load on their own layout
+    format1 = {}
+    for name in ("replicated", "per-rank"):
+        tracker1, keyed1 = RNGStatesTracker("cpu"), KeyedRNG("cpu")
+        dcp.load(
+            {"rng": RNGStateful(tracker1, keyed1, layout={"tp": 2})},
+            checkpoint_id=str(FORMAT1 / name),
+        )
+        format1[name] = _states(tracker1, keyed1)
+    out["format1"] = format1
+    destroy_model_parallel()
+    _save_with_a_mesh(root)
+    return out
+
+
+def _mesh_run(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh given as layout=: its named axes give the coordinates. The stream 'per-tp'
+    varies over tp only, as a model-parallel stream does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("per-tp", 500 + mesh.get_local_rank("tp"))
+    keyed = KeyedRNG("cpu", seed=8)
+    return mesh, tracker, keyed
+
+
+def _save_with_a_mesh(root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    mesh, tracker, keyed = _mesh_run((2,), ("tp",))
+    dcp.save({"rng": RNGStateful(tracker, keyed, layout=mesh)}, checkpoint_id=f"{root}/mesh")
+
+
+def _load_with_a_mesh(root: str) -> tuple[int, str]:
+    """Load the tp=2 mesh checkpoint on a (dp=2, tp=2) mesh: 'per-tp' re-derived per tp rank."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh, tracker, keyed = _mesh_run((2, 2), ("dp", "tp"))
+    with pytest.warns(RNGStateRederivedWarning, match="per-tp"):
+        dcp.load({"rng": RNGStateful(tracker, keyed, layout=mesh)}, checkpoint_id=f"{root}/mesh")
+    return mesh.get_local_rank("tp"), _digest(tracker.state_dict()["streams"]["per-tp"]["state"])
+
+
+def _refused_save(root: str, name: str, stateful: RNGStateful):
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.join(root, name)
+    try:
+        dcp.save({"rng": stateful}, checkpoint_id=path)
+        return None
+    except RNGStateSaveError as exc:
+        return str(exc), os.path.exists(os.path.join(path, ".metadata"))
+
+
+# --- 4 ranks: a grown world and another layout --------------------------------------------------
+
+
+def _load_at(root: str, tensor: int) -> dict:
+    """Load the tp=2 checkpoint of 2 ranks on this run's mesh (tp=tensor over the world)."""
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker.dcp import comm_bytes
+    from rng_tracker.parallel.mesh import destroy_model_parallel
+
+    tracker, keyed, state = _megatron_like(tensor, keyed_step=0)
+    torch.manual_seed(77)  # elsewhere until the load
+    read: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load(
+            {"rng": RNGStateful(tracker, keyed, layout={"tp": tensor})},
+            storage_reader=_reader(os.path.join(root, "tp2"), read),
+        )
+    out = {
+        "restored": _states(tracker, keyed),
+        "read": sorted(set(read)),
+        "warnings": [str(w.message) for w in caught if w.category is RNGStateRederivedWarning],
+        "tp": state.rank("tp"),
+        "fresh_mp": _fresh_model_parallel_state(tensor),
+    }
+    # and a save here: the same bytes per rank as on 2 ranks
+    recorder = _Recorder(tracker, keyed, layout={"tp": tensor})
+    sent = comm_bytes()["sent"]
+    dcp.save({"rng": recorder}, checkpoint_id=os.path.join(root, f"resaved-tp{tensor}"))
+    out["sent"] = comm_bytes()["sent"] - sent
+    out["held"] = {key: len(value) for key, value in recorder.returned.items()}
+    destroy_model_parallel()
+    return out
+
+
+def _on_four_ranks(root: str) -> dict:
+    return {
+        "tp4": _load_at(root, 4),
+        "tp2dp2": _load_at(root, 2),
+        "mesh": _load_with_a_mesh(root),
+    }
+
+
+def _on_one_rank(root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    tracker, keyed = RNGStatesTracker("cpu"), KeyedRNG("cpu")
+    read: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load(
+            {"rng": RNGStateful(tracker, keyed)},
+            storage_reader=_reader(os.path.join(root, "tp2"), read),
+        )
+    out = {
+        "restored": _states(tracker, keyed),
+        "read": sorted(set(read)),
+        "warnings": [str(w.message) for w in caught if w.category is RNGStateRederivedWarning],
+    }
+    format1 = {}
+    for name in ("replicated", "per-rank"):
+        tracker1, keyed1 = RNGStatesTracker("cpu"), KeyedRNG("cpu")
+        try:
+            dcp.load({"rng": RNGStateful(tracker1, keyed1)}, checkpoint_id=str(FORMAT1 / name))
+            format1[name] = _states(tracker1, keyed1)
+        except RNGStateLayoutError as exc:
+            format1[name] = str(exc)
+    out["format1"] = format1
+    return out
+
+
+def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(tmp_path) -> None:
+    root = str(tmp_path)
+    two = run_distributed(_save_at_tp2, world_size=2, args=(root,), timeout=240)
+    four = run_distributed(_on_four_ranks, world_size=4, args=(root,), timeout=240)
+    one = run_distributed(_on_one_rank, world_size=1, args=(root,), timeout=240)[0]
+    saved = [r["saved"] for r in two]
+    shared_keys = ("cpu", "stream/data-parallel-rng", "keyed")
+
+    # the saved layout: bitwise, DCP and main-process forms; reads its own entry only
+    for rank, result in enumerate(two):
+        assert result["same_layout_restored"] and result["main_form_restored"]
+        assert result["same_layout_read"] == sorted(["rng.shared", f"rng.rank{rank}"])
+        assert set(result["held"]) == {"shared", f"rank{rank}"}
+        message, unchanged = result["one_bad_entry"]
+        assert unchanged and ("checksum" in message if rank == 1 else "rank 1 refused" in message)
+        message, unchanged = result["strict"]
+        assert unchanged and "differs between the 2 saved ranks" in message
+        assert f"tracker stream {_MP!r}" in message and f"tracker stream {_EP!r}" in message
+        for case in ("different_streams", "keyed_not_trainer_step"):
+            message, written = result[case]
+            assert not written, case
+        assert "different generators and tracker streams" in result["different_streams"][0]
+        assert "not the trainer's step 4" in result["keyed_not_trainer_step"][0]
+    assert (
+        saved[0]["cpu"] == saved[1]["cpu"]
+        and saved[0][f"stream/{_MP}"] != saved[1][f"stream/{_MP}"]
+    )
+
+    # a grown world (4 ranks) and another mesh (tp=2 x dp=2): shared parts bitwise, the per-rank
+    # stream re-derived per tp coordinate, never the seeded state; one warning naming it
+    for layout in ("tp4", "tp2dp2"):
+        results = [r[layout] for r in four]
+        for result in results:
+            got = result["restored"]
+            assert all(got[key] == saved[0][key] for key in shared_keys), layout
+            assert got["keyed_seed"] == 1234
+            assert got[f"stream/{_MP}"][0] not in (saved[0][f"stream/{_MP}"][0], result["fresh_mp"])
+            assert result["read"] == ["rng.shared"]  # no rank's entry: nothing of another rank
+            (warning,) = result["warnings"]
+            assert f"tracker stream {_MP!r}" in warning and f"tracker stream {_EP!r}" in warning
+            assert "the CPU default generator" not in warning
+        for stream in (_MP, _EP):
+            by_tp: dict[int, set] = {}
+            for result in results:
+                by_tp.setdefault(result["tp"], set()).add(result["restored"][f"stream/{stream}"])
+            assert all(len(states) == 1 for states in by_tp.values()), layout  # equal within tp
+            assert len(set().union(*by_tp.values())) == len(by_tp), layout  # distinct across tp
+
+    # the same with a DeviceMesh as layout=: equal within a tp coordinate, distinct across
+    by_tp_mesh: dict[int, set] = {}
+    for result in four:
+        by_tp_mesh.setdefault(result["mesh"][0], set()).add(result["mesh"][1])
+    assert sorted(by_tp_mesh) == [0, 1] and all(len(v) == 1 for v in by_tp_mesh.values())
+    assert by_tp_mesh[0] != by_tp_mesh[1]
+
+    # O(1) per rank: two entries of the same size, the same collective bytes, at 2 and 4 ranks
+    sizes_two = {sum(r["held"].values()) for r in two}
+    sizes_four = {sum(r["tp4"]["held"].values()) for r in four}
+    assert max(sizes_two | sizes_four) - min(sizes_two | sizes_four) <= 64, (sizes_two, sizes_four)
+    assert {r["sent"] for r in two} == {r["tp4"]["sent"] for r in four}
+    assert all(set(r["tp4"]["held"]) == {"shared", f"rank{i}"} for i, r in enumerate(four))
+
+    # one process: shared parts bitwise, the per-rank stream re-derived
+    assert all(one["restored"][key] == saved[0][key] for key in shared_keys)
+    assert one["read"] == ["rng.shared"] and len(one["warnings"]) == 1
+
+    # format 1: on its own layout every rank's own states; replicated ones anywhere; per-rank
+    # ones elsewhere refused with a typed error naming the format and how to convert
+    expected = json.loads((FORMAT1 / "expected.json").read_text())
+    for rank, result in enumerate(two):
+        for name in ("replicated", "per-rank"):
+            got, want = result["format1"][name], expected[f"rank{rank}"][name]
+            assert got["cpu"] == want["cpu"] and got["keyed_seed"] == 3
+            streams = {k: v[0] for k, v in got.items() if k.startswith("stream/")}
+            assert {"cpu": got["cpu"], **streams} == want
+    assert one["format1"]["replicated"]["cpu"] == expected["rank0"]["replicated"]["cpu"]
+    assert "format-1 checkpoint" in one["format1"]["per-rank"]
+    assert "load it on the saved layout and save again" in one["format1"]["per-rank"]
+
+
+# --- one process: corruption and malformed payloads ---------------------------------------------
+
+
+def _setup() -> tuple[RNGStatesTracker, KeyedRNG]:
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 11)
+    tracker.add("b", 12)
+    keyed = KeyedRNG("cpu", seed=5)
+    keyed.register("site.x")
+    keyed.set_step(3)
+    return tracker, keyed
+
+
+def _save_main_form_on_two_ranks() -> dict:
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("per-rank", 20 + dist.get_rank())
+    tracker.add("shared", 30)
+    keyed = KeyedRNG("cpu", seed=5)
+    keyed.register("site.x")
+    return RNGStateful(tracker, keyed).state_dict()
+
+
+def _flip(state: dict, rng: random.Random) -> dict:
+    """``state`` with one bit flipped somewhere in its keys' or values' bytes."""
+    cells = [(key, which) for key in state for which in ("key", "value")]
+    weights = [len(key) if which == "key" else len(state[key]) for key, which in cells]
+    key, which = rng.choices(cells, weights)[0]
+    if which == "key":
+        raw = bytearray(key.encode())
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        new = raw.decode("latin-1")
+        return {**{k: v for k, v in state.items() if k != key}, new: state[key]}
+    raw = bytearray(state[key])
+    raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    return {**state, key: bytes(raw)}
+
+
+def test_every_single_bit_flip_is_refused_and_changes_nothing(tmp_path) -> None:
+    """400 random single-bit flips over the keys and bytes of a 2-rank state dict (main-process
+    form: 'shared', 'rank0', 'rank1'), loaded in one process: each is a StateDictError and the CPU
+    generator, the streams and the (unseeded) keyed RNG are exactly as before. On main 122 of
+    300 flips loaded silently."""
+    state = run_distributed(_save_main_form_on_two_ranks, world_size=2, timeout=120)[0]
+    assert set(state) == {"shared", "rank0", "rank1"}
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("mine", 99)
+    keyed = KeyedRNG("cpu")  # unseeded: a failed load must leave it so
+    rng = random.Random(2026)
+    before = _states(tracker, keyed)
+    for _ in range(400):
+        with pytest.raises(StateDictError):
+            RNGStateful(tracker, keyed).load_state_dict(_flip(state, rng))
+        assert _states(tracker, keyed) == before
+    with pytest.warns(RNGStateRederivedWarning):  # the intact one loads (per-rank re-derived)
+        RNGStateful(tracker, keyed).load_state_dict(state)
+    assert keyed.seed == 5 and sorted(tracker.names()) == ["per-rank", "shared"]
+
+
+def _forged(key: str, header: dict, parts: list[bytes]) -> bytes:
+    """An entry with a valid checksum but content no RNGStateful writes (a hostile writer)."""
+    from rng_tracker._rng_entries import encode_entry
+
+    return encode_entry(key, header, parts)
+
+
+def test_malformed_payloads_are_refused_typed_and_change_nothing() -> None:
+    """Empty, garbage, truncated, mistyped, mislabelled and forged payloads: each a StateDictError
+    (a ValueError) naming what is wrong; on main they raised EOFError, UnpicklingError, ValueError,
+    KeyError, IndexError."""
+    tracker, keyed = _setup()
+    good = RNGStateful(tracker, keyed).state_dict()
+    from rng_tracker._rng_entries import decode_entry
+
+    shared_header, shared_blob, _ = decode_entry("shared", good["shared"])
+    cases = {
+        "not a mapping": [good["shared"]],
+        "empty": {},
+        "no shared": {"rank0": good["rank0"]},
+        "unknown key": {**good, "rank-1": b""},
+        "empty entry": {**good, "shared": b""},
+        "garbage": {**good, "shared": b"\x80\x02garbage"},
+        "truncated": {**good, "shared": good["shared"][: len(good["shared"]) // 2]},
+        "not bytes": {**good, "shared": 42},
+        "swapped keys": {"shared": good["rank0"], "rank0": good["shared"]},
+        "format 1 garbage": {"blob": b"not a torch.save"},
+        "format 1 empty": {"blob": b""},
+        "format 1 not bytes": {"blob": [1, 2]},
+        "forged: other format": {
+            **good,
+            "shared": _forged("shared", {**shared_header, "format": 3}, [shared_blob]),
+        },
+        "forged: bool world": {
+            **good,
+            "shared": _forged("shared", {**shared_header, "world": True}, [shared_blob]),
+        },
+        "forged: short blob": {
+            **good,
+            "shared": _forged("shared", shared_header, [shared_blob[:-1]]),
+        },
+        "forged: no cpu": {
+            **good,
+            "shared": _forged(
+                "shared",
+                {
+                    **shared_header,
+                    "parts": [p for p in shared_header["parts"] if p["name"] != "cpu"],
+                },
+                [shared_blob[5056:]],
+            ),
+        },
+        "forged: bad cpu state": {
+            **good,
+            "shared": _forged("shared", shared_header, [b"\x00" * len(shared_blob)]),
+        },
+    }
+    torch.manual_seed(4)
+    tracker.add("c", 13)
+    keyed.set_step(8)
+    before = _states(tracker, keyed)
+    for name, payload in cases.items():
+        with pytest.raises(StateDictError) as info:
+            RNGStateful(tracker, keyed).load_state_dict(payload)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+        assert _states(tracker, keyed) == before, name
+
+
+def test_a_refused_load_leaves_an_unseeded_keyed_rng_unseeded() -> None:
+    """Loading inside an open fork is refused before anything changes: on main the keyed state
+    was applied first and not put back when it had been unseeded (its seed stayed changed)."""
+    tracker, keyed = _setup()
+    state = RNGStateful(tracker, keyed).state_dict()
+    fresh = KeyedRNG("cpu")
+    with tracker.fork("a"), pytest.raises(TrackerBusyError):
+        RNGStateful(tracker, fresh).load_state_dict(state)
+    assert fresh.seed is None and fresh.step == 0 and fresh.sites == {}
+
+
+def test_options_are_checked_when_built() -> None:
+    from rng_tracker.errors import RNGStateConfigError
+
+    for kwargs in ({"saved_by": "rank0"}, {"step": 3}, {"strict": "yes"}):
+        with pytest.raises(RNGStateConfigError):
+            RNGStateful(**kwargs)
