@@ -89,7 +89,8 @@ class _TrainState:
 class _NoOptimizer:
     """The optimizers' slot of the manager's states, empty: the test trains no parameter.
     (torchtitan's OptimizersContainer.state_dict() first runs an AdamW step with lr 0, and that
-    step's in-place update segfaults on these CPU FSDP2 parameters in torch 2.13 - reported.)"""
+    step's in-place update segfaults on these CPU FSDP2 parameters in torch 2.13; the optimizer's state is not
+    what this test is about.)"""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
