@@ -47,6 +47,7 @@ __all__ = [
     "compiled_cpu_dropout",
     "fused_dropout_compiled",
     "fused_dropout_cpu_op",
+    "isa_paths",
     "kernel_library_path",
     "may_skip_dispatch",
 ]
@@ -70,8 +71,11 @@ _SOURCE = CSource(
     _FLAGS,
     libraries=(),
     abi_function="rt_abi_version",
-    abi_version=1,  # RT_ABI_VERSION of cpu_dropout.c
+    abi_version=2,  # RT_ABI_VERSION of cpu_dropout.c
 )
+# The instruction-set paths of cpu_dropout.c (RT_ISA_*): 0 lets the kernel pick the fastest
+# this CPU runs; the others force one (tests compare every path bitwise).
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
 # Below this many elements per thread, one more thread costs more (a thread start, and on a
 # loaded machine a wait for it to be scheduled) than it saves.
 _MIN_NUMEL_PER_THREAD = 2**17
@@ -82,7 +86,7 @@ class CompiledKernelFallbackWarning(UserWarning):
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF}
+_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF, "isa": 0}
 
 
 def kernel_library_path() -> Path:
@@ -100,7 +104,19 @@ def _load() -> ctypes.CDLL:
     library.rt_fused_dropout.restype = ctypes.c_int64
     # x, bias, residual, out, then every scalar and the index map in one int64 array
     library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]
+    library.rt_isa_supported.restype = ctypes.c_int64
+    library.rt_isa_supported.argtypes = [ctypes.c_int64]
+    library.rt_isa_best.restype = ctypes.c_int64
     return library
+
+
+def isa_paths() -> list[str]:
+    """The instruction-set paths of the compiled kernel this CPU runs, fastest last (e.g.
+    ``["portable", "avx2"]``); empty where the kernel cannot be built."""
+    library = _library()
+    if library is None:
+        return []
+    return [name for name, code in ISA_CODES.items() if code and library.rt_isa_supported(code)]
 
 
 def _bf16_nan_bits() -> int:
@@ -194,6 +210,7 @@ def fused_dropout_compiled(
         _scale_bits(p),
         _state["bf16_nan"],
         threads,
+        _state["isa"],
         len(flat_map) // 2,
         index_map.offset,
         *flat_map,
