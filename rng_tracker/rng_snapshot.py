@@ -45,7 +45,7 @@ class RNGSnapshot:
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream)."""
         for tracker, states in self.streams:
-            tracker.set_states(states)
+            tracker.restore_states(states)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)

@@ -322,6 +322,26 @@ class RNGStatesTracker:
         if self._open_forks:
             rng.install(self._states[self._open_forks[-1]])
 
+    def restore_states(self, states: Mapping[str, RNGState]) -> None:
+        """Replace every stream with ``states``, a dict that :meth:`get_states` of this tracker
+        returned (a checkpoint's snapshot): no conversion, and no new generator for a uint8
+        state (a stream's state tensor is replaced, never written in place, so the snapshot
+        stays intact and replays again); a generator state is copied, since draws advance it.
+        Open forks must be among ``states`` (the snapshot of a call made inside them)."""
+        rng = self._rng
+        missing = [name for name in self._open_forks if name not in states]
+        if missing:
+            raise TrackerBusyError(
+                f"restoring would drop the open fork(s) {_shown_names(missing)}; close them first"
+            )
+        self._states = {
+            name: state if isinstance(state, torch.Tensor) else rng.copy(state)
+            for name, state in states.items()
+        }
+        self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
+
     def state_dict(self) -> dict[str, Any]:
         """Versioned, device-independent state: streams as seeds and uint8 CPU tensors."""
         states = self.get_states()
