@@ -42,6 +42,9 @@
 #define RT_MAX_DIMS 64
 #define BLOCK 1024 /* elements per block: a multiple of 4 * LANES */
 #define LANES 32   /* counters per SIMD step, padded up to: the widest path's needs */
+/* outputs of at least this many bytes are written with non-temporal stores: beyond the
+   caches, they skip reading the output's lines before writing them (a third of the traffic) */
+#define STREAM_BYTES (16 << 20)
 
 enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2 };
 
@@ -272,7 +275,8 @@ typedef struct {
     uint64_t base;
     float scale;
     uint16_t bf16_nan;
-    int isa; /* RT_ISA_PORTABLE or RT_ISA_AVX2 */
+    int isa;    /* RT_ISA_PORTABLE or RT_ISA_AVX2 */
+    int stream; /* write the output with non-temporal stores (where the path has them) */
 } job;
 
 typedef struct {
@@ -311,11 +315,16 @@ static inline __attribute__((always_inline)) void consecutive(uint32_t *restrict
     }
 }
 
+typedef void (*stream_fn)(char *restrict target, const char *restrict staged, int64_t bytes);
+
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
                                                             int has_bias, int has_residual,
-                                                            philox_fn philox) {
+                                                            philox_fn philox,
+                                                            stream_fn stream_out) {
     const job *j = c->job;
     const int64_t size = dtype == RT_F32 ? 4 : 2;
+    const stream_fn stream = j->stream ? stream_out : NULL;
+    _Alignas(64) char staged[4 * BLOCK];
     uint32_t lo[BLOCK + LANES], hi[BLOCK + LANES]; /* a block's counters, padded to LANES */
     uint32_t words[4 * BLOCK + 4 * LANES], word[BLOCK];
     odometer o;
@@ -376,42 +385,59 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
         if (j->keep_none) memset(word, 0, sizeof word), keep_word = word;
         const char *x = (const char *)j->x + start * size;
         const char *residual = has_residual ? (const char *)j->residual + start * size : NULL;
-        char *out = (char *)j->out + start * size;
+        char *target = (char *)j->out + start * size;
+        /* streaming: the block is written to `staged` (in L1), then copied out with
+           non-temporal stores, so a large output is not read into the cache first */
+        char *out = stream ? staged : target;
         if (!has_bias) {
             apply(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
                   has_residual, j->bf16_nan);
-            continue;
+        } else {
+            /* runs of the block that lie in one row, so the bias is read contiguously */
+            for (int e = 0; e < n;) {
+                int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
+                apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
+                      (const char *)j->bias + column * size, residual + e * size,
+                      out + e * size, dtype, 1, has_residual, j->bf16_nan);
+                e += run;
+                column += run;
+                if (column == j->hidden) column = 0;
+            }
         }
-        /* runs of the block that lie in one row, so the bias is read contiguously */
-        for (int e = 0; e < n;) {
-            int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
-            apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
-                  (const char *)j->bias + column * size, residual + e * size, out + e * size,
-                  dtype, 1, has_residual, j->bf16_nan);
-            e += run;
-            column += run;
-            if (column == j->hidden) column = 0;
-        }
+        if (stream) stream(target, staged, n * size);
     }
 }
 
-#define RT_VARIANTS(dtype, philox)                                   \
-    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox);             \
-    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox);    \
-    else run_chunk(c, dtype, 0, 0, philox);
+#define RT_VARIANTS(dtype, philox, stream)                                   \
+    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, stream);             \
+    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, stream);    \
+    else run_chunk(c, dtype, 0, 0, philox, stream);
 
-#define RT_CHUNK_PATH(name, attributes, philox)                     \
-    attributes static void name(const chunk *c) {                   \
-        switch (c->job->dtype) {                                    \
-        case RT_F32: RT_VARIANTS(RT_F32, philox) break;             \
-        case RT_F16: RT_VARIANTS(RT_F16, philox) break;             \
-        default: RT_VARIANTS(RT_BF16, philox) break;                \
-        }                                                           \
+#define RT_CHUNK_PATH(name, attributes, philox, stream)                     \
+    attributes static void name(const chunk *c) {                           \
+        switch (c->job->dtype) {                                            \
+        case RT_F32: RT_VARIANTS(RT_F32, philox, stream) break;             \
+        case RT_F16: RT_VARIANTS(RT_F16, philox, stream) break;             \
+        default: RT_VARIANTS(RT_BF16, philox, stream) break;                \
+        }                                                                   \
     }
 
-RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable)
+RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, NULL)
 #if RT_X86_SIMD
-RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2)
+/* target[0 .. bytes) = staged[0 .. bytes) with non-temporal stores where target is 32-byte
+   aligned (a torch allocation and a block's start are), plain stores for the rest. */
+RT_AVX2 static void stream_out_avx2(char *restrict target, const char *restrict staged,
+                                    int64_t bytes) {
+    int64_t head = (int64_t)((32 - ((uintptr_t)target & 31)) & 31);
+    if (head > bytes) head = bytes;
+    memcpy(target, staged, (size_t)head);
+    int64_t i = head;
+    for (; i + 32 <= bytes; i += 32)
+        _mm256_stream_si256((__m256i *)(target + i),
+                            _mm256_loadu_si256((const __m256i *)(staged + i)));
+    memcpy(target + i, staged + i, (size_t)(bytes - i));
+}
+RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, stream_out_avx2)
 #endif
 
 /* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
@@ -434,6 +460,7 @@ static void *run_chunk_any(void *arg) {
 #if RT_X86_SIMD
     if (c->job->isa == RT_ISA_AVX2) {
         run_chunk_avx2(c);
+        if (c->job->stream) _mm_sfence(); /* the streamed stores are visible before the join */
         return NULL;
     }
 #endif
@@ -470,7 +497,8 @@ int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, 
              (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],
              threshold > 0xffffffffu ? 0xffffffffu : (uint32_t)threshold,
              threshold > 0xffffffffu, (uint64_t)args[ARG_BASE],
-             bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN], (int)isa};
+             bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN], (int)isa,
+             numel * (dtype == RT_F32 ? 4 : 2) >= STREAM_BYTES};
     int64_t blocks = (numel + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = blocks;
     if (threads < 1) threads = 1;

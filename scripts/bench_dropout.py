@@ -266,7 +266,11 @@ def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
     args[4:8] = (0x1234_5678, 0, 0, 0)
     library = cpu_compiled._library()
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
-    return lambda: library.rt_fused_dropout(x_ptr, None, None, out_ptr, args)
+
+    def call(keep_alive: tuple[torch.Tensor, ...] = (x, out)) -> object:  # the pointers' owners
+        return library.rt_fused_dropout(x_ptr, None, None, out_ptr, args)
+
+    return call
 
 
 def _core_rows(log2s: list[int], p: float, repeats: int) -> None:

@@ -239,6 +239,27 @@ def _fused(x, bias, residual, placement, seed, *, impl):
     return bias_dropout_add(x, bias, residual, 0.3, shard=placement, seed=seed, impl=impl)
 
 
+def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
+    """Outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
+    per block, then streamed out; the last block's 12 bytes with plain stores): the bits equal
+    the reference's on every path, on one thread and split over two."""
+    paths = cpu_compiled.isa_paths()
+    x = torch.randn(2**22 + 3, generator=_gen(5))  # 16 MiB + 12 bytes of fp32
+    residual = torch.randn_like(x)
+    seed = torch.tensor(_SEEDS["carry"], dtype=torch.int64)
+    want = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="torch")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for path in paths:
+                monkeypatch.setitem(cpu_compiled._state, "isa", cpu_compiled.ISA_CODES[path])
+                got = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="cpu")
+                _assert_bitwise(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
     """A forced path the CPU cannot run is refused by the kernel, which writes nothing."""
     monkeypatch.setitem(cpu_compiled._state, "isa", 99)
