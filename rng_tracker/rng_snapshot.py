@@ -1,7 +1,8 @@
 """Snapshots of every RNG a region of code may draw from, and their exact replay.
 
 A snapshot holds the CPU generator, the default generators of the given devices and
-every stream of the given trackers; all copies. :func:`replaying` installs a snapshot
+every stream of the given trackers: copies, or for a stream's uint8 state the tracker's own
+tensor, which no draw writes in place (a stream's state is replaced, not modified). :func:`replaying` installs a snapshot
 for a body and puts back, afterwards, exactly what was there before.
 """
 
@@ -21,7 +22,8 @@ __all__ = ["RNGSnapshot", "replaying"]
 
 @dataclass(frozen=True, slots=True)
 class RNGSnapshot:
-    """Copies of the CPU generator, device generators and tracker streams at one moment."""
+    """The CPU generator, device generators and tracker streams at one moment (copies, or
+    states no draw modifies); treat it as read-only."""
 
     cpu: torch.Tensor
     devices: tuple[tuple[torch.device, RNGState], ...]
@@ -39,7 +41,7 @@ class RNGSnapshot:
         return cls(
             cpu=torch.default_generator.get_state(),
             devices=tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)),
-            streams=tuple((t, t.get_states()) for t in trackers),
+            streams=tuple((t, t.held_states()) for t in trackers),
         )
 
     def restore(self) -> None:

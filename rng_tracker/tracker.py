@@ -322,9 +322,23 @@ class RNGStatesTracker:
         if self._open_forks:
             rng.install(self._states[self._open_forks[-1]])
 
+    def held_states(self) -> dict[str, RNGState]:
+        """The streams' states for a snapshot that :meth:`restore_states` puts back: uint8 state
+        tensors shared, not copied (a stream's tensor is replaced, never written in place, so
+        it keeps its value), generator states and the open fork's live state copied. Unlike
+        :meth:`get_states`, the tensors are the tracker's own: never modify them."""
+        rng = self._rng
+        top = self._open_forks[-1] if self._open_forks else None
+        return {
+            name: rng.snapshot()
+            if name == top
+            else (state if isinstance(state, torch.Tensor) else rng.copy(state))
+            for name, state in self._states.items()
+        }
+
     def restore_states(self, states: Mapping[str, RNGState]) -> None:
-        """Replace every stream with ``states``, a dict that :meth:`get_states` of this tracker
-        returned (a checkpoint's snapshot): no conversion, and no new generator for a uint8
+        """Replace every stream with ``states``, a dict that :meth:`get_states` or
+        :meth:`held_states` of this tracker returned (a checkpoint's snapshot): no conversion, and no new generator for a uint8
         state (a stream's state tensor is replaced, never written in place, so the snapshot
         stays intact and replays again); a generator state is copied, since draws advance it.
         Open forks must be among ``states`` (the snapshot of a call made inside them)."""
