@@ -2,8 +2,9 @@
 
 A snapshot holds the CPU generator, the default generators of the given devices and
 every stream of the given trackers: copies, or for a stream's uint8 state the tracker's own
-tensor, which no draw writes in place (a stream's state is replaced, not modified). :func:`replaying` installs a snapshot
-for a body and puts back, afterwards, exactly what was there before.
+tensor, which no draw writes in place (a stream's state is replaced, not modified).
+:func:`replaying` installs a snapshot for a body and puts back, afterwards, exactly what was
+there before.
 """
 
 from __future__ import annotations
