@@ -1,10 +1,11 @@
 """Fused dropout on CPU as compiled C, bitwise equal to the plain-torch reference.
 
 The reference spends ten rounds of separate int64 tensor ops, each a full pass over memory.
-``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 256
-elements, Philox4x32-10 of the block's counters (a loop the C compiler vectorises), then
-``residual + keep * (x + bias) * scale`` in fp32, rounded once to x's dtype. Large tensors
-are split over ``torch.get_num_threads()`` threads.
+``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 1024
+elements, Philox4x32-10 of the block's counters (AVX2 intrinsics where the CPU has AVX2, a
+portable loop elsewhere: :func:`isa_paths`), then ``residual + keep * (x + bias) * scale`` in
+fp32, rounded once to x's dtype. Large tensors are split over ``torch.get_num_threads()``
+threads; outputs beyond the caches are streamed out with non-temporal stores.
 
 It is built once per machine with the system C compiler (``CC``, else cc, gcc or clang;
 about 1 s), cached on disk, and loaded with ctypes: no torch headers, no tracing, a few
