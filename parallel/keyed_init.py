@@ -5,7 +5,8 @@ Each rank computes only its local shard with the compiled kernel of
 nothing drawn from any generator. So a parameter's full tensor is the same for any TP, FSDP
 or PP layout (and on one device), whether it was built on the meta device and materialised
 later, and whatever order the modules were built or initialised in: only the seed and the
-parameter's name count. ``invariant_random(model, init="keyed")`` routes ``nn.init`` and
+parameter's name count. ``invariant_random(model)`` (keyed is its default init; without
+``model=`` a tensor is named by its place among the block's draws) routes ``nn.init`` and
 ``Tensor.uniform_``/``normal_`` here, and ``nn.init.trunc_normal_`` to one inverse-CDF draw per
 element (torch resamples out-of-range values in a data-dependent loop); the values differ from
 torch's own draws (use ``init="full"`` for those). See docs/dtensor.md.
