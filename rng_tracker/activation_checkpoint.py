@@ -124,7 +124,9 @@ class _RNGRecord:
         self.forward_log: RandomOpLog | None = None
 
     def capture(self) -> RNGSnapshot:
-        with _no_dispatch_modes():
+        if dispatch_mode_depth() == 0:  # the usual case: no context manager to pay for
+            return RNGSnapshot.capture(self.devices, self.trackers)
+        with disable_current_dispatch_modes():
             return RNGSnapshot.capture(self.devices, self.trackers)
 
     def forward(self) -> _Forward:

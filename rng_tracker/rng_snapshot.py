@@ -36,13 +36,15 @@ class RNGSnapshot:
     ) -> RNGSnapshot:
         """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
         trackers = tuple(trackers)
-        wanted = {d for d in devices if d.type != "cpu"} | {
-            t.device for t in trackers if t.device.type != "cpu"
-        }
+        wanted = {d for d in devices if d.type != "cpu"}
+        wanted.update(t.device for t in trackers if t.device.type != "cpu")
+        device_states = (
+            tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)) if wanted else ()
+        )
         return cls(
-            cpu=torch.default_generator.get_state(),
-            devices=tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)),
-            streams=tuple((t, t.held_states()) for t in trackers),
+            torch.default_generator.get_state(),
+            device_states,
+            tuple([(t, t.held_states()) for t in trackers]),
         )
 
     def restore(self) -> None:

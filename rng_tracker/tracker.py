@@ -330,6 +330,8 @@ class RNGStatesTracker:
         it keeps its value), generator states and the open fork's live state copied. Unlike
         :meth:`get_states`, the tensors are the tracker's own: never modify them."""
         rng = self._rng
+        if not rng.generator_states and not self._open_forks:  # uint8 tensors, none live
+            return dict(self._states)
         top = self._open_forks[-1] if self._open_forks else None
         return {
             name: rng.snapshot()
@@ -350,11 +352,16 @@ class RNGStatesTracker:
             raise TrackerBusyError(
                 f"restoring would drop the open fork(s) {_shown_names(missing)}; close them first"
             )
-        self._states = {
-            name: state if isinstance(state, torch.Tensor) else rng.copy(state)
-            for name, state in states.items()
-        }
-        self._seeds = {n: s for n, s in self._seeds.items() if n in self._states}
+        if rng.generator_states:
+            restored = {
+                name: state if isinstance(state, torch.Tensor) else rng.copy(state)
+                for name, state in states.items()
+            }
+        else:
+            restored = dict(states)
+        if restored.keys() != self._states.keys():
+            self._seeds = {n: s for n, s in self._seeds.items() if n in restored}
+        self._states = restored
         if self._open_forks:
             rng.install(self._states[self._open_forks[-1]])
 
