@@ -150,8 +150,9 @@ def _fused(
         # eager on CPU: straight to the kernel, with the seed words as ints (converted once)
         if seed is None:
             words = _drawn_words(x, p, index_map, generator)
-        elif words is None:  # a seed on another device: read it once
-            words = tuple(seed.to("cpu").tolist())
+        elif words is None:  # a seed on another device: brought here and read once
+            seed = seed.to(x.device)
+            words = tuple(seed.tolist())
         return compiled_cpu_dropout(x, bias, residual, seed, words, p, index_map)
     if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
         seed = seed.to(x.device, non_blocking=True)
