@@ -1,10 +1,11 @@
 """Fused dropout on CPU as compiled C, bitwise equal to the plain-torch reference.
 
 The reference spends ten rounds of separate int64 tensor ops, each a full pass over memory.
-``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 256
-elements, Philox4x32-10 of the block's counters (a loop the C compiler vectorises), then
-``residual + keep * (x + bias) * scale`` in fp32, rounded once to x's dtype. Large tensors
-are split over ``torch.get_num_threads()`` threads.
+``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 1024
+elements, Philox4x32-10 of the block's counters (AVX2 intrinsics where the CPU has AVX2, a
+portable loop elsewhere: :func:`isa_paths`), then ``residual + keep * (x + bias) * scale`` in
+fp32, rounded once to x's dtype. Large tensors are split over ``torch.get_num_threads()``
+threads; outputs beyond the caches are streamed out with non-temporal stores.
 
 It is built once per machine with the system C compiler (``CC``, else cc, gcc or clang;
 about 1 s), cached on disk, and loaded with ctypes: no torch headers, no tracing, a few
@@ -16,6 +17,7 @@ be built (no C compiler) the reference runs instead, after one
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import threading
@@ -25,7 +27,11 @@ from typing import Any
 
 import torch
 
-from rng_tracker._torch_private import dispatch_mode_depth, functorch_transforms_active
+from rng_tracker._torch_private import (
+    dispatch_mode_depth,
+    functorch_transforms_active,
+    profiler_enabled,
+)
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels._c_build import CSource, load_once
 from rng_tracker.kernels.index_map import IndexMap
@@ -47,8 +53,10 @@ __all__ = [
     "compiled_cpu_dropout",
     "fused_dropout_compiled",
     "fused_dropout_cpu_op",
+    "isa_paths",
     "kernel_library_path",
     "may_skip_dispatch",
+    "run_compiled",
 ]
 
 _MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c
@@ -70,8 +78,11 @@ _SOURCE = CSource(
     _FLAGS,
     libraries=(),
     abi_function="rt_abi_version",
-    abi_version=1,  # RT_ABI_VERSION of cpu_dropout.c
+    abi_version=2,  # RT_ABI_VERSION of cpu_dropout.c
 )
+# The instruction-set paths of cpu_dropout.c (RT_ISA_*): 0 lets the kernel pick the fastest
+# this CPU runs; the others force one (tests compare every path bitwise).
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
 # Below this many elements per thread, one more thread costs more (a thread start, and on a
 # loaded machine a wait for it to be scheduled) than it saves.
 _MIN_NUMEL_PER_THREAD = 2**17
@@ -82,7 +93,7 @@ class CompiledKernelFallbackWarning(UserWarning):
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF}
+_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF, "isa": 0}
 
 
 def kernel_library_path() -> Path:
@@ -100,7 +111,19 @@ def _load() -> ctypes.CDLL:
     library.rt_fused_dropout.restype = ctypes.c_int64
     # x, bias, residual, out, then every scalar and the index map in one int64 array
     library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]
+    library.rt_isa_supported.restype = ctypes.c_int64
+    library.rt_isa_supported.argtypes = [ctypes.c_int64]
+    library.rt_isa_best.restype = ctypes.c_int64
     return library
+
+
+def isa_paths() -> list[str]:
+    """The instruction-set paths of the compiled kernel this CPU runs, fastest last (e.g.
+    ``["portable", "avx2"]``); empty where the kernel cannot be built."""
+    library = _library()
+    if library is None:
+        return []
+    return [name for name, code in ISA_CODES.items() if code and library.rt_isa_supported(code)]
 
 
 def _bf16_nan_bits() -> int:
@@ -154,8 +177,95 @@ def compiled_cpu_available() -> bool:
     return _library() is not None
 
 
-def _scale_bits(p: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", keep_scale(p)))[0]
+@functools.lru_cache(maxsize=64)
+def _p_words(p: float) -> tuple[int, int]:
+    """(keep threshold, fp32 bits of the scale) of ``p``: computed once per p."""
+    return keep_threshold(p), struct.unpack("<I", struct.pack("<f", keep_scale(p)))[0]
+
+
+_ARG_KEY = 4  # the slot of the key in the kernel's argument array; base, c2, c3 follow
+_MAX_TEMPLATES = 4096
+# (index map, dtype, bias size, p, threads, ISA) -> the kernel's argument array with zero seed
+# words: a call copies it (one memcpy) and writes its 4 words, instead of converting ~17
+# Python ints to C. Written whole or not at all, so threads may share it.
+_TEMPLATES: dict[tuple, Any] = {}
+
+
+def _arguments(
+    index_map: IndexMap, dtype: torch.dtype, bias_numel: int, p: float, threads: int
+) -> Any:
+    key = (index_map, dtype, bias_numel, p, threads, _state["isa"])
+    template = _TEMPLATES.get(key)
+    if template is None:
+        threshold, scale_bits = _p_words(p)
+        flat_map = index_map.flat() or [1, 1]  # one element merges to no dims: one of extent 1
+        values = (
+            _DTYPE_CODES[dtype],
+            index_map.numel,
+            bias_numel,
+            index_map.aligned,
+            0,  # key, base, c2, c3: written per call
+            0,
+            0,
+            0,
+            threshold,
+            scale_bits,
+            _state["bf16_nan"],
+            threads,
+            _state["isa"],
+            len(flat_map) // 2,
+            index_map.offset,
+            *flat_map,
+        )
+        template = (ctypes.c_int64 * len(values))(*values)
+        if len(_TEMPLATES) < _MAX_TEMPLATES:
+            _TEMPLATES[key] = template
+    return type(template).from_buffer_copy(template)
+
+
+def run_compiled(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    words: tuple[int, int, int, int],
+    p: float,
+    index_map: IndexMap,
+) -> torch.Tensor | None:
+    """The compiled kernel's output for the seed ``words`` (key, base, c2, c3 as int64 values),
+    or None where it cannot run this call (no library, an index map of more than 64 dims, a
+    bias without a residual): then the caller runs the reference."""
+    library = _state["library"]
+    if library is None:
+        library = _library()
+        if library is None:
+            return None
+    if len(index_map.dims) > _MAX_DIMS or (bias is not None and residual is None):
+        return None
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    if residual is not None:
+        residual = residual.contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    numel = index_map.numel
+    threads = 1
+    if numel >= 2 * _MIN_NUMEL_PER_THREAD:
+        threads = max(1, min(torch.get_num_threads(), numel // _MIN_NUMEL_PER_THREAD))
+    args = _arguments(index_map, x.dtype, 0 if bias is None else bias.numel(), p, threads)
+    args[_ARG_KEY : _ARG_KEY + 4] = words
+    status = library.rt_fused_dropout(
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+        args,
+    )
+    if status != 0:
+        raise KernelUnavailableError(
+            f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "
+            f"{numel} elements, {len(index_map.dims)} dims); use impl='torch'"
+        )
+    return out
 
 
 def fused_dropout_compiled(
@@ -167,49 +277,9 @@ def fused_dropout_compiled(
     index_map: IndexMap,
 ) -> torch.Tensor:
     """``fused_dropout_reference``'s result from the compiled kernel (CPU tensors)."""
-    library = _library()
-    if (
-        library is None
-        or len(index_map.dims) > _MAX_DIMS
-        or (bias is not None and residual is None)
-    ):
+    out = run_compiled(x, bias, residual, tuple(seed.tolist()), p, index_map)
+    if out is None:
         return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    residual = None if residual is None else residual.contiguous()
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    key, base, c2, c3 = seed.tolist()
-    flat_map = index_map.flat() or [1, 1]  # a single element merges to no dims: one of extent 1
-    threads = max(1, min(torch.get_num_threads(), index_map.numel // _MIN_NUMEL_PER_THREAD))
-    args = (
-        _DTYPE_CODES[x.dtype],
-        index_map.numel,
-        0 if bias is None else bias.numel(),
-        index_map.aligned,
-        key,
-        base,
-        c2,
-        c3,
-        keep_threshold(p),
-        _scale_bits(p),
-        _state["bf16_nan"],
-        threads,
-        len(flat_map) // 2,
-        index_map.offset,
-        *flat_map,
-    )
-    status = library.rt_fused_dropout(
-        x.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        out.data_ptr(),
-        (ctypes.c_int64 * len(args))(*args),
-    )
-    if status != 0:
-        raise KernelUnavailableError(
-            f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "
-            f"{index_map.numel} elements, {len(index_map.dims)} dims); use impl='torch'"
-        )
     return out
 
 
@@ -250,10 +320,27 @@ def may_skip_dispatch(x: torch.Tensor) -> bool:
     )
 
 
-def _profiled(*args: Any) -> torch.Tensor:
-    """``fused_dropout_compiled``, named as the op it stands in for in a profiler's trace."""
-    with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
-        return fused_dropout_compiled(*args)
+def _run(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    words: tuple[int, int, int, int],
+    p: float,
+    index_map: IndexMap,
+) -> torch.Tensor:
+    """``run_compiled``, or the reference where it cannot run; named as the op it stands in for
+    in a profiler's trace (only while a profiler runs: the name costs microseconds)."""
+    if profiler_enabled():
+        with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
+            out = run_compiled(x, bias, residual, words, p, index_map)
+    else:
+        out = run_compiled(x, bias, residual, words, p, index_map)
+    if out is None:
+        if seed is None:
+            seed = _seed_of(words)
+        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
+    return out
 
 
 class _CompiledCpuDropout(torch.autograd.Function):
@@ -264,33 +351,55 @@ class _CompiledCpuDropout(torch.autograd.Function):
         bias: torch.Tensor | None,
         residual: torch.Tensor | None,
         seed: torch.Tensor,
-        p: float,
-        index_map: IndexMap,
+        params: tuple[tuple[int, int, int, int], float, IndexMap],
     ) -> torch.Tensor:
         save_for_dropout_backward(ctx, bias, seed)
-        ctx.params = (p, index_map)
-        return _profiled(x, bias, residual, seed, p, index_map)
+        ctx.params = params
+        return _run(x, bias, residual, seed, *params)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        words, p, index_map = ctx.params
+
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+            # ctx.saved_tensors (read by dropout_backward) has checked that the seed is unchanged
             if may_skip_dispatch(g):
-                return _profiled(g, None, None, seed, *ctx.params)
-            p, index_map = ctx.params
+                return _run(g, None, None, seed, words, p, index_map)
             return fused_dropout_cpu_op(
                 g, None, None, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
             )
 
-        return *dropout_backward(ctx, grad, regenerate), None, None, None
+        return *dropout_backward(ctx, grad, regenerate), None, None
+
+
+_WORDS = ctypes.c_int64 * 4
+
+
+def _seed_of(words: tuple[int, int, int, int]) -> torch.Tensor:
+    """The seed tensor [key, base, c2, c3] of ``words`` (a memcpy: faster than torch.tensor)."""
+    seed = torch.empty(4, dtype=torch.int64)
+    ctypes.memmove(seed.data_ptr(), _WORDS(*words), 32)
+    return seed
 
 
 def compiled_cpu_dropout(
     x: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    seed: torch.Tensor,
+    seed: torch.Tensor | None,
+    words: tuple[int, int, int, int],
     p: float,
     index_map: IndexMap,
 ) -> torch.Tensor:
-    """``fused_dropout_cpu_op``'s result and gradients for eager callers ``may_skip_dispatch`` allows."""
-    return _CompiledCpuDropout.apply(x, bias, residual, seed, p, index_map)
+    """``fused_dropout_cpu_op``'s result and gradients for eager callers ``may_skip_dispatch``
+    allows, from the seed ``words`` (and the seed tensor they came from, if any). Without
+    autograd (no input needs a gradient) it is one kernel call, and no seed tensor is made."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    ):
+        if seed is None:
+            seed = _seed_of(words)
+        return _CompiledCpuDropout.apply(x, bias, residual, seed, (words, p, index_map))
+    return _run(x, bias, residual, seed, words, p, index_map)

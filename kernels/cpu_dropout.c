@@ -7,7 +7,16 @@
  * g = offset + sum_d i_d * stride_d (i_d: l's index in merged dim d, outermost first). It is
  * kept iff word g % 4 of Philox4x32-10(key, counter (lo32(c), hi32(c), c2, c3)) with
  * c = base + g / 4 is >= threshold. Work runs in blocks: the block's distinct counters
- * first (one loop the compiler vectorises), then one pass that applies them.
+ * first, then Philox over them (SIMD lanes, one counter per lane), then one pass that applies
+ * the words.
+ *
+ * Instruction sets: the whole chunk loop is compiled once per path - "portable" (the
+ * compiler's baseline for the target, any architecture) and, on x86-64 with GCC or clang,
+ * "avx2" (per-function target attribute; Philox in AVX2 intrinsics, the apply loop
+ * vectorised by the compiler for AVX2). The path is picked at run time from the CPU's
+ * features (__builtin_cpu_supports), or forced by the caller (tests compare every path
+ * bitwise). Every path does the same integer and fp32 arithmetic, element by element, so
+ * the output bits do not depend on the path.
  *
  * Built (with the headers it includes) by rng_tracker/kernels/cpu_compiled.py through
  * _c_build.py with the system C compiler and loaded with ctypes; plain C11 and pthreads, no
@@ -21,9 +30,23 @@
 #include "f32_bits.h"
 #include "philox4x32.h"
 
-#define RT_ABI_VERSION 1
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define RT_X86_SIMD 1
+#include <immintrin.h>
+#define RT_AVX2 __attribute__((target("avx2")))
+#else
+#define RT_X86_SIMD 0
+#endif
+
+#define RT_ABI_VERSION 2
 #define RT_MAX_DIMS 64
-#define BLOCK 256 /* elements per block: a multiple of 4 */
+#define BLOCK 1024 /* elements per block: a multiple of 4 * LANES */
+#define LANES 32   /* counters per SIMD step, padded up to: the widest path's needs */
+/* outputs of at least this many bytes are written with non-temporal stores: beyond the
+   caches, they skip reading the output's lines before writing them (a third of the traffic) */
+#define STREAM_BYTES (16 << 20)
+
+enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2 };
 
 enum { RT_F32 = 0, RT_F16 = 1, RT_BF16 = 2 };
 
@@ -90,13 +113,119 @@ static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16
 
 /* ---- Philox4x32-10 over a block's counters ---- */
 
-/* words[4 * i + j] = word j of Philox4x32-10 at counter[i]. */
-static void philox_block(int m, const uint64_t *restrict counter, uint32_t c2, uint32_t c3,
-                         uint32_t k0, uint32_t k1, uint32_t *restrict words) {
-    for (int i = 0; i < m; i++)
-        philox4x32_10((uint32_t)counter[i], (uint32_t)(counter[i] >> 32), c2, c3, k0, k1,
-                      words + 4 * i);
+/* words[4 * i + j] = word j of Philox4x32-10 at counter (lo[i], hi[i], c2, c3), i < m; lo and
+   hi hold m rounded up to LANES entries (the padding is computed and ignored). lo == NULL:
+   the counters are consecutive, hi[0] * 2^32 + hi[1] + i, with hi[1] + m - 1 < 2^32.
+   Portable: structure of arrays, rounds outermost, so the compiler may vectorise the inner
+   loops. */
+static void philox_block_portable(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
+                                  uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                                  uint32_t *restrict words) {
+    for (int start = 0; start < m; start += LANES) {
+        uint32_t x0[LANES], x1[LANES], x2[LANES], x3[LANES];
+        uint32_t r0 = k0, r1 = k1;
+        if (lo) {
+            for (int i = 0; i < LANES; i++) {
+                x0[i] = lo[start + i];
+                x1[i] = hi[start + i];
+            }
+        } else {
+            for (int i = 0; i < LANES; i++) {
+                x0[i] = hi[1] + (uint32_t)(start + i);
+                x1[i] = hi[0];
+            }
+        }
+        for (int i = 0; i < LANES; i++) {
+            x2[i] = c2;
+            x3[i] = c3;
+        }
+        for (int round = 0; round < PHILOX_ROUNDS; round++) {
+            for (int i = 0; i < LANES; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], r0, r1);
+            r0 += PHILOX_KEY_STEP0;
+            r1 += PHILOX_KEY_STEP1;
+        }
+        int n = m - start < LANES ? m - start : LANES;
+        for (int i = 0; i < n; i++) {
+            words[4 * (start + i)] = x0[i];
+            words[4 * (start + i) + 1] = x1[i];
+            words[4 * (start + i) + 2] = x2[i];
+            words[4 * (start + i) + 3] = x3[i];
+        }
+    }
 }
+
+#if RT_X86_SIMD
+#define AVX2_CHAINS 4 /* independent vectors in flight: hides the multiplies' latency */
+
+/* (high, low) 32-bit halves of the 64-bit products a * multiplier, lane by lane (8 lanes). */
+RT_AVX2 static inline __m256i mulhilo_avx2(__m256i a, __m256i multiplier, __m256i *low) {
+    __m256i even = _mm256_mul_epu32(a, multiplier);                       /* lanes 0, 2, 4, 6 */
+    __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), multiplier); /* lanes 1, 3, 5, 7 */
+    *low = _mm256_mullo_epi32(a, multiplier);
+    return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+/* philox_block_portable's words, 8 counters per vector, AVX2_CHAINS vectors per step (m is
+   padded to LANES = 8 * AVX2_CHAINS). Counters are loaded into lanes 0, 2, 4, 6, 1, 3, 5, 7 of
+   a vector, so that the 4 x 4 transposes within each 128-bit half store the words of
+   counters 0..7 in order. */
+RT_AVX2 static void philox_block_avx2(int m, const uint32_t *restrict lo,
+                                      const uint32_t *restrict hi, uint32_t c2, uint32_t c3,
+                                      uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    /* lo == NULL: the counters are hi[0] * 2^32 + hi[1] + i, and hi[1] + m - 1 < 2^32 */
+    const __m256i first_lo = _mm256_add_epi32(_mm256_set1_epi32(lo ? 0 : (int)hi[1]), order);
+    const __m256i first_hi = _mm256_set1_epi32(lo ? 0 : (int)hi[0]);
+    const __m256i multiplier0 = _mm256_set1_epi32((int)0xD2511F53u);
+    const __m256i multiplier1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+    for (int start = 0; start < m; start += 8 * AVX2_CHAINS) {
+        __m256i x0[AVX2_CHAINS], x1[AVX2_CHAINS], x2[AVX2_CHAINS], x3[AVX2_CHAINS];
+#pragma GCC unroll 8
+        for (int v = 0; v < AVX2_CHAINS; v++) {
+            if (lo) {
+                x0[v] = _mm256_permutevar8x32_epi32(
+                    _mm256_loadu_si256((const __m256i *)(lo + start + 8 * v)), order);
+                x1[v] = _mm256_permutevar8x32_epi32(
+                    _mm256_loadu_si256((const __m256i *)(hi + start + 8 * v)), order);
+            } else {
+                x0[v] = _mm256_add_epi32(first_lo, _mm256_set1_epi32(start + 8 * v));
+                x1[v] = first_hi;
+            }
+            x2[v] = _mm256_set1_epi32((int)c2);
+            x3[v] = _mm256_set1_epi32((int)c3);
+        }
+        uint32_t r0 = k0, r1 = k1;
+#pragma GCC unroll 10
+        for (int round = 0; round < PHILOX_ROUNDS; round++) {
+            const __m256i key0 = _mm256_set1_epi32((int)r0), key1 = _mm256_set1_epi32((int)r1);
+#pragma GCC unroll 8
+            for (int v = 0; v < AVX2_CHAINS; v++) {
+                __m256i low0, low1;
+                __m256i keyed1 = _mm256_xor_si256(x1[v], key0), keyed3 = _mm256_xor_si256(x3[v], key1);
+                __m256i high0 = mulhilo_avx2(x0[v], multiplier0, &low0);
+                __m256i high1 = mulhilo_avx2(x2[v], multiplier1, &low1);
+                x0[v] = _mm256_xor_si256(high1, keyed1);
+                x2[v] = _mm256_xor_si256(high0, keyed3);
+                x1[v] = low1;
+                x3[v] = low0;
+            }
+            r0 += PHILOX_KEY_STEP0;
+            r1 += PHILOX_KEY_STEP1;
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < AVX2_CHAINS; v++) {
+            if (start + 8 * v >= m) break;
+            __m256i t0 = _mm256_unpacklo_epi32(x0[v], x1[v]), t1 = _mm256_unpackhi_epi32(x0[v], x1[v]);
+            __m256i t2 = _mm256_unpacklo_epi32(x2[v], x3[v]), t3 = _mm256_unpackhi_epi32(x2[v], x3[v]);
+            __m256i *out = (__m256i *)(words + 4 * (start + 8 * v));
+            _mm256_storeu_si256(out, _mm256_unpacklo_epi64(t0, t2));
+            _mm256_storeu_si256(out + 1, _mm256_unpackhi_epi64(t0, t2));
+            _mm256_storeu_si256(out + 2, _mm256_unpacklo_epi64(t1, t3));
+            _mm256_storeu_si256(out + 3, _mm256_unpackhi_epi64(t1, t3));
+        }
+    }
+}
+#endif
 
 /* ---- the index map, walked as an odometer over the merged dims ---- */
 
@@ -146,6 +275,8 @@ typedef struct {
     uint64_t base;
     float scale;
     uint16_t bf16_nan;
+    int isa;    /* RT_ISA_PORTABLE or RT_ISA_AVX2 */
+    int stream; /* write the output with non-temporal stores (where the path has them) */
 } job;
 
 typedef struct {
@@ -154,7 +285,7 @@ typedef struct {
 } chunk;
 
 /* out[i] for i in [0, n): inlined with constant dtype/has_bias/has_residual, so each of the
-   nine variants is its own branch-free loop the compiler can vectorise. */
+   nine variants is its own branch-free loop the compiler can vectorise (for the path's ISA). */
 static inline __attribute__((always_inline)) void apply(
     int n, const uint32_t *restrict word, uint32_t threshold, float scale,
     const void *restrict x, const void *restrict bias, const void *restrict residual,
@@ -169,84 +300,177 @@ static inline __attribute__((always_inline)) void apply(
     }
 }
 
+typedef void (*philox_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
+                          uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                          uint32_t *restrict words);
+
+/* lo/hi[k .. k + n) = the 32-bit halves of the consecutive counters first, first + 1, ... */
+static inline __attribute__((always_inline)) void consecutive(uint32_t *restrict lo,
+                                                              uint32_t *restrict hi, int n,
+                                                              uint64_t first) {
+    for (int i = 0; i < n; i++) {
+        uint64_t c = first + (uint64_t)i;
+        lo[i] = (uint32_t)c;
+        hi[i] = (uint32_t)(c >> 32);
+    }
+}
+
+typedef void (*stream_fn)(char *restrict target, const char *restrict staged, int64_t bytes);
+
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
-                                                            int has_bias, int has_residual) {
+                                                            int has_bias, int has_residual,
+                                                            philox_fn philox,
+                                                            stream_fn stream_out) {
     const job *j = c->job;
     const int64_t size = dtype == RT_F32 ? 4 : 2;
-    uint64_t counter[BLOCK];
-    uint32_t words[4 * BLOCK], word[BLOCK];
+    const stream_fn stream = j->stream ? stream_out : NULL;
+    _Alignas(64) char staged[4 * BLOCK];
+    uint32_t lo[BLOCK + LANES], hi[BLOCK + LANES]; /* a block's counters, padded to LANES */
+    uint32_t words[4 * BLOCK + 4 * LANES], word[BLOCK];
     odometer o;
     odometer_start(&o, j->map, j->ndims, c->begin);
+    const int last = j->ndims - 1;
     int64_t column = has_bias ? c->begin % j->hidden : 0;
     for (int64_t start = c->begin; start < c->end; start += BLOCK) {
         int n = (int)(c->end - start < BLOCK ? c->end - start : BLOCK);
         const uint32_t *keep_word = words;
+        int groups = 0;
+        const uint32_t *counter_lo = lo;
         if (j->aligned) { /* elements 4k..4k+3 of the block are group k: one counter each */
-            int groups = (n + 3) / 4;
-            for (int k = 0; k < groups; k++) {
-                counter[k] = j->base + (uint64_t)(o.g >> 2);
-                odometer_step(&o, 4);
+            int wanted = (n + 3) / 4;
+            uint64_t first = j->base + (uint64_t)(o.g >> 2);
+            int64_t row = last > 0 ? (o.extent[last] - o.index[last]) / 4 : wanted;
+            if (row >= wanted && (uint64_t)(uint32_t)first + (uint64_t)wanted <= 0x100000000u) {
+                /* one run of consecutive counters, no carry into the high word: generated in
+                   the Philox loop itself */
+                counter_lo = NULL;
+                hi[0] = (uint32_t)(first >> 32);
+                hi[1] = (uint32_t)first;
+                groups = wanted;
+                odometer_step(&o, 4 * (int64_t)wanted);
             }
-            philox_block(groups, counter, j->c2, j->c3, j->k0, j->k1, words);
-        } else { /* one counter per run of elements in the same global group */
-            int groups = 0;
+            while (groups < wanted) { /* runs of consecutive counters along the innermost dim */
+                int64_t run = wanted - groups;
+                if (last > 0 && (o.extent[last] - o.index[last]) / 4 < run)
+                    run = (o.extent[last] - o.index[last]) / 4;
+                consecutive(lo + groups, hi + groups, (int)run, j->base + (uint64_t)(o.g >> 2));
+                groups += (int)run;
+                odometer_step(&o, 4 * run);
+            }
+        }
+        uint16_t slot[BLOCK];
+        uint8_t lane[BLOCK];
+        if (!j->aligned) { /* one counter per run of elements in the same global group */
             int64_t previous = -1;
-            uint16_t slot[BLOCK];
-            uint8_t lane[BLOCK];
             for (int e = 0; e < n; e++) {
                 int64_t group = o.g >> 2;
                 if (group != previous) {
-                    counter[groups++] = j->base + (uint64_t)group;
+                    uint64_t counter = j->base + (uint64_t)group;
+                    lo[groups] = (uint32_t)counter;
+                    hi[groups++] = (uint32_t)(counter >> 32);
                     previous = group;
                 }
                 slot[e] = (uint16_t)(groups - 1);
                 lane[e] = (uint8_t)(o.g & 3);
                 odometer_step(&o, 1);
             }
-            philox_block(groups, counter, j->c2, j->c3, j->k0, j->k1, words);
+        }
+        if (counter_lo)
+            for (int k = groups; k % LANES; k++) lo[k] = hi[k] = 0; /* padding */
+        philox(groups, counter_lo, hi, j->c2, j->c3, j->k0, j->k1, words);
+        if (!j->aligned) {
             for (int e = 0; e < n; e++) word[e] = words[4 * slot[e] + lane[e]];
             keep_word = word;
         }
         if (j->keep_none) memset(word, 0, sizeof word), keep_word = word;
         const char *x = (const char *)j->x + start * size;
         const char *residual = has_residual ? (const char *)j->residual + start * size : NULL;
-        char *out = (char *)j->out + start * size;
+        char *target = (char *)j->out + start * size;
+        /* streaming: the block is written to `staged` (in L1), then copied out with
+           non-temporal stores, so a large output is not read into the cache first */
+        char *out = stream ? staged : target;
         if (!has_bias) {
             apply(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
                   has_residual, j->bf16_nan);
-            continue;
+        } else {
+            /* runs of the block that lie in one row, so the bias is read contiguously */
+            for (int e = 0; e < n;) {
+                int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
+                apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
+                      (const char *)j->bias + column * size, residual + e * size,
+                      out + e * size, dtype, 1, has_residual, j->bf16_nan);
+                e += run;
+                column += run;
+                if (column == j->hidden) column = 0;
+            }
         }
-        /* runs of the block that lie in one row, so the bias is read contiguously */
-        for (int e = 0; e < n;) {
-            int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
-            apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
-                  (const char *)j->bias + column * size, residual + e * size, out + e * size,
-                  dtype, 1, has_residual, j->bf16_nan);
-            e += run;
-            column += run;
-            if (column == j->hidden) column = 0;
-        }
+        if (stream) stream(target, staged, n * size);
     }
 }
 
-#define RT_VARIANTS(dtype)                                   \
-    if (c->job->bias) run_chunk(c, dtype, 1, 1);             \
-    else if (c->job->residual) run_chunk(c, dtype, 0, 1);    \
-    else run_chunk(c, dtype, 0, 0);
+#define RT_VARIANTS(dtype, philox, stream)                                   \
+    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, stream);             \
+    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, stream);    \
+    else run_chunk(c, dtype, 0, 0, philox, stream);
+
+#define RT_CHUNK_PATH(name, attributes, philox, stream)                     \
+    attributes static void name(const chunk *c) {                           \
+        switch (c->job->dtype) {                                            \
+        case RT_F32: RT_VARIANTS(RT_F32, philox, stream) break;             \
+        case RT_F16: RT_VARIANTS(RT_F16, philox, stream) break;             \
+        default: RT_VARIANTS(RT_BF16, philox, stream) break;                \
+        }                                                                   \
+    }
+
+RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, NULL)
+#if RT_X86_SIMD
+/* target[0 .. bytes) = staged[0 .. bytes) with non-temporal stores where target is 32-byte
+   aligned (a torch allocation and a block's start are), plain stores for the rest. */
+RT_AVX2 static void stream_out_avx2(char *restrict target, const char *restrict staged,
+                                    int64_t bytes) {
+    int64_t head = (int64_t)((32 - ((uintptr_t)target & 31)) & 31);
+    if (head > bytes) head = bytes;
+    memcpy(target, staged, (size_t)head);
+    int64_t i = head;
+    for (; i + 32 <= bytes; i += 32)
+        _mm256_stream_si256((__m256i *)(target + i),
+                            _mm256_loadu_si256((const __m256i *)(staged + i)));
+    memcpy(target + i, staged + i, (size_t)(bytes - i));
+}
+RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, stream_out_avx2)
+#endif
+
+/* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
+int64_t rt_isa_supported(int64_t isa) {
+    if (isa == RT_ISA_PORTABLE) return 1;
+#if RT_X86_SIMD
+    __builtin_cpu_init();
+    if (isa == RT_ISA_AVX2) return __builtin_cpu_supports("avx2") != 0;
+#endif
+    return 0;
+}
+
+/* The fastest instruction set this CPU runs. */
+int64_t rt_isa_best(void) {
+    return rt_isa_supported(RT_ISA_AVX2) ? RT_ISA_AVX2 : RT_ISA_PORTABLE;
+}
 
 static void *run_chunk_any(void *arg) {
     const chunk *c = (const chunk *)arg;
-    switch (c->job->dtype) {
-    case RT_F32: RT_VARIANTS(RT_F32) break;
-    case RT_F16: RT_VARIANTS(RT_F16) break;
-    default: RT_VARIANTS(RT_BF16) break;
+#if RT_X86_SIMD
+    if (c->job->isa == RT_ISA_AVX2) {
+        run_chunk_avx2(c);
+        if (c->job->stream) _mm_sfence(); /* the streamed stores are visible before the join */
+        return NULL;
     }
+#endif
+    run_chunk_portable(c);
     return NULL;
 }
 
 enum { /* the slots of rt_fused_dropout's args */
     ARG_DTYPE, ARG_NUMEL, ARG_HIDDEN, ARG_ALIGNED, ARG_KEY, ARG_BASE, ARG_C2, ARG_C3,
-    ARG_THRESHOLD, ARG_SCALE_BITS, ARG_BF16_NAN, ARG_THREADS, ARG_NDIMS, ARG_MAP
+    ARG_THRESHOLD, ARG_SCALE_BITS, ARG_BF16_NAN, ARG_THREADS, ARG_ISA, ARG_NDIMS, ARG_MAP
 };
 
 /*
@@ -254,23 +478,27 @@ enum { /* the slots of rt_fused_dropout's args */
  * contiguous, numel elements of `dtype`. args: the ARG_* values (key and base as int64 bit
  * patterns, scale as its fp32 bits), then the index map from ARG_MAP: offset and ndims
  * (extent, stride) pairs. Splits the work over up to `threads` threads (the caller's thread
- * included). Returns 0, or -1 for arguments it cannot take (then nothing is written).
+ * included). ARG_ISA: RT_ISA_AUTO (the fastest this CPU runs) or an RT_ISA_* code to force.
+ * Returns 0, or -1 for arguments it cannot take (then nothing is written).
  */
 int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, void *out,
                          const int64_t *args) {
     int64_t dtype = args[ARG_DTYPE], numel = args[ARG_NUMEL], hidden = args[ARG_HIDDEN];
-    int64_t ndims = args[ARG_NDIMS], threads = args[ARG_THREADS];
+    int64_t ndims = args[ARG_NDIMS], threads = args[ARG_THREADS], isa = args[ARG_ISA];
     uint64_t threshold = (uint64_t)args[ARG_THRESHOLD], key = (uint64_t)args[ARG_KEY];
     if (numel == 0) return 0; /* empty tensors may have NULL data */
     if (dtype < RT_F32 || dtype > RT_BF16 || numel < 0 || ndims < 1 || ndims > RT_MAX_DIMS ||
-        (bias && (!residual || hidden < 1)) || threshold > 0x100000000u)
+        (bias && (!residual || hidden < 1)) || threshold > 0x100000000u ||
+        (isa != RT_ISA_AUTO && !rt_isa_supported(isa)))
         return -1;
+    if (isa == RT_ISA_AUTO) isa = rt_isa_best();
     job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
              args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),
              (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],
              threshold > 0xffffffffu ? 0xffffffffu : (uint32_t)threshold,
              threshold > 0xffffffffu, (uint64_t)args[ARG_BASE],
-             bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN]};
+             bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN], (int)isa,
+             numel * (dtype == RT_F32 ? 4 : 2) >= STREAM_BYTES};
     int64_t blocks = (numel + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = blocks;
     if (threads < 1) threads = 1;

@@ -23,16 +23,20 @@ from rng_tracker.kernels.cpu_compiled import (
 )
 from rng_tracker.kernels.index_map import IndexMap, ShardArg, index_map_of
 from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
-from rng_tracker.kernels.rng_source import drawn_seed, seed_tensor
+from rng_tracker.kernels.rng_source import drawn_seed, drawn_words, seed_tensor
 from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 __all__ = ["Impl", "bias_dropout_add", "dropout"]
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_IMPLS = ("auto", "triton", "cpu", "torch")
+Words = tuple[int, int, int, int]
 
 
 def _check_p(p: object) -> float:
+    if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
+        return p
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise KernelInputTypeError(f"p must be a float, got {type(p).__name__} {p!r}")
     p = float(p)
@@ -56,15 +60,22 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     return t
 
 
-def _use_triton(x: torch.Tensor, impl: object, index_map: IndexMap) -> bool:
-    if impl not in ("auto", "triton", "cpu", "torch"):
+def _path(x: torch.Tensor, impl: object, index_map: IndexMap) -> str:
+    """The one decision of which kernel runs a call: "triton", "cpu" (the compiled C kernel;
+    its op warns once and runs the reference where it cannot be built) or "reference"."""
+    if impl not in _IMPLS:
         raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
-    if impl == "cpu" and x.device.type != "cpu":
-        raise KernelUnavailableError(
-            f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
-        )
-    if impl in ("torch", "cpu"):
-        return False
+    on_cpu = x.device.type == "cpu"
+    if impl == "cpu":
+        if not on_cpu:
+            raise KernelUnavailableError(
+                f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
+            )
+        return "cpu"
+    if impl == "torch":
+        return "reference"
+    if impl == "auto" and on_cpu:  # Triton runs CPU tensors only when asked (the interpreter)
+        return "cpu" if auto_uses_compiled() else "reference"
     runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
     if impl == "triton" and not runs:
         why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
@@ -79,27 +90,25 @@ def _use_triton(x: torch.Tensor, impl: object, index_map: IndexMap) -> bool:
                 f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
                 f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
             )
-        return True
-    # auto: Triton on a GPU, the reference elsewhere (and for maps the kernel cannot place).
-    return runs and x.device.type == "cuda" and placeable
+        return "triton"
+    # auto off CPU: Triton on a GPU, the reference elsewhere (and for maps it cannot place).
+    return "triton" if runs and x.device.type == "cuda" and placeable else "reference"
 
 
-def _op(x: torch.Tensor, impl: Impl, use_triton: bool):
-    """The op to run: Triton; the compiled CPU kernel (impl 'cpu', and 'auto' on CPU where it
-    builds: the op itself warns once and runs the reference where it does not); the reference."""
-    if use_triton:
-        return fused_dropout_triton_op
-    if x.device.type != "cpu" or impl == "torch":
-        return fused_dropout_op
-    return fused_dropout_cpu_op if impl == "cpu" or auto_uses_compiled() else fused_dropout_op
+_OPS = {
+    "triton": fused_dropout_triton_op,
+    "cpu": fused_dropout_cpu_op,
+    "reference": fused_dropout_op,
+}
 
 
 def _check_seed(
     seed: object, generator: torch.Generator | None, x: torch.Tensor
-) -> torch.Tensor | None:
-    """Validate an explicit seed tensor without reading a device tensor (no host sync)."""
+) -> tuple[torch.Tensor | None, Words | None]:
+    """Validate an explicit seed tensor without reading a device tensor (no host sync); return
+    it with its words where they were read (a CPU seed, outside torch.compile)."""
     if seed is None:
-        return None
+        return None, None
     if not isinstance(seed, torch.Tensor):
         raise KernelInputTypeError(
             f"seed must be an int64 tensor or None, got {type(seed).__name__}"
@@ -115,13 +124,14 @@ def _check_seed(
         )
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
+    words = None
     if seed.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: no sync
-        words = seed.tolist()
+        words = tuple(seed.tolist())
         if not all(0 <= w < 2**32 for w in words[2:]):
             raise KernelInputError(
                 f"seed words c2 and c3 must be in [0, 2**32), got {words[2]} and {words[3]}"
             )
-    return seed
+    return seed, words
 
 
 def _fused(
@@ -132,17 +142,23 @@ def _fused(
     index_map: IndexMap,
     generator: torch.Generator | None,
     seed: torch.Tensor | None,
+    words: Words | None,
     impl: Impl,
 ) -> torch.Tensor:
-    use_triton = _use_triton(x, impl, index_map)
+    path = _path(x, impl, index_map)
+    if path == "cpu" and may_skip_dispatch(x):
+        # eager on CPU: straight to the kernel, with the seed words as ints (converted once)
+        if seed is None:
+            words = _drawn_words(x, p, index_map, generator)
+        elif words is None:  # a seed on another device: brought here and read once
+            seed = seed.to(x.device)
+            words = tuple(seed.tolist())
+        return compiled_cpu_dropout(x, bias, residual, seed, words, p, index_map)
     if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
         seed = seed.to(x.device, non_blocking=True)
     else:
-        seed = _draw_seed(x, p, index_map, generator, use_triton)
-    op = _op(x, impl, use_triton)
-    if op is fused_dropout_cpu_op and may_skip_dispatch(x):
-        return compiled_cpu_dropout(x, bias, residual, seed, p, index_map)
-    return op(
+        seed = _draw_seed(x, p, index_map, generator, path == "triton")
+    return _OPS[path](
         x, bias, residual, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
     )
 
@@ -173,6 +189,21 @@ def _draw_seed(
     return drawn_seed(generator, index_map.logical_numel, device)
 
 
+def _drawn_words(
+    x: torch.Tensor, p: float, index_map: IndexMap, generator: torch.Generator | None
+) -> Words:
+    """``_draw_seed``'s words as ints, for an eager call on CPU (no tensor made)."""
+    if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
+        return (0, 0, 0, 0)
+    if generator is None:
+        generator = torch.default_generator
+    elif not isinstance(generator, torch.Generator):
+        raise KernelInputTypeError(
+            f"generator must be a torch.Generator, got {type(generator).__name__}"
+        )
+    return drawn_words(generator, index_map.logical_numel)
+
+
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -201,10 +232,10 @@ def dropout(
     _check_tensor("x", x)
     p = _check_p(p)
     index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
-    seed = _check_seed(seed, generator, x)
+    seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, index_map, generator, seed, impl)
+    return _fused(x, None, None, p, index_map, generator, seed, words, impl)
 
 
 def bias_dropout_add(
@@ -234,7 +265,7 @@ def bias_dropout_add(
             )
     p = _check_p(p)
     index_map = index_map_of(x.shape, shard)
-    seed = _check_seed(seed, generator, x)
+    seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, index_map, generator, seed, impl)
+    return _fused(x, bias, residual, p, index_map, generator, seed, words, impl)

@@ -8,11 +8,13 @@ of a call is [key, base, c2, c3]: counter words 2 and 3 are 0 here.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from rng_tracker.errors import KernelInputError
 
-__all__ = ["advanced_offset", "draw_key_and_base", "drawn_seed", "seed_tensor"]
+__all__ = ["advanced_offset", "draw_key_and_base", "drawn_seed", "drawn_words", "seed_tensor"]
 
 _MAX_OFFSET = 2**64 - 1  # a CUDA generator's Philox offset is a uint64
 
@@ -33,12 +35,18 @@ def advanced_offset(offset: int, logical_numel: int) -> int:
     return advanced
 
 
-def _key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
+_SCRATCH = threading.local()  # per thread: a 0-dim int64 tensor the eager draws reuse
+
+
+def _key_and_base(
+    generator: torch.Generator, logical_numel: int, scratch: torch.Tensor | None = None
+) -> tuple[int, int]:
     if generator.device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(advanced_offset(offset, logical_numel))
         return generator.initial_seed(), offset // 4
-    draw = torch.empty((), dtype=torch.int64).random_(-(2**63), 2**63 - 1, generator=generator)
+    draw = torch.empty((), dtype=torch.int64) if scratch is None else scratch
+    draw.random_(-(2**63), 2**63 - 1, generator=generator)
     return int(draw) & (2**64 - 1), 0
 
 
@@ -46,6 +54,17 @@ def _key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, 
 def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
     """Consume the generator's randomness for one call over ``logical_numel`` elements."""
     return _key_and_base(generator, logical_numel)
+
+
+def drawn_words(generator: torch.Generator, logical_numel: int) -> tuple[int, int, int, int]:
+    """The seed words [key, base, 0, 0] (int64 values) of one eager call, drawn as
+    :func:`drawn_seed` draws them, with no tensor made (eager callers outside any trace or
+    dispatch mode only: the draw reuses a per-thread scratch tensor)."""
+    scratch = getattr(_SCRATCH, "tensor", None)
+    if scratch is None:
+        scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
+    key, base = _key_and_base(generator, logical_numel, scratch)
+    return (key - 2**64 if key >= 2**63 else key, base, 0, 0)
 
 
 def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:

@@ -537,18 +537,13 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
     def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if ctx.keyed is not None and kwargs.get("generator") is None:
             name = ctx.keyed.name_of(tensor)
-            if name is None:  # a buffer of the init itself (trunc_normal_'s resampling)
-                name = ctx.keyed.anonymous_name()
-            if name is not None:
-                values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
-                for i, value in enumerate(args[:2]):
-                    values[i] = value
-                for i, key in enumerate(names):
-                    values[i] = kwargs.get(key, values[i])
-                fill = keyed_uniform_ if kind == "uniform" else keyed_normal_
-                return fill(
-                    tensor, float(values[0]), float(values[1]), name=name, seed=ctx.keyed.seed
-                )
+            values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
+            for i, value in enumerate(args[:2]):
+                values[i] = value
+            for i, key in enumerate(names):
+                values[i] = kwargs.get(key, values[i])
+            fill = keyed_uniform_ if kind == "uniform" else keyed_normal_
+            return fill(tensor, float(values[0]), float(values[1]), name=name, seed=ctx.keyed.seed)
         if isinstance(tensor, DTensor):
             return _init_(tensor, lambda full: torch_func(full, *args, **kwargs))
         return torch_func(tensor, *args, **kwargs)
@@ -561,7 +556,7 @@ def _init_kaiming_uniform(
 ) -> torch.Tensor:
     # kaiming_uniform_ dispatches as itself, so its inner Tensor.uniform_ would run with the
     # mode off: compute its bound from the global shape here and draw through the routes.
-    if ctx.keyed is not None and ctx.keyed.name_of(tensor) is not None:
+    if ctx.keyed is not None and kwargs.get("generator") is None:
         bound = _kaiming_bound(tensor, *args, **kwargs)
         return _ROUTES[torch.Tensor.uniform_](ctx, tensor, -bound, bound)
     if isinstance(tensor, DTensor):
@@ -698,14 +693,15 @@ def _keyed_trunc_normal(
     b: float,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """torch's ``_no_grad_trunc_normal_`` inside a keyed block: a parameter of the block's model
-    gets one keyed inverse-CDF draw per element; anything else runs torch's own."""
+    """torch's ``_no_grad_trunc_normal_`` inside a keyed block: one keyed inverse-CDF draw per
+    element (keyed by the parameter's name, or by its place among the block's draws); a
+    ``generator=`` call or invalid bounds run torch's own."""
     blocks = _keyed_blocks()
     keyed = blocks[-1].keyed if blocks else None
-    name = None if keyed is None or generator is not None else keyed.name_of(tensor)
     valid = math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b
-    if name is None or not valid:
+    if keyed is None or generator is not None or not valid:
         return _TRUNC_ROUTE["torch"](tensor, mean, std, a, b, generator=generator)
+    name = keyed.name_of(tensor)
     return keyed_trunc_normal_(tensor, mean, std, a, b, name=name, seed=keyed.seed)
 
 
@@ -742,14 +738,14 @@ class _InvariantRandomMode(TorchFunctionMode):
         self,
         model: torch.nn.Module | None = None,
         *,
-        init: InitMode = "full",
+        init: InitMode = "keyed",
         seed: int | None = None,
     ) -> None:
         super().__init__()
         if init not in _INIT_MODES:
             raise InvariantRandomConfigError(
-                f"init must be 'full' (torch's values on the full tensor) or 'keyed' (values "
-                f"keyed by parameter name, computed per shard), got {init!r}"
+                f"init must be 'keyed' (values keyed by name, computed per shard; the default) or "
+                f"'full' (torch's values on the full tensor), got {init!r}"
             )
         if init == "full" and seed is not None:
             raise InvariantRandomConfigError(
@@ -763,10 +759,6 @@ class _InvariantRandomMode(TorchFunctionMode):
         self.init = init
         self.keyed: KeyedInit | None = None
         if init == "keyed":
-            if model is None:
-                raise InvariantRandomConfigError(
-                    "init='keyed' needs model=: its parameter names key the values"
-                )
             self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
 
     def __enter__(self) -> _InvariantRandomMode:
@@ -805,7 +797,7 @@ class _InvariantRandomMode(TorchFunctionMode):
 
 @contextmanager
 def invariant_random(
-    model: torch.nn.Module | None = None, *, init: InitMode = "full", seed: int | None = None
+    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
 ) -> Iterator[None]:
     """Within the block, dropout and init draw the same values on one device and on any mesh.
 
@@ -815,14 +807,17 @@ def invariant_random(
     ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` (so ``xavier_*``,
     ``kaiming_normal_`` and ``trunc_normal_`` too) to the init of ``init``:
 
+    - ``"keyed"`` (default): values a pure function of (``seed``, a name, the element's global
+      index); each rank computes only its shard, with no full-size buffer and no collective,
+      and nothing is drawn from a generator. The name is the tensor's name in ``model`` when
+      given (then also invariant to pipeline splits, init order and meta-device
+      materialisation), else its place among the block's init draws (every rank of a mesh
+      runs the same init in the same order). ``trunc_normal_`` is one inverse-CDF draw per
+      element (torch's resampling loop would need every rank's answer). ``seed`` defaults to
+      ``torch.initial_seed()`` when the block is entered: seed first. Not torch's values.
     - ``"full"``: torch's own draw on the full tensor (bitwise a plain single-device torch
-      init from the same generator state; each rank draws the whole tensor);
-    - ``"keyed"``: values a pure function of (``seed``, the parameter's name in ``model``,
-      the element's global index); each rank computes only its shard, with no collective.
-      ``trunc_normal_`` on a parameter is one inverse-CDF draw per element (torch's resampling
-      loop would need every rank's answer). ``seed`` defaults to ``torch.initial_seed()``; a
-      tensor that is no parameter or buffer of ``model`` is keyed by its place among such
-      draws in the block.
+      init from the same generator state; each rank draws the whole tensor and holds a
+      full-size buffer: for small models that must equal a plain torch run).
 
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).
@@ -835,7 +830,7 @@ _ENABLED: list[_InvariantRandomMode] = []
 
 
 def enable_invariant_random(
-    model: torch.nn.Module | None = None, *, init: InitMode = "full", seed: int | None = None
+    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
 ) -> None:
     """Turn ``invariant_random(...)`` on until ``disable_invariant_random()`` (idempotent:
     a second call while on changes nothing)."""

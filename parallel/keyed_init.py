@@ -5,7 +5,8 @@ Each rank computes only its local shard with the compiled kernel of
 nothing drawn from any generator. So a parameter's full tensor is the same for any TP, FSDP
 or PP layout (and on one device), whether it was built on the meta device and materialised
 later, and whatever order the modules were built or initialised in: only the seed and the
-parameter's name count. ``invariant_random(model, init="keyed")`` routes ``nn.init`` and
+parameter's name count. ``invariant_random(model)`` (keyed is its default init; without
+``model=`` a tensor is named by its place among the block's draws) routes ``nn.init`` and
 ``Tensor.uniform_``/``normal_`` here, and ``nn.init.trunc_normal_`` to one inverse-CDF draw per
 element (torch resamples out-of-range values in a data-dependent loop); the values differ from
 torch's own draws (use ``init="full"`` for those). See docs/dtensor.md.
@@ -105,18 +106,20 @@ def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
 
 
 class KeyedInit:
-    """The names of a model's parameters and buffers, for keyed init under ``invariant_random``.
+    """The names keyed init gives tensors under ``invariant_random``: a parameter's or buffer's
+    stable name in ``model``; any other tensor (every tensor when ``model`` is None) its place
+    among the block's draws, the same on every rank that runs the same init.
 
     A tensor is found by identity (the parameter object ``nn.init`` receives) or by its
     storage (``param.data``); the map is rebuilt when a lookup misses, so parameters that
     ``to_empty``, FSDP or TP replaced after this was made are found too.
     """
 
-    def __init__(self, model: torch.nn.Module, seed: int) -> None:
-        if not isinstance(model, torch.nn.Module):
+    def __init__(self, model: torch.nn.Module | None, seed: int) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
             raise InvariantRandomConfigError(
-                f"init='keyed' needs model= (the nn.Module whose parameter names key the "
-                f"values), got {type(model).__name__}"
+                f"init='keyed' takes model= (the nn.Module whose parameter names key the "
+                f"values) or None, got {type(model).__name__}"
             )
         try:
             checked = checked_int(
@@ -143,6 +146,8 @@ class KeyedInit:
         return f"<anonymous>.{self._anonymous}"
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
+        if self.model is None:
+            return []
         return [
             *self.model.named_parameters(remove_duplicate=False),
             *self.model.named_buffers(remove_duplicate=False),
@@ -167,10 +172,11 @@ class KeyedInit:
             name = None if key is None else self._by_storage.get(key)
         return name
 
-    def name_of(self, t: torch.Tensor) -> str | None:
-        """``t``'s stable name in the model, or None if it is none of its parameters or buffers."""
+    def name_of(self, t: torch.Tensor) -> str:
+        """``t``'s stable name in the model, or, for a tensor that is none of its parameters or
+        buffers (or with no model), its place among such draws (:meth:`anonymous_name`)."""
         name = self._lookup(t)
         if name is None and [id(t) for _, t in self._named()] != self._ids:
             self._rebuild()  # parameters were replaced (to_empty, FSDP, TP) since the last look
             name = self._lookup(t)
-        return name
+        return self.anonymous_name() if name is None else name

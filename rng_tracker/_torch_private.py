@@ -19,6 +19,7 @@ __all__ = [
     "dispatch_mode_depth",
     "functorch_transforms_active",
     "is_innermost_function_mode",
+    "profiler_enabled",
     "set_trunc_normal_impl",
     "storage_use_count",
     "strided_shard_type",
@@ -63,6 +64,17 @@ def dispatch_mode_depth() -> int | None:
 def functorch_transforms_active() -> bool | None:
     """Whether a functorch transform (vmap, grad, ...) is active, or None where torch cannot say."""
     return None if _functorch_active is None else bool(_functorch_active())
+
+
+# torch._C._autograd._profiler_enabled: whether a torch profiler records. The CPU kernel names
+# its eager calls in a trace only then (record_function costs microseconds per call). Without
+# it, the calls are always named.
+_profiler_enabled = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording (True where torch cannot say)."""
+    return True if _profiler_enabled is None else bool(_profiler_enabled())
 
 
 # torch.overrides._get_current_function_mode: the innermost torch function mode, which

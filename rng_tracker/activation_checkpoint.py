@@ -25,7 +25,11 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker._layout import process_layout
-from rng_tracker._torch_private import checkpoint_valid, disable_current_dispatch_modes
+from rng_tracker._torch_private import (
+    checkpoint_valid,
+    disable_current_dispatch_modes,
+    dispatch_mode_depth,
+)
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
@@ -86,6 +90,14 @@ def _backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | Non
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
+def _no_dispatch_modes() -> Any:
+    """The caller's torch dispatch modes switched off (nothing to do, and no context manager to
+    pay for, when none is active)."""
+    if dispatch_mode_depth() == 0:
+        return contextlib.nullcontext()
+    return disable_current_dispatch_modes()
+
+
 def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.device]:
     seen: dict[torch.device, None] = {}
     for value in (*args, *kwargs.values()):
@@ -112,6 +124,8 @@ class _RNGRecord:
         self.forward_log: RandomOpLog | None = None
 
     def capture(self) -> RNGSnapshot:
+        if dispatch_mode_depth() == 0:  # the usual case: no context manager to pay for
+            return RNGSnapshot.capture(self.devices, self.trackers)
         with disable_current_dispatch_modes():
             return RNGSnapshot.capture(self.devices, self.trackers)
 
@@ -166,7 +180,7 @@ class _Replay:
     def __enter__(self) -> None:
         record = self._record
         assert record.start is not None, "recompute before forward"
-        with disable_current_dispatch_modes():
+        with _no_dispatch_modes():
             found = record.start.swap_in(record.devices, record.trackers)
         log = RandomOpLog() if record.check else None
         self._open.append((found, log))
@@ -189,7 +203,7 @@ class _Replay:
                     mismatch.append(divergence)
         finally:
             _leave_checkpointing()
-            with disable_current_dispatch_modes():
+            with _no_dispatch_modes():
                 found.restore()
         if mismatch:
             raise CheckpointRNGMismatchError(

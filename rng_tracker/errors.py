@@ -215,7 +215,7 @@ __all__ += [
 
 
 class InvariantRandomConfigError(RNGTrackerError, ValueError):
-    """invariant_random() given an unknown init mode, a bad seed, or keyed init without a model."""
+    """invariant_random() given an unknown init mode, a bad seed or model, or a seed for init="full"."""
 
 
 class InvariantRandomUnsupportedError(RNGTrackerError, TypeError):

@@ -1,8 +1,10 @@
 """Snapshots of every RNG a region of code may draw from, and their exact replay.
 
 A snapshot holds the CPU generator, the default generators of the given devices and
-every stream of the given trackers; all copies. :func:`replaying` installs a snapshot
-for a body and puts back, afterwards, exactly what was there before.
+every stream of the given trackers: copies, or for a stream's uint8 state the tracker's own
+tensor, which no draw writes in place (a stream's state is replaced, not modified).
+:func:`replaying` installs a snapshot for a body and puts back, afterwards, exactly what was
+there before.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ __all__ = ["RNGSnapshot", "replaying"]
 
 @dataclass(frozen=True, slots=True)
 class RNGSnapshot:
-    """Copies of the CPU generator, device generators and tracker streams at one moment."""
+    """The CPU generator, device generators and tracker streams at one moment (copies, or
+    states no draw modifies); treat it as read-only."""
 
     cpu: torch.Tensor
     devices: tuple[tuple[torch.device, RNGState], ...]
@@ -33,19 +36,21 @@ class RNGSnapshot:
     ) -> RNGSnapshot:
         """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
         trackers = tuple(trackers)
-        wanted = {d for d in devices if d.type != "cpu"} | {
-            t.device for t in trackers if t.device.type != "cpu"
-        }
+        wanted = {d for d in devices if d.type != "cpu"}
+        wanted.update(t.device for t in trackers if t.device.type != "cpu")
+        device_states = (
+            tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)) if wanted else ()
+        )
         return cls(
-            cpu=torch.default_generator.get_state(),
-            devices=tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)),
-            streams=tuple((t, t.get_states()) for t in trackers),
+            torch.default_generator.get_state(),
+            device_states,
+            tuple([(t, t.held_states()) for t in trackers]),
         )
 
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream)."""
         for tracker, states in self.streams:
-            tracker.set_states(states)
+            tracker.restore_states(states)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)

@@ -62,6 +62,7 @@ def validate_seed(seed: Any) -> int:
 
 
 _SERIALS = itertools.count()
+_SERIALS_ISSUED = [0]  # serials handed out so far: all_trackers' cache key
 _SHOWN_NAME_CHARS = 80  # a stream name in an error message is cut to about this many characters
 _SHOWN_NAMES = 20  # and a list of known names to this many
 
@@ -144,6 +145,7 @@ class RNGStatesTracker:
     ) -> None:
         self._rng: DeviceRNG = device_rng(device, generator_states=generator_states)
         self._serial = next(_SERIALS)
+        _SERIALS_ISSUED[0] = self._serial + 1
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}
         self._open_forks: list[str] = []  # the streams of the open forks, outermost first
@@ -322,6 +324,47 @@ class RNGStatesTracker:
         if self._open_forks:
             rng.install(self._states[self._open_forks[-1]])
 
+    def held_states(self) -> dict[str, RNGState]:
+        """The streams' states for a snapshot that :meth:`restore_states` puts back: uint8 state
+        tensors shared, not copied (a stream's tensor is replaced, never written in place, so
+        it keeps its value), generator states and the open fork's live state copied. Unlike
+        :meth:`get_states`, the tensors are the tracker's own: never modify them."""
+        rng = self._rng
+        if not rng.generator_states and not self._open_forks:  # uint8 tensors, none live
+            return dict(self._states)
+        top = self._open_forks[-1] if self._open_forks else None
+        return {
+            name: rng.snapshot()
+            if name == top
+            else (state if isinstance(state, torch.Tensor) else rng.copy(state))
+            for name, state in self._states.items()
+        }
+
+    def restore_states(self, states: Mapping[str, RNGState]) -> None:
+        """Replace every stream with ``states``, a dict that :meth:`get_states` or
+        :meth:`held_states` of this tracker returned (a checkpoint's snapshot): no conversion, and no new generator for a uint8
+        state (a stream's state tensor is replaced, never written in place, so the snapshot
+        stays intact and replays again); a generator state is copied, since draws advance it.
+        Open forks must be among ``states`` (the snapshot of a call made inside them)."""
+        rng = self._rng
+        missing = [name for name in self._open_forks if name not in states]
+        if missing:
+            raise TrackerBusyError(
+                f"restoring would drop the open fork(s) {_shown_names(missing)}; close them first"
+            )
+        if rng.generator_states:
+            restored = {
+                name: state if isinstance(state, torch.Tensor) else rng.copy(state)
+                for name, state in states.items()
+            }
+        else:
+            restored = dict(states)
+        if restored.keys() != self._states.keys():
+            self._seeds = {n: s for n, s in self._seeds.items() if n in restored}
+        self._states = restored
+        if self._open_forks:
+            rng.install(self._states[self._open_forks[-1]])
+
     def state_dict(self) -> dict[str, Any]:
         """Versioned, device-independent state: streams as seeds and uint8 CPU tensors."""
         states = self.get_states()
@@ -432,9 +475,21 @@ _TRACKERS: dict[torch.device, RNGStatesTracker] = {}
 _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
 
 
+_ORDERED: dict[str, Any] = {"key": None, "refs": []}  # all_trackers' last answer, as weakrefs
+
+
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
-    return sorted(_ALL_TRACKERS, key=lambda t: t._serial)
+    # Sorting the weak set costs microseconds per checkpoint: reuse the last order while no
+    # tracker was made (the serial) and none died (the count).
+    key = (_SERIALS_ISSUED[0], len(_ALL_TRACKERS))
+    if _ORDERED["key"] == key:
+        trackers = [ref() for ref in _ORDERED["refs"]]
+        if all(t is not None for t in trackers):
+            return trackers  # type: ignore[return-value]
+    trackers = sorted(_ALL_TRACKERS, key=lambda t: t._serial)
+    _ORDERED["key"], _ORDERED["refs"] = key, [weakref.ref(t) for t in trackers]
+    return trackers
 
 
 def _set_process_tracker(tracker: RNGStatesTracker) -> None:

@@ -7,9 +7,12 @@ rng_tracker.checkpoint non-reentrant and reentrant. Memory is the live CPU heap 
 mallinfo2): "held" is what stays allocated at the end of the forward (saved activations
 plus the output), "peak" the maximum over forward and backward, both above the level
 before the step. A 2-rank run (tp=2, gloo) then shows distribute_saved_activations
-dividing the held input bytes by the TP size.
+dividing the held input bytes by the TP size. Then the fixed cost: a tiny block (an 8 x 64
+linear and F.dropout), forward and backward on one thread, against torch.utils.checkpoint in
+the same mode (non-reentrant and reentrant, torch's own RNG preservation), interleaved.
 
     python scripts/bench_checkpoint.py [--hidden 256] [--tokens 2048] [--layers 4] [--steps 7]
+    python scripts/bench_checkpoint.py --tiny-only [--tiny-repeats 31]
 """
 
 from __future__ import annotations
@@ -122,13 +125,72 @@ def _distributed_held(hidden: int, tokens: int, layers: int) -> dict[str, int]:
     return {name: int(r["held"]) for name, r in result.items()}
 
 
+def _tiny_fixed_cost(repeats: int, calls: int = 100) -> None:
+    """Forward + backward of a checkpointed 8 x 64 linear + dropout, ours against torch's."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model_parallel_seed(1234, tp_rank=0)
+        linear = torch.nn.Linear(64, 64)
+        x = torch.randn(8, 64, requires_grad=True)
+
+        def block(h: torch.Tensor) -> torch.Tensor:
+            return F.dropout(linear(h), 0.1)
+
+        wraps = {
+            "torch non-reentrant": lambda: torch_checkpoint.checkpoint(
+                block, x, use_reentrant=False
+            ),
+            "rng_tracker non-reentrant": lambda: checkpoint(block, x, use_reentrant=False),
+            "torch reentrant": lambda: torch_checkpoint.checkpoint(block, x, use_reentrant=True),
+            "rng_tracker reentrant": lambda: checkpoint(block, x, use_reentrant=True),
+        }
+
+        def timed(wrap: Callable[[], torch.Tensor]) -> Callable[[], float]:
+            def run() -> float:
+                start = time.thread_time()  # this thread's CPU time: the machine is shared
+                for _ in range(calls):
+                    wrap().sum().backward()
+                return time.thread_time() - start
+
+            return run
+
+        runs = {name: timed(wrap) for name, wrap in wraps.items()}
+        for run in runs.values():  # warm-up
+            run()
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(repeats):  # interleaved so machine drift hits every configuration alike
+            for name, run in runs.items():
+                samples[name].append(run())
+        us = {name: statistics.median(v) / calls * 1e6 for name, v in samples.items()}
+    finally:
+        torch.set_num_threads(threads)
+    print(
+        f"\nfixed cost: checkpoint of an 8 x 64 linear + F.dropout, forward + backward, 1 thread, "
+        f"us of its CPU time (time.thread_time) per step (median of {repeats} interleaved "
+        f"samples of {calls} steps)"
+    )
+    for mode in ("non-reentrant", "reentrant"):
+        ours, theirs = us[f"rng_tracker {mode}"], us[f"torch {mode}"]
+        print(
+            f"  {mode:<14} rng_tracker {ours:8.1f}  torch {theirs:8.1f}  ratio {ours / theirs:.2f}"
+            " (target <= 1.10)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--tiny-repeats", type=int, default=31)
+    parser.add_argument("--tiny-only", action="store_true", help="only the tiny-block fixed cost")
     args = parser.parse_args()
+    if args.tiny_only:
+        _tiny_fixed_cost(args.tiny_repeats)
+        return
 
     results = _measure(args.hidden, args.tokens, args.layers, args.steps, CONFIGS)
     base = results["torch.utils.checkpoint"]
@@ -162,6 +224,7 @@ def main() -> None:
             f"  {mode:<15} plain {plain / 1e6:7.2f}  distributed {split / 1e6:7.2f}  "
             f"saved-input bytes removed {(plain - split) / input_bytes:.2f} of the inputs (target 0.50 = 1 - 1/tp)"
         )
+    _tiny_fixed_cost(args.tiny_repeats)
 
 
 if __name__ == "__main__":

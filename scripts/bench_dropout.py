@@ -5,17 +5,24 @@ fp32; 2**20..2**28 elements) for rng_tracker's Triton kernel, eager torch (the u
 sequence), torch.compile of that sequence, and a device-to-device copy (the bandwidth
 bound), with ratios against eager and copy, all measured in this run.
 
-On a CPU: milliseconds (median of repeats, ours and the baseline interleaved) of the compiled
-CPU kernel (impl="cpu", kernels/cpu_dropout.c) against F.dropout and the eager three-op
-bias-dropout-add (bf16, fp32; 2**16..2**24 elements), forward, backward and both, with the
-target ratios; then the start-up cost in fresh processes: a cold build (empty kernel
-cache), the first call with a warm cache, and a call on a new size.
+On a CPU (the compiled kernel, impl="cpu", kernels/cpu_dropout.c; medians of repeats with
+ours and the baseline interleaved, so load drifts hit both alike):
+1. memory limit: forward and backward against ``x.clone()`` at 2**24 and 2**26 elements (bf16,
+   fp32; the generator-drawn and the keyed seed), all threads;
+2. per core: elements/s on one thread at 2**16..2**20, of the whole call and of the kernel
+   alone (one ctypes call into the library: what the C code itself sustains), per
+   instruction-set path;
+3. fixed cost: 256 elements against F.dropout, forward and forward+backward, one thread;
+4. against eager torch (F.dropout, the eager three-op bias-dropout-add), 2**16..2**24;
+5. start-up in fresh processes: a cold build (empty kernel cache), the first call with a
+   warm cache, and a call on a new size.
 Both print the bytes saved for backward per call (saved-tensor hooks).
 
 Effective bytes are the bytes an op must move: dropout fwd/bwd 2N elements (read, write);
 bias-dropout-add fwd 3N (x, residual, out), bwd 2N (grad in, grad out).
 
     python scripts/bench_dropout.py [--min-log2 20] [--max-log2 28] [--p 0.1]
+    python scripts/bench_dropout.py --sections limit,core,fixed   # CPU: some sections only
 """
 
 from __future__ import annotations
@@ -109,18 +116,26 @@ def _gbs(value: float, width: int) -> str:
     return f"{value:{width}.1f}" if value >= 10 else f"{value:{width}.3g}"
 
 
-def _interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median seconds of each fn, run in turn each repeat so load drifts hit all alike."""
+def _interleaved_medians(
+    fns: list[Callable[[], object]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> list[float]:
+    """Median seconds of each fn, run in turn each repeat so load drifts hit all alike.
+
+    ``clock=time.thread_time`` counts the calling thread's CPU time only (single-threaded
+    figures on a shared machine: time spent descheduled does not count)."""
     for fn in fns:  # warm-up: kernels built, allocator and thread pool primed
         fn()
         fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, samples, strict=True):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            out.append(time.perf_counter() - start)
-    return [statistics.median(v) for v in samples]
+            out.append(clock() - start)
+    return [statistic(v) for v in samples]
 
 
 def _cpu_rows(n: int, dtype: torch.dtype, p: float, repeats: int) -> None:
@@ -185,22 +200,221 @@ def _startup_report() -> None:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, RNG_TRACKER_CACHE_DIR=cache)
         for label in ("cold: empty kernel cache", "warm: the cache the cold run filled"):
-            print(f"\nfresh process, {label}")
+            print(f"\n5. fresh process, {label}")
             result = subprocess.run(
                 [sys.executable, "-c", _STARTUP], env=env, capture_output=True, text=True
             )
             print(result.stdout.rstrip() or result.stderr[-2000:])
 
 
+def _keyed_seed() -> torch.Tensor:
+    return torch.tensor([0x1234_5678_9ABC, 0, 7, 3], dtype=torch.int64)
+
+
+def _limit_rows(log2s: list[int], p: float, repeats: int) -> None:
+    """Forward and backward against a clone, at sizes beyond the caches (all threads)."""
+    print(
+        f"\n1. memory limit: ms, median of {repeats} interleaved; {torch.get_num_threads()} "
+        "threads; clone = x.clone() of the same tensor; target fwd/clone and bwd/clone: dropout "
+        "<= 1.5, bias_dropout_add <= 2.0 (it moves 1.5x a clone's bytes)"
+    )
+    print(
+        f"{'op':<17}{'dtype':<9}{'seed':<7}{'N':>5}{'fwd ms':>9}{'bwd ms':>9}{'clone ms':>10}"
+        f"{'fwd/clone':>10}{'bwd/clone':>10}"
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        for log2 in log2s:
+            for seed_mode in ("drawn", "keyed"):
+                for name in ("dropout", "bias_dropout_add"):
+                    _limit_row(name, dtype, log2, seed_mode, p, repeats)
+
+
+def _limit_row(name: str, dtype: torch.dtype, log2: int, seed_mode: str, p: float, repeats: int):
+    x = torch.randn(2**log2 // 1024, 1024, dtype=dtype).requires_grad_()
+    bias = torch.randn(1024, dtype=dtype)
+    residual = torch.randn_like(x)
+    grad = torch.randn_like(x)
+    seed = _keyed_seed() if seed_mode == "keyed" else None
+
+    def op() -> torch.Tensor:
+        if name == "dropout":
+            return dropout(x, p, seed=seed, impl="cpu")
+        return bias_dropout_add(x, bias, residual, p, seed=seed, impl="cpu")
+
+    out = op()
+    fwd, bwd, clone = _interleaved_medians(
+        [
+            op,
+            lambda: torch.autograd.grad(out, (x,), grad, retain_graph=True),
+            lambda: x.detach().clone(),
+        ],
+        repeats,
+    )
+    label = str(dtype).replace("torch.", "")
+    print(
+        f"{name:<17}{label:<9}{seed_mode:<7}{'2^' + str(log2):>5}{fwd * 1e3:9.2f}"
+        f"{bwd * 1e3:9.2f}{clone * 1e3:10.2f}{fwd / clone:10.2f}{bwd / clone:10.2f}",
+        flush=True,
+    )
+
+
+def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
+    """One ctypes call into the compiled library (the arguments prepared once): the C code's
+    own time, without the Python around it."""
+    from rng_tracker.kernels import cpu_compiled
+    from rng_tracker.kernels.index_map import index_map_of
+
+    out = torch.empty_like(x)
+    saved = cpu_compiled._state["isa"]
+    cpu_compiled._state["isa"] = cpu_compiled.ISA_CODES[path]
+    try:
+        args = cpu_compiled._arguments(index_map_of(x.shape, None), x.dtype, 0, p, 1)
+    finally:
+        cpu_compiled._state["isa"] = saved
+    args[4:8] = (0x1234_5678, 0, 0, 0)
+    library = cpu_compiled._library()
+    x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
+
+    def call(keep_alive: tuple[torch.Tensor, ...] = (x, out)) -> object:  # the pointers' owners
+        return library.rt_fused_dropout(x_ptr, None, None, out_ptr, args)
+
+    return call
+
+
+def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
+    """Elements/s on one thread (one core), the whole call and the kernel alone."""
+    from rng_tracker.kernels import cpu_compiled
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        paths = cpu_compiled.isa_paths()
+        print(
+            f"\n2. per core: G elements/s on 1 thread (its CPU time: time.thread_time), best "
+            f"of {repeats} interleaved; "
+            f"call = dropout(x, p, impl='cpu') forward / its backward; kernel = one ctypes "
+            f"call, per instruction-set path ({', '.join(paths)}; auto picks {paths[-1]}); "
+            "target >= 1.5 G elements/s"
+        )
+        header = f"{'dtype':<9}{'N':>5}{'call fwd':>10}{'call bwd':>10}"
+        print(header + "".join(f"{'kernel ' + path:>16}" for path in paths))
+        for dtype in (torch.bfloat16, torch.float32):
+            for log2 in log2s:
+                _core_row(dtype, log2, p, repeats, paths)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list[str]) -> None:
+    n = 2**log2
+    x = torch.randn(n, dtype=dtype).requires_grad_()
+    grad = torch.randn_like(x)
+    out = dropout(x, p, impl="cpu")
+    times = _interleaved_medians(
+        [
+            lambda: dropout(x.detach(), p, impl="cpu"),
+            lambda: torch.autograd.grad(out, (x,), grad, retain_graph=True),
+            *(_kernel_only(x.detach(), p, path) for path in paths),
+        ],
+        repeats,
+        clock=time.thread_time,
+        statistic=min,  # what the code sustains: load only ever adds time
+    )
+    label = str(dtype).replace("torch.", "")
+    print(
+        f"{label:<9}{'2^' + str(log2):>5}"
+        + "".join(f"{n / t / 1e9:{10 if i < 2 else 16}.2f}" for i, t in enumerate(times)),
+        flush=True,
+    )
+
+
+def _fixed_rows(p: float, repeats: int) -> None:
+    """The fixed cost of a call: 256 elements against F.dropout, one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(256)
+        xg = torch.randn(256, requires_grad=True)
+        grad = torch.randn(256)
+        calls = 200  # per timed sample: microsecond calls need a loop to time
+
+        def looped(fn: Callable[[], object]) -> Callable[[], object]:
+            def run() -> None:
+                for _ in range(calls):
+                    fn()
+
+            return run
+
+        ours_f, base_f, ours_fb, base_fb = _interleaved_medians(
+            [
+                looped(lambda: dropout(x, p)),
+                looped(lambda: F.dropout(x, p)),
+                looped(lambda: dropout(xg, p).backward(grad)),
+                looped(lambda: F.dropout(xg, p).backward(grad)),
+            ],
+            repeats,
+            clock=time.thread_time,
+        )
+        print(
+            f"\n3. fixed cost: 256 elements, 1 thread, us of its CPU time (time.thread_time) per "
+            f"call (median of {repeats} interleaved samples of {calls} calls); target "
+            "ours/F.dropout <= 2"
+        )
+        print(f"{'pass':<18}{'ours us':>9}{'F.dropout us':>14}{'ours/F.dropout':>16}")
+        for label, ours, base in (
+            ("forward", ours_f, base_f),
+            ("forward+backward", ours_fb, base_fb),
+        ):
+            print(
+                f"{label:<18}{ours / calls * 1e6:9.1f}{base / calls * 1e6:14.1f}{ours / base:16.2f}"
+            )
+    finally:
+        torch.set_num_threads(threads)
+
+
+_SECTIONS = ("limit", "core", "fixed", "eager", "startup")
+
+
 def _cpu_main(args: argparse.Namespace) -> None:
+    from rng_tracker.kernels import cpu_compiled
+
+    sections = args.sections.split(",") if args.sections else list(_SECTIONS)
+    unknown = set(sections) - set(_SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown --sections {sorted(unknown)}; choose from {_SECTIONS}")
     lo = args.min_log2 if args.min_log2 is not None else 16
     hi = args.max_log2 if args.max_log2 is not None else 24
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads, load average {load:.1f}), "
-        f"torch {torch.__version__}; impl='cpu' (kernels/cpu_dropout.c) against eager torch, p={args.p}; "
-        f"ms = median of {args.repeats}, interleaved"
+        f"CPU ({_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load "
+        f"average {load:.1f}), torch {torch.__version__}; impl='cpu' (kernels/cpu_dropout.c, "
+        f"paths {cpu_compiled.isa_paths()}), p={args.p}"
     )
+    if "limit" in sections:
+        _limit_rows([24, 26], args.p, max(5, args.repeats // 2))
+    if "core" in sections:
+        _core_rows([16, 18, 20], args.p, args.repeats)
+    if "fixed" in sections:
+        _fixed_rows(args.p, args.repeats)
+    if "eager" in sections:
+        _eager_rows(lo, hi, args)
+    if "startup" in sections and not args.no_startup:
+        _startup_report()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _eager_rows(lo: int, hi: int, args: argparse.Namespace) -> None:
+    print(f"\n4. against eager torch: ms = median of {args.repeats}, interleaved")
     print(
         f"{'op':<17}{'dtype':<9}{'N':>5}{'fwd ms':>9}{'base':>9}{'base/us':>8}"
         f"{'bwd ms':>9}{'bwd/fwd':>8}{'f+b ms':>9}{'base':>9}{'us/base':>8}"
@@ -213,8 +427,6 @@ def _cpu_main(args: argparse.Namespace) -> None:
         "targets: dropout base/us >= 1.0; bias_dropout_add base/us >= 1.5; bwd/fwd <= 1.5; "
         "dropout f+b us/base <= 2"
     )
-    if not args.no_startup:
-        _startup_report()
 
 
 def main() -> None:
@@ -225,6 +437,9 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--repeats", type=int, default=15, help="CPU: timed repeats per figure")
     parser.add_argument("--no-startup", action="store_true", help="CPU: skip the start-up runs")
+    parser.add_argument(
+        "--sections", default=None, help=f"CPU: comma-separated subset of {','.join(_SECTIONS)}"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU: torch.set_num_threads for both sides"
     )

@@ -215,6 +215,9 @@ def test_mode_sees_every_routed_function() -> None:
     seen = []
 
     class Recording(_InvariantRandomMode):
+        def __init__(self) -> None:
+            super().__init__(init="full")  # the opt-in mode whose init is torch's own
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             seen.append(func)
             return super().__torch_function__(func, types, args, kwargs)
@@ -351,8 +354,9 @@ def _record_masks(model: torch.nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.distributed(world_size=4, timeout=300)
 def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
-    """Under invariant_random() a parallelize_module TP+SP block inits and drops exactly as the
-    unsharded block with the fused kernel; outside it, torch's own DTensor randomness runs."""
+    """Under invariant_random() a parallelize_module TP+SP block inits (in the default keyed
+    mode and in the full mode, which is torch's own init) and drops exactly as the unsharded
+    block with the fused kernel; outside it, torch's own DTensor randomness runs."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
@@ -377,8 +381,18 @@ def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
         "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     parallelize_module(model, mesh, plan)
+    # the default (keyed) init: the unsharded block under the same mode, nothing drawn
     torch.manual_seed(11)
     with dt.invariant_random():
+        model.init_weights()
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(11).get_state())
+    with dt.invariant_random():
+        reference.init_weights()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.full_tensor(), theirs), name
+    # init="full": torch's own init of the unsharded block, from the same generator state
+    torch.manual_seed(11)
+    with dt.invariant_random(init="full"):
         model.init_weights()
     after_init = torch.get_rng_state()
     torch.manual_seed(11)

@@ -3,7 +3,9 @@
 Claim: under ``invariant_random()`` every routed dropout and init op on a plain tensor gives
 bitwise the full tensor the same op gives on a DTensor of any placements (1-D and 2-D
 meshes, FSDP-style strided shards), from the same generator state, and leaves the generator
-in the same state; ops without an invariant route are a typed error on a DTensor.
+in the same state - in the default init mode (keyed: O(local shard), nothing drawn) and in
+the opt-in full-tensor mode (torch's values); ops without an invariant route are a typed
+error on a DTensor.
 """
 
 from __future__ import annotations
@@ -56,7 +58,24 @@ def _ops() -> dict[str, object]:
     }
 
 
-def test_plain_dropout_is_the_invariant_kernel_and_init_is_torch() -> None:
+_INIT_OPS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "trunc_normal_ resampled",
+        "trunc_normal_ narrow",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "Tensor.uniform_",
+        "Tensor.normal_",
+    }
+)
+
+
+def test_plain_dropout_is_the_invariant_kernel_and_init_full_is_torch() -> None:
     """On a plain tensor, F.dropout draws rng_tracker.kernels.dropout's mask (torch's own
     F.dropout draws another), and init="full" draws torch's own values."""
     x = torch.randn(64, 32)
@@ -64,7 +83,7 @@ def test_plain_dropout_is_the_invariant_kernel_and_init_is_torch() -> None:
     want = kernel_dropout(x, 0.3)
     want_state = torch.get_rng_state()
     torch.manual_seed(5)
-    with invariant_random():
+    with invariant_random(init="full"):
         got = F.dropout(x, 0.3)
         assert torch.equal(torch.get_rng_state(), want_state)
         init = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02)
@@ -76,15 +95,44 @@ def test_plain_dropout_is_the_invariant_kernel_and_init_is_torch() -> None:
     assert torch.equal(init, torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02))
 
 
+def test_the_default_init_is_keyed_and_draws_nothing() -> None:
+    """The default init mode is keyed: with no model= it keys each draw by its place among the
+    block's init draws and the seed (torch.initial_seed() by default), computes in place, draws
+    nothing from the generator, and is the same on every call order-alike block (not torch's
+    values)."""
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    with invariant_random():
+        a = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03)
+        b = torch.nn.init.normal_(torch.empty(16, 8))
+        c = torch.nn.init.kaiming_uniform_(torch.empty(16, 8), a=1.0)
+    assert torch.equal(torch.get_rng_state(), state)  # keyed: nothing drawn
+    with invariant_random(init="keyed", seed=5):
+        again = [
+            torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03),
+            torch.nn.init.normal_(torch.empty(16, 8)),
+            torch.nn.init.kaiming_uniform_(torch.empty(16, 8), a=1.0),
+        ]
+    for got, want in zip((a, b, c), again, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(a, b)  # distinct draws, distinct names
+    assert a.abs().max() <= 0.03  # truncated to [a, b]
+    torch.manual_seed(5)
+    torch_values = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03)
+    assert not torch.equal(a, torch_values)
+
+
 def test_config_and_unsupported_errors_are_typed() -> None:
     with pytest.raises(InvariantRandomConfigError, match="init must be"):
         enable_invariant_random(init="sharded")  # type: ignore[arg-type]
-    with pytest.raises(InvariantRandomConfigError, match="needs model="):
-        enable_invariant_random(init="keyed")
+    with pytest.raises(InvariantRandomConfigError, match="model must be an nn"):
+        enable_invariant_random(model="model")  # type: ignore[arg-type]
     with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
         enable_invariant_random(torch.nn.Linear(2, 2), init="keyed", seed=-1)
+    with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
+        enable_invariant_random(seed=-1)
     with pytest.raises(InvariantRandomConfigError, match="seed= keys init='keyed' only"):
-        enable_invariant_random(seed=3)
+        enable_invariant_random(init="full", seed=3)
     disable_invariant_random()  # none of them was turned on: a no-op
     assert issubclass(InvariantRandomConfigError, RNGTrackerError)
     assert issubclass(InvariantRandomConfigError, ValueError)
@@ -114,17 +162,20 @@ def test_one_device_equals_any_mesh(rank: int) -> None:
     ]
     base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
     for name, op in _ops().items():
-        torch.manual_seed(11)
-        with invariant_random():
-            want = op(base.clone())
-        want_state = torch.get_rng_state()
-        for mesh_shape, placements in layouts:
-            x = distribute_tensor(base.clone(), meshes[mesh_shape], placements)
+        # the init ops in both init modes: keyed (the default) and full; dropout has one
+        for init in ("keyed", "full") if name in _INIT_OPS else ("keyed",):
             torch.manual_seed(11)
-            with invariant_random():
-                got = op(x)
-            assert torch.equal(got.full_tensor(), want), (name, mesh_shape, placements)
-            assert torch.equal(torch.get_rng_state(), want_state), (name, placements)
+            with invariant_random(init=init):
+                want = op(base.clone())
+            want_state = torch.get_rng_state()
+            # full: the 2-D mesh layouts only (it has its own DTensor-op tests, test_dtensor.py)
+            for mesh_shape, placements in layouts if init == "keyed" else layouts[3:]:
+                x = distribute_tensor(base.clone(), meshes[mesh_shape], placements)
+                torch.manual_seed(11)
+                with invariant_random(init=init):
+                    got = op(x)
+                assert torch.equal(got.full_tensor(), want), (name, init, mesh_shape, placements)
+                assert torch.equal(torch.get_rng_state(), want_state), (name, init, placements)
 
     # keyed init: the plain module and its DTensor-sharded twin hold the same values
     model = torch.nn.Linear(8, 12)

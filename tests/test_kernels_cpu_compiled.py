@@ -10,6 +10,7 @@ C compiler runs on a cold cache, the reference runs after one warning.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -186,6 +187,84 @@ def test_p_one_drops_everything_and_threads_split_the_work_without_changing_bits
         torch.set_num_threads(threads)
     _assert_bitwise(split, single)
     _assert_bitwise(split, dropout(big, 0.2, generator=_gen(), impl="torch"))
+
+
+_SEEDS = {
+    "generator-like": [1234567, 0, 0, 0],
+    # the low counter word carries into the high one inside the first block of 1024 elements
+    "carry": [-(2**63) + 99, 2**32 - 100, 7, 2**32 - 1],
+    # c = base + g wraps modulo 2**64
+    "wrap": [5, -50, 2**31, 3],
+}
+_PLACEMENTS = {
+    "unsharded": ((3, 1100), None),  # several blocks and a tail
+    "column shard (aligned)": ((40, 96), Chunk(1, 1, 3, extent=288)),
+    "chunk (unaligned)": ((37, 6), Chunk(1, 1, 3, extent=17)),
+    "3-d box (unaligned)": ((3, 7, 50), Region((5, 9, 61), (1, 2, 3))),
+}
+
+
+def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
+    """The kernel is compiled once per instruction-set path (portable, and AVX2 on x86-64);
+    forcing each path this CPU runs gives the reference's bits for every dtype, op variant,
+    placement and seed (counter carries and wraps included), and auto picks the fastest."""
+    paths = cpu_compiled.isa_paths()
+    assert paths[0] == "portable"
+    if os.path.exists("/proc/cpuinfo"):  # Linux: the kernel's pick agrees with the CPU's flags
+        with open("/proc/cpuinfo") as info:
+            flags = re.search(r"^flags\s*:(.*)$", info.read(), re.MULTILINE)
+        has_avx2 = flags is not None and "avx2" in flags.group(1).split()
+        assert ("avx2" in paths) == (has_avx2 and platform.machine() == "x86_64")
+    library = cpu_compiled._library()
+    assert library.rt_isa_best() == cpu_compiled.ISA_CODES[paths[-1]]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for shape, placement in _PLACEMENTS.values():
+            x, bias, residual = _inputs(shape, dtype)
+            for words in _SEEDS.values():
+                seed = torch.tensor(words, dtype=torch.int64)
+                for op_bias, op_residual in ((None, None), (None, residual), (bias, residual)):
+                    args = (x, op_bias, op_residual, placement, seed)
+                    want = _fused(*args, impl="torch")
+                    for path in paths:
+                        monkeypatch.setitem(
+                            cpu_compiled._state, "isa", cpu_compiled.ISA_CODES[path]
+                        )
+                        _assert_bitwise(_fused(*args, impl="cpu"), want)
+                    monkeypatch.setitem(cpu_compiled._state, "isa", 0)
+
+
+def _fused(x, bias, residual, placement, seed, *, impl):
+    if residual is None:
+        return dropout(x, 0.3, shard=placement, seed=seed, impl=impl)
+    return bias_dropout_add(x, bias, residual, 0.3, shard=placement, seed=seed, impl=impl)
+
+
+def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
+    """Outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
+    per block, then streamed out; the last block's 12 bytes with plain stores): the bits equal
+    the reference's on every path, on one thread and split over two."""
+    paths = cpu_compiled.isa_paths()
+    x = torch.randn(2**22 + 3, generator=_gen(5))  # 16 MiB + 12 bytes of fp32
+    residual = torch.randn_like(x)
+    seed = torch.tensor(_SEEDS["carry"], dtype=torch.int64)
+    want = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="torch")
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for path in paths:
+                monkeypatch.setitem(cpu_compiled._state, "isa", cpu_compiled.ISA_CODES[path])
+                got = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="cpu")
+                _assert_bitwise(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
+    """A forced path the CPU cannot run is refused by the kernel, which writes nothing."""
+    monkeypatch.setitem(cpu_compiled._state, "isa", 99)
+    with pytest.raises(KernelUnavailableError, match="refused its arguments"):
+        dropout(torch.ones(8), 0.5, impl="cpu")
 
 
 def test_impl_cpu_refuses_other_devices_before_drawing():

@@ -94,8 +94,10 @@ def test_names_are_stable_and_errors_typed() -> None:
     keyed = KeyedInit(model, 1)
     assert keyed.name_of(model.weight) == "weight"
     assert keyed.name_of(model.weight.data) == "weight"  # found by storage
-    assert keyed.name_of(torch.empty(2)) is None
-    with pytest.raises(InvariantRandomConfigError, match="needs model="):
+    # a tensor of no model is named by its place among such draws
+    assert [keyed.name_of(torch.empty(2)) for _ in range(2)] == ["<anonymous>.1", "<anonymous>.2"]
+    assert KeyedInit(None, 1).name_of(model.weight) == "<anonymous>.1"
+    with pytest.raises(InvariantRandomConfigError, match="takes model="):
         KeyedInit("not a module", 1)  # type: ignore[arg-type]
     with pytest.raises(InvariantRandomConfigError) as info:
         KeyedInit(model, 2**64)

@@ -1,6 +1,7 @@
 """torchtitan 0.3.0's own Llama3 debug model, parallelized by torchtitan's own function.
 
-Claim: with one line (``enable_invariant_random()``), the model initialised by torchtitan's
+Claim: with one line (``enable_invariant_random()``, its default init mode: keyed, each rank
+computing only its shard), the model initialised by torchtitan's
 ``init_weights`` and a dropout site on a TP-sharded activation draw, on 1, 2 and 4 gloo CPU
 ranks (TP=1 with FSDP, TP=2, TP=4) and on TP=2 x FSDP=2, bitwise the parameters and masks
 of the single-device model; and a DCP checkpoint of ``rng_tracker.dcp.RNGStateful`` saved at
