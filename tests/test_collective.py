@@ -111,7 +111,7 @@ _EXCHANGE_WITHOUT_NUMPY = textwrap.dedent(
     from rng_tracker.parallel.testing import run_distributed
 
     def check():
-        import io, sys
+        import sys
         import torch
         import torch.distributed as dist
         assert sys.modules["numpy"] is None
@@ -125,10 +125,16 @@ _EXCHANGE_WITHOUT_NUMPY = textwrap.dedent(
         from rng_tracker.errors import RNGConsistencyError
         from rng_tracker.parallel.dtensor import assert_same_generator_state
 
-        torch.manual_seed(dist.get_rank())
-        blob = RNGStateful().state_dict()["blob"]
-        ranks = torch.load(io.BytesIO(blob), weights_only=True)["ranks"]
-        mine = all(torch.equal(ranks[r]["cpu"], torch.manual_seed(r).get_state()) for r in ranks)
+        rank = dist.get_rank()
+        torch.manual_seed(rank)
+        saved = RNGStateful().state_dict()  # outside DCP: every rank's entry gathered to rank 0
+        if rank == 0:
+            torch.save(saved, "rng.pt")
+        dist.barrier()
+        torch.manual_seed(99)
+        RNGStateful().load_state_dict(torch.load("rng.pt", weights_only=True))
+        mine = torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(rank).get_state())
+        ranks = [0, 1] if rank != 0 else sorted(int(k[4:]) for k in saved if k.startswith("rank"))
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(dist.get_rank())
         try:
@@ -173,8 +179,9 @@ def test_verifier_runs_without_numpy(tmp_path: Path) -> None:
 
 
 def test_dcp_state_and_dtensor_check_exchange_no_pickles_and_need_no_numpy(tmp_path: Path) -> None:
-    """RNGStateful.state_dict() and assert_same_generator_state() on two gloo ranks, in processes
-    that cannot import numpy and whose all_gather_object raises."""
+    """RNGStateful's save and load outside DCP (entries gathered to rank 0, each rank restores its
+    own generator) and assert_same_generator_state() on two gloo ranks, in processes that cannot
+    import numpy and whose all_gather_object raises."""
     assert "exchanged [True, True]" in _run_without_numpy(
         tmp_path, NUMPY_ABSENT, _EXCHANGE_WITHOUT_NUMPY
     )
