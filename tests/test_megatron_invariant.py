@@ -1,10 +1,12 @@
 """``rng_tracker.megatron.install(invariant=True)``: megatron-core 0.19.2's own GPTModel draws the
 same init and dropout on any layout, on real gloo ranks.
 
-One distributed test (4 ranks) re-initialises megatron's ``parallel_state`` per layout and runs
-Megatron's own code: ``GPTModel`` (local spec, fp32, hidden and attention dropout 0.1) and one
-training step through ``get_forward_backward_func`` with 2 microbatches per data-parallel rank
-over a global batch of 8 samples. The CPU shims megatron itself needs are in tests/_megatron_cpu.py.
+Two distributed tests (4 ranks each) re-initialise megatron's ``parallel_state`` per layout and
+run Megatron's own code: ``GPTModel`` (local spec, fp32, hidden and attention dropout 0.1) and
+training steps through ``get_forward_backward_func`` with 2 microbatches per data-parallel rank
+over a global batch of 8 samples; one compares layouts, the other saves a run at TP=2xPP=2 with
+``rng_tracker.dcp.RNGStateful`` and resumes it at TP=4 and TP=1. The CPU shims megatron itself
+needs are in tests/_megatron_cpu.py.
 """
 
 from __future__ import annotations
