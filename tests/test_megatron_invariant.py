@@ -449,12 +449,13 @@ def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def _refused_seed(seed: int) -> str:
-    """The InvariantSeedError message for ``seed``; asserts every RNG state is unchanged."""
+def _refused_seed(seed: Any, error: type[Exception] | None = None) -> str:
+    """The message of the error (default InvariantSeedError) seeding with ``seed`` raises;
+    asserts every RNG state is unchanged."""
     from rng_tracker.errors import InvariantSeedError
 
     before = _rng_states()
-    with pytest.raises(InvariantSeedError) as refused:
+    with pytest.raises(error or InvariantSeedError) as refused:
         rm.model_parallel_cuda_manual_seed(seed)
     assert _equal_states(before, _rng_states())
     return str(refused.value)
@@ -476,12 +477,19 @@ def test_megatron_invariant_run_saved_at_tp2xpp2_resumes_at_tp4_and_tp1_with_the
     the first step's masks again, in a loop that advances the keyed step after each optimizer
     step; one that sets the step from the restored iteration before the forward does not. Seeds
     that are neither one seed nor Megatron-LM's pattern (per rank, data_parallel_random_init's
-    + 10 * dp rank) are refused on every rank, changing no RNG state."""
+    + 10 * dp rank) are refused on every rank, changing no RNG state; a rank whose own seed is
+    invalid, or a pipeline stage that cannot finish its model, makes the other ranks raise
+    instead of wait."""
     warnings.simplefilter("ignore")  # Megatron's warnings about TE/Apex and deprecations
     import megatron.core.parallel_state as ps
 
     from rng_tracker.dcp import RNGStateful
-    from rng_tracker.errors import RNGStateRederivedWarning
+    from rng_tracker.errors import (
+        InvalidSeedError,
+        MegatronInvariantInitError,
+        MegatronInvariantUnsupportedError,
+        RNGStateRederivedWarning,
+    )
     from rng_tracker.keyed import get_keyed_rng
 
     path = str(tmp_path / "iteration1")
@@ -495,6 +503,15 @@ def test_megatron_invariant_run_saved_at_tp2xpp2_resumes_at_tp4_and_tp1_with_the
     with _megatron_layout(2, 2):
         pp_rank = ps.get_pipeline_model_parallel_rank()
         assert "same seed" in _refused_seed(1234 + rank)
+        # a rank whose own seed is refused: it raises its error, the others say so, none waits
+        bad = _refused_seed(-1 if rank == 0 else 1234, InvalidSeedError if rank == 0 else None)
+        assert rank == 0 or "rank 0 refused" in bad
+        # a stage that cannot finish its model (an init invariant mode cannot key): the other
+        # stage raises too instead of waiting in the all-gather of the stages' sites
+        init = {"init_method": torch.nn.init.orthogonal_} if pp_rank == 1 else {}
+        failed = MegatronInvariantInitError if pp_rank == 0 else MegatronInvariantUnsupportedError
+        with pytest.raises(failed):
+            _build(2, 2, False, cpu_init=False, **init)
         model = _build(2, 2, False, cpu_init=False, seed=1234 + 100 * pp_rank)
         assert get_keyed_rng().seed == 1234 and get_keyed_rng().step == 0
         initial = _parameters(model)
