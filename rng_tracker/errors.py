@@ -266,9 +266,16 @@ class MissingBatchPositionError(RNGTrackerError, RuntimeError):
     global batch cannot be known (several data-parallel ranks or microbatches)."""
 
 
+class InvariantSeedError(RNGTrackerError, ValueError):
+    """In ``install(invariant=True)``, ranks gave ``model_parallel_cuda_manual_seed`` seeds that
+    are neither one seed nor Megatron-LM's ``seed + 100 * pipeline rank``: keyed init and masks
+    would differ per rank."""
+
+
 __all__ += [
     "BatchPositionError",
     "BatchPositionTypeError",
+    "InvariantSeedError",
     "MegatronInstallError",
     "MegatronInvariantInitError",
     "MegatronInvariantUnsupportedError",

@@ -22,7 +22,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
+from rng_tracker._collective import _device_of
 from rng_tracker._layout import process_layout
 from rng_tracker._megatron_install import (
     KNOWN_KEY_SCHEMES,
@@ -45,7 +47,9 @@ from rng_tracker.checkpoint_without_output import (
 from rng_tracker.device_rng import RNGState, device_rng
 from rng_tracker.errors import (
     CheckpointConfigError,
+    InvariantSeedError,
     ParallelStateError,
+    RNGTrackerError,
     SeedOverflowError,
     SeedReuseError,
     TrackerDeviceError,
@@ -333,30 +337,18 @@ def _gtp_seed(
     return base + offset + 65536 * (1 + _rank(f"{axis}_rank", rank))
 
 
-def model_parallel_cuda_manual_seed(
+def _megatron_seeds(
     seed: int,
-    te_rng_tracker: bool = False,
-    inference_rng_tracker: bool = False,
-    use_cudagraphable_rng: bool = False,
-    tp_rank: int | None = None,
-    ep_rank: int | None = None,
-    etp_rank: int | None = None,
-    gtp_remat_rank: int | None = None,
-    egtp_remat_rank: int | None = None,
-    force_reset_rng: bool = False,
-    gtp_remat_world_size: int | None = None,
-    egtp_remat_world_size: int | None = None,
-) -> SeedPlan:
-    """Megatron's seeding, bit for bit; ``seed`` already holds the pipeline offset.
-
-    default generator and data-parallel-rng = seed; model-parallel-rng = seed + 2718 +
-    tp_rank; expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank; the GTP-remat
-    streams only where their world size is above 1. Ranks not given come from
-    rng_tracker.parallel's parallel state, else are 0 when torch.distributed runs one rank
-    (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
-    Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
-    """
-    state = process_layout()  # the facade is the edge: the process-wide layout, once
+    state: ParallelState | None,
+    tp_rank: int | None,
+    ep_rank: int | None,
+    etp_rank: int | None,
+    gtp_remat_rank: int | None,
+    egtp_remat_rank: int | None,
+    gtp_remat_world_size: int | None,
+    egtp_remat_world_size: int | None,
+) -> tuple[dict[str, int], SeedPlan, dict[str, int]]:
+    """The ranks, Megatron's seed plan and the GTP-remat seeds, checked; touches nothing."""
     ranks = _parallel_ranks(state, tp_rank, ep_rank, etp_rank)
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
@@ -399,6 +391,124 @@ def model_parallel_cuda_manual_seed(
                 "they would draw identical values; change the ranks or the seed"
             )
         used[value] = name
+    return ranks, plan, extra
+
+
+# Megatron-LM's training loop seeds each pipeline stage with its own offset (its
+# _set_random_seed: seed + 100 * pipeline rank); invariant mode recovers the seed from it.
+_PIPELINE_SEED_STRIDE = 100
+
+
+def _words(value: int) -> list[int]:
+    """``value`` (in [0, 2**64)) as [hi, -hi, lo, -lo]: after an all-reduce MAX, equal on every
+    rank iff each max equals its min."""
+    hi, lo = value >> 32, value & 0xFFFFFFFF
+    return [hi, -hi, lo, -lo]
+
+
+def _equal(reduced: list[int]) -> bool:
+    return reduced[0] == -reduced[1] and reduced[2] == -reduced[3]
+
+
+def _invariant_seed(seed: int, state: ParallelState | None, failure: Exception | None) -> int:
+    """The keyed seed of invariant mode, the same on every rank; collective over the world.
+
+    ``seed`` itself where every rank gave the same; the base of Megatron-LM's
+    ``base + 100 * pipeline rank`` where the ranks gave exactly that (the pipeline rank from
+    ``state``); anything else raises :class:`InvariantSeedError`. ``failure`` (this rank's seed
+    or ranks were refused) is raised after the agreement, and the other ranks raise too, so no
+    rank waits and none changes its RNG state.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return seed
+    rank = dist.get_rank()
+    pp_rank: int | None = None
+    if failure is None and state is not None:
+        try:
+            pp_rank = state.rank("pp")
+        except RNGTrackerError:  # a parallel state without a pipeline axis
+            pp_rank = None
+    base = None if pp_rank is None else seed - _PIPELINE_SEED_STRIDE * pp_rank
+    base_known = base is not None and base >= 0
+    local = [1 if failure else 0, rank if failure else -1, 0 if base_known else 1]
+    local += _words(0 if failure else seed) + _words(base if base_known else 0)
+    data = torch.tensor(local, dtype=torch.int64, device=_device_of(None))
+    dist.all_reduce(data, op=dist.ReduceOp.MAX)
+    reduced = [int(v) for v in data.cpu().tolist()]
+    if failure is not None:
+        raise failure
+    if reduced[0]:
+        raise InvariantSeedError(
+            f"rank {reduced[1]} refused its model_parallel_cuda_manual_seed call (see its error), "
+            "so no rank seeded: every RNG state is as it was"
+        )
+    if _equal(reduced[3:7]):
+        return seed
+    if not reduced[2] and _equal(reduced[7:11]):
+        return base  # Megatron-LM's seed + 100 * pipeline rank: the run's seed is its base
+    where = "no parallel state" if state is None else f"pipeline rank {pp_rank}"
+    raise InvariantSeedError(
+        f"install(invariant=True): model_parallel_cuda_manual_seed got the seed {seed} on rank "
+        f"{rank} ({where}) and another seed elsewhere; invariant mode keys init and every mask "
+        "by one seed, so the ranks would draw different values. Pass every rank the same seed "
+        "(Megatron-LM's seed + 100 * pipeline rank is recognised and its base used; its "
+        "data_parallel_random_init, + 10 * data-parallel rank, cannot be invariant: turn it off). "
+        "Nothing was seeded"
+    )
+
+
+def model_parallel_cuda_manual_seed(
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: int | None = None,
+    ep_rank: int | None = None,
+    etp_rank: int | None = None,
+    gtp_remat_rank: int | None = None,
+    egtp_remat_rank: int | None = None,
+    force_reset_rng: bool = False,
+    gtp_remat_world_size: int | None = None,
+    egtp_remat_world_size: int | None = None,
+) -> SeedPlan:
+    """Megatron's seeding, bit for bit; ``seed`` already holds the pipeline offset.
+
+    default generator and data-parallel-rng = seed; model-parallel-rng = seed + 2718 +
+    tp_rank; expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank; the GTP-remat
+    streams only where their world size is above 1. Ranks not given come from
+    rng_tracker.parallel's parallel state, else are 0 when torch.distributed runs one rank
+    (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
+    Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
+
+    In invariant mode (``install(invariant=True)``) the call also sets the keyed state to (the
+    run's seed, step 0) and is collective: every rank calls it, and one all-reduce checks that
+    the ranks gave one seed, or exactly Megatron-LM's ``seed + 100 * pipeline rank`` (the
+    pipeline rank from the parallel state), whose base then keys init and masks; anything else
+    raises :class:`~rng_tracker.errors.InvariantSeedError` on every rank, changing nothing.
+    """
+    state: ParallelState | None = None
+    invariant = invariant_installed()
+    failure: Exception | None = None
+    try:
+        state = process_layout()  # the facade is the edge: the process-wide layout, once
+        ranks, plan, extra = _megatron_seeds(
+            seed,
+            state,
+            tp_rank,
+            ep_rank,
+            etp_rank,
+            gtp_remat_rank,
+            egtp_remat_rank,
+            gtp_remat_world_size,
+            egtp_remat_world_size,
+        )
+    except Exception as exc:
+        if not invariant:
+            raise
+        failure = exc  # every rank must reach the agreement on the keyed seed first
+    keyed_seed = _invariant_seed(seed, state, failure) if invariant else None
     initialize_rng_tracker(
         te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
     )
@@ -417,8 +527,8 @@ def model_parallel_cuda_manual_seed(
     )
     for name, value in extra.items():
         tracker.add(name, value)
-    if invariant_installed():  # invariant mode's keyed state is (this seed, step 0)
-        get_keyed_rng().manual_seed(seed)
+    if keyed_seed is not None:  # invariant mode's keyed state is (the run's seed, step 0)
+        get_keyed_rng().manual_seed(keyed_seed)
     return _placed_on_mesh(plan, state)
 
 

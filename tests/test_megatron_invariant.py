@@ -1,10 +1,12 @@
 """``rng_tracker.megatron.install(invariant=True)``: megatron-core 0.19.2's own GPTModel draws the
 same init and dropout on any layout, on real gloo ranks.
 
-One distributed test (4 ranks) re-initialises megatron's ``parallel_state`` per layout and runs
-Megatron's own code: ``GPTModel`` (local spec, fp32, hidden and attention dropout 0.1) and one
-training step through ``get_forward_backward_func`` with 2 microbatches per data-parallel rank
-over a global batch of 8 samples. The CPU shims megatron itself needs are in tests/_megatron_cpu.py.
+Two distributed tests (4 ranks each) re-initialise megatron's ``parallel_state`` per layout and
+run Megatron's own code: ``GPTModel`` (local spec, fp32, hidden and attention dropout 0.1) and
+training steps through ``get_forward_backward_func`` with 2 microbatches per data-parallel rank
+over a global batch of 8 samples; one compares layouts, the other saves a run at TP=2xPP=2 with
+``rng_tracker.dcp.RNGStateful`` and resumes it at TP=4 and TP=1. The CPU shims megatron itself
+needs are in tests/_megatron_cpu.py.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -91,14 +93,22 @@ def _config(
 
 
 def _build(
-    tp: int, pp: int, sp: bool, *, cpu_init: bool, moe: bool = False, ep: int = 1, **extra: Any
+    tp: int,
+    pp: int,
+    sp: bool,
+    *,
+    cpu_init: bool,
+    moe: bool = False,
+    ep: int = 1,
+    seed: int = 1234,
+    **extra: Any,
 ):
     import megatron.core.parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
-    rm.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    rm.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = _config(tp, pp, sp, cpu_init=cpu_init, moe=moe, ep=ep, **extra)
     layer = get_gpt_layer_local_spec(num_experts=_EXPERTS if moe else None, moe_grouped_gemm=False)
     spec = sequence_parallel_spec(layer, get_num_layers_to_build(config)) if sp else layer
@@ -372,6 +382,180 @@ def test_megatron_gpt_model_draws_the_same_init_masks_and_losses_on_every_layout
         for cpu_init in (False, True):
             experts = _plain(1, 1, False, cpu_init=cpu_init, moe=True, ep=2)["params"]
             assert _distinct_experts(experts), cpu_init
+    rm.uninstall()
+
+
+# -- a run saved at TP=2xPP=2 and resumed on other layouts ---------------------------------------
+def _boxes(model: torch.nn.Module) -> list[Any]:
+    """The model's ShardedTensors (factories built), each viewing this rank's box of a parameter."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = model.sharded_state_dict()
+    apply_factories(state)
+    return [b for b in nested_values(state) if isinstance(b, ShardedTensor) and b.data is not None]
+
+
+def _save(path: str, model: torch.nn.Module, iteration: int, rng: Any) -> None:
+    """DCP checkpoint of the model (each parameter as its logical tensor, written once), the
+    trainer's iteration and the RNG state."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"model": _parameters(model), "iteration": torch.tensor(iteration), "rng": rng},
+        checkpoint_id=path,
+    )
+
+
+def _load(path: str, model: torch.nn.Module, rng: Any | None) -> int:
+    """Load ``_save``'s checkpoint into ``model`` (each rank copies its boxes out of the logical
+    tensors) and, when given, the RNG state; returns the trainer's iteration."""
+    import torch.distributed.checkpoint as dcp
+
+    boxes = _boxes(model)
+    logical = {box.key: torch.empty(box.global_shape) for box in boxes}
+    state = {"model": logical, "iteration": torch.tensor(-1)}
+    if rng is not None:
+        state["rng"] = rng
+    dcp.load(state, checkpoint_id=path)
+    with torch.no_grad():
+        for box in boxes:
+            view = box.data.detach()[(None,) * box.prepend_axis_num]
+            where = tuple(
+                slice(o, o + n) for o, n in zip(box.global_offset, view.shape, strict=True)
+            )
+            view.copy_(logical[box.key][where])
+    return int(state["iteration"])
+
+
+def _rng_states() -> dict[str, Any]:
+    """Every RNG state seeding touches: the CPU generator, the tracker's streams, the keyed state."""
+    from rng_tracker.keyed import get_keyed_rng
+
+    streams = rm.get_cuda_rng_tracker().get_states()
+    return {
+        "cpu": torch.get_rng_state(),
+        "streams": {name: torch.as_tensor(state) for name, state in streams.items()},
+        "keyed": get_keyed_rng().state_dict(),
+    }
+
+
+def _equal_states(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        torch.equal(a["cpu"], b["cpu"])
+        and a["streams"].keys() == b["streams"].keys()
+        and all(torch.equal(a["streams"][k], b["streams"][k]) for k in a["streams"])
+        and a["keyed"] == b["keyed"]
+    )
+
+
+def _refused_seed(seed: Any, error: type[Exception] | None = None) -> str:
+    """The message of the error (default InvariantSeedError) seeding with ``seed`` raises;
+    asserts every RNG state is unchanged."""
+    from rng_tracker.errors import InvariantSeedError
+
+    before = _rng_states()
+    with pytest.raises(error or InvariantSeedError) as refused:
+        rm.model_parallel_cuda_manual_seed(seed)
+    assert _equal_states(before, _rng_states())
+    return str(refused.value)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.distributed(world_size=4, timeout=240)
+def test_megatron_invariant_run_saved_at_tp2xpp2_resumes_at_tp4_and_tp1_with_the_uninterrupted_masks(
+    rank, tmp_path
+):
+    """Invariant: in install(invariant=True), a megatron-core GPTModel run seeded as Megatron-LM's
+    loop seeds it (seed + 100 * pipeline rank) keys everything by the base seed; trained one step
+    through get_forward_backward_func at TP=2xPP=2 and saved by DCP with the model and
+    rng_tracker.dcp.RNGStateful, it resumes in fresh state (megatron's groups re-initialised, the
+    tracker reset and reseeded, the model rebuilt and loaded) at TP=4 and at TP=1 (DP=4), and its
+    next step draws every site's global mask bitwise equal to the uninterrupted run's (losses
+    within fp32 summation order), the per-rank streams re-derived with one warning. The same
+    resume without the RNG state (reseeded from the config seed, as megatron-core ships) draws
+    the first step's masks again, in a loop that advances the keyed step after each optimizer
+    step; one that sets the step from the restored iteration before the forward does not. Seeds
+    that are neither one seed nor Megatron-LM's pattern (per rank, data_parallel_random_init's
+    + 10 * dp rank) are refused on every rank, changing no RNG state; a rank whose own seed is
+    invalid, or a pipeline stage that cannot finish its model, makes the other ranks raise
+    instead of wait."""
+    warnings.simplefilter("ignore")  # Megatron's warnings about TE/Apex and deprecations
+    import megatron.core.parallel_state as ps
+
+    from rng_tracker.dcp import RNGStateful
+    from rng_tracker.errors import (
+        InvalidSeedError,
+        MegatronInvariantInitError,
+        MegatronInvariantUnsupportedError,
+        RNGStateRederivedWarning,
+    )
+    from rng_tracker.keyed import get_keyed_rng
+
+    path = str(tmp_path / "iteration1")
+    rm.install(invariant=True)
+
+    def rng_state(tp: int, pp: int, step: Callable[[], int] | None = None) -> RNGStateful:
+        dp = dist.get_world_size() // (tp * pp)  # megatron's layout: RNGStateful compares it
+        return RNGStateful(layout={"tp": tp, "pp": pp, "dp": dp}, step=step)
+
+    # The run that saves: TP=2 x PP=2, Megatron-LM's per-stage seeds
+    with _megatron_layout(2, 2):
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        assert "same seed" in _refused_seed(1234 + rank)
+        # a rank whose own seed is refused: it raises its error, the others say so, none waits
+        bad = _refused_seed(-1 if rank == 0 else 1234, InvalidSeedError if rank == 0 else None)
+        assert rank == 0 or "rank 0 refused" in bad
+        # a stage that cannot finish its model (an init invariant mode cannot key): the other
+        # stage raises too instead of waiting in the all-gather of the stages' sites
+        init = {"init_method": torch.nn.init.orthogonal_} if pp_rank == 1 else {}
+        failed = MegatronInvariantInitError if pp_rank == 0 else MegatronInvariantUnsupportedError
+        with pytest.raises(failed):
+            _build(2, 2, False, cpu_init=False, **init)
+        model = _build(2, 2, False, cpu_init=False, seed=1234 + 100 * pp_rank)
+        assert get_keyed_rng().seed == 1234 and get_keyed_rng().step == 0
+        initial = _parameters(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # no state to checkpoint
+        iteration = 0
+        with record() as records:
+            _train_step(model)
+        optimizer.step()
+        iteration += 1
+        rm.set_step(iteration)  # the loop advances the keyed step with its iteration
+        _save(path, model, iteration, rng_state(2, 2, lambda: iteration))
+        with record() as records_next:  # the uninterrupted run's next step
+            losses = _losses(_train_step(model))
+        first, uninterrupted = _masks(records), _masks(records_next)
+    assert len(first) == 7 and all(not torch.equal(first[k], uninterrupted[k]) for k in first)
+
+    for tp in (4, 1):  # resumed in fresh state, with the RNG state
+        with _megatron_layout(tp, 1):
+            if tp == 1:  # data_parallel_random_init's seeds (+ 10 * dp rank): refused
+                dp_rank = ps.get_data_parallel_rank()
+                assert "data_parallel_random_init" in _refused_seed(1234 + 10 * dp_rank)
+            model = _build(tp, 1, False, cpu_init=False, seed=1234)
+            assert _same(_parameters(model), initial) == [], tp  # the same init as the saved run
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                iteration = _load(path, model, rng_state(tp, 1))
+            rederived = [w for w in caught if w.category is RNGStateRederivedWarning]
+            assert len(rederived) == 1 and "model-parallel-rng" in str(rederived[0].message)
+            assert iteration == 1 and get_keyed_rng().step == 1
+            with record() as records_resumed:
+                resumed_losses = _losses(_train_step(model))
+            assert _same(_masks(records_resumed), uninterrupted) == [], tp
+            assert _close(resumed_losses, losses), (tp, resumed_losses, losses)
+
+            # the same resume without the RNG state: reseeded, the keyed step is 0 again
+            model = _build(tp, 1, False, cpu_init=False, seed=1234)
+            assert _load(path, model, None) == 1 and get_keyed_rng().step == 0
+            with record() as records_reseeded:
+                _train_step(model)
+            assert _same(_masks(records_reseeded), first) == [], tp  # the first step's masks
+            rm.set_step(1)  # a loop that sets the restored iteration's step before the forward
+            with record() as records_set:
+                _train_step(model)
+            assert _same(_masks(records_set), uninterrupted) == [], tp
     rm.uninstall()
 
 

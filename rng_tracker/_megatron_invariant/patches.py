@@ -127,11 +127,17 @@ def refuse_spec(spec: Any) -> None:
 
 # -- the end of a model's construction ----------------------------------------------------------
 def finish_model(model: torch.nn.Module) -> None:
-    """Wire ``model``'s keyed sites and fill its deferred parameters (its construction ended)."""
-    refuse_config(model.config)
-    _refuse_transformer_engine((type(m) for m in model.modules()), "the model")
-    sites.wire(model)
-    keyed_params.fill_deferred(model, seed=get_keyed_rng().seed)
+    """Wire ``model``'s keyed sites, fill its deferred parameters (its construction ended) and
+    register every pipeline stage's sites (a collective over the model's pipeline group)."""
+    try:
+        refuse_config(model.config)
+        _refuse_transformer_engine((type(m) for m in model.modules()), "the model")
+        names = sites.wire(model)
+        keyed_params.fill_deferred(model, seed=get_keyed_rng().seed)
+    except Exception:
+        sites.register_every_stage(model, [], failed=True)  # the other stages must not wait
+        raise
+    sites.register_every_stage(model, names, failed=False)
 
 
 def _finishing(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,13 +21,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker._collective import all_gather_json
 from rng_tracker._megatron_invariant.position import Position, resolve
-from rng_tracker.errors import MegatronInvariantUnsupportedError
+from rng_tracker.errors import MegatronInvariantInitError, MegatronInvariantUnsupportedError
 from rng_tracker.kernels import Region, bias_dropout_add, dropout
 from rng_tracker.kernels import keyed_init as _init_kernel
 from rng_tracker.keyed import get_keyed_rng
 
-__all__ = ["KeyedBiasDropoutAdd", "KeyedDropout", "KeyedJitter", "SiteLayout", "record", "wire"]
+__all__ = [
+    "KeyedBiasDropoutAdd",
+    "KeyedDropout",
+    "KeyedJitter",
+    "SiteLayout",
+    "record",
+    "register_every_stage",
+    "wire",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,3 +299,30 @@ def wire(model: torch.nn.Module) -> list[str]:
         for name in names:
             rng.register(name)  # collisions surface at build time
     return names
+
+
+def register_every_stage(model: torch.nn.Module, names: list[str], *, failed: bool) -> None:
+    """Register on this rank the sites of every pipeline stage of ``model``, so the keyed state
+    (seed, step, sites) is the same on every rank, as a checkpoint of it must be, and two
+    stages' sites that would share an id are refused; collective over the model's pipeline
+    group. ``failed``: this stage could not finish its model (it raises its own error; the
+    other stages raise :class:`MegatronInvariantInitError` instead of waiting)."""
+    group = getattr(model, "pp_group", None)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    everyone = all_gather_json({"failed": failed, "sites": [] if failed else names}, group)
+    if failed:
+        return
+    stopped = [stage for stage, entry in enumerate(everyone) if entry["failed"]]
+    if stopped:
+        raise MegatronInvariantInitError(
+            f"pipeline stage(s) {stopped} could not finish their GPTModel in invariant mode (see "
+            "their errors), so this stage's model is not usable either; fix that error and build "
+            "the model again"
+        )
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type == "meta":
+        return
+    rng = get_keyed_rng(device)
+    for name in sorted({name for entry in everyone for name in entry["sites"]}):
+        rng.register(name)
