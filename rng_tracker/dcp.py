@@ -221,7 +221,8 @@ class RNGStateful:
         keyed: the keyed RNG; None means ``get_keyed_rng()`` (saved only once seeded).
         layout: what makes two runs' per-rank states interchangeable: a str, a mapping of
             axis sizes (``{"tp": 2, "dp": 2}``) or the DeviceMesh (whose named axes then also
-            give each rank's coordinates). The world size always counts.
+            give each rank's coordinates). The world size always counts. None: the axis sizes of
+            the process's parallel state (rng_tracker's or Megatron's) when one is set up.
         strict: on another layout, raise :class:`RNGStateLayoutError` instead of re-deriving the
             per-rank parts that cannot move.
         step: the trainer's step (a callable, e.g. ``lambda: train_state.step``): saved as the
@@ -289,6 +290,22 @@ class RNGStateful:
                 continue
         return out
 
+    def _layout_key(self) -> str:
+        """``layout=`` as given; without one, the axis sizes of the process's parallel state, so
+        that a save at TP=2 x PP=2 is not taken for one at TP=4 of the same world size."""
+        if self.layout:
+            return self.layout
+        state = process_layout()
+        if state is None:
+            return ""
+        sizes = []
+        for axis in _AXES:
+            try:
+                sizes.append(f"{axis}={state.size(axis)}")
+            except Exception:  # an axis this parallel state does not have
+                continue
+        return ",".join(sizes)
+
     def _trainer_step(self) -> int | None:
         if self._step is None:
             return None
@@ -331,6 +348,7 @@ class RNGStateful:
 
     def _entries(self, group: Any, *, single: bool) -> tuple[bytes, bytes, int]:
         rank, world = (0, 1) if single else _world(group)
+        layout = self._layout_key()
         parts = self._parts()
         keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
         problem = None
@@ -347,7 +365,7 @@ class RNGStateful:
         fields = {
             "generators and tracker streams": [p.name for p in parts] + [self.tracker.device.type],
             "keyed RNG states (seed, step or sites)": keyed,
-            "layouts (world size, layout=)": [world, self.layout],
+            "layouts (world size, layout=)": [world, layout],
             "trainer steps": trainer_step,
         }
         local = [1 if problem else 0, rank if problem else -1]
@@ -392,7 +410,7 @@ class RNGStateful:
             "format": FORMAT,
             "nonce": nonce_hex,
             "world": world,
-            "layout": self.layout,
+            "layout": layout,
             "run_seed": run_seed,
             "step": step,
             "trainer_step": trainer_step,
@@ -540,7 +558,8 @@ class RNGStateful:
         for key in state_dict:
             if key != "shared" and (key == own_key or int(key[4:]) % world == rank):
                 entries[key] = _check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
-        same = shared["world"] == world and shared["layout"] == self.layout
+        layout = self._layout_key()
+        same = shared["world"] == world and shared["layout"] == layout
         rederived: list[str] = []
         if per_rank and same:
             if own_key not in entries:
@@ -554,7 +573,7 @@ class RNGStateful:
                 raise RNGStateLayoutError(
                     f"{_label(per_rank[0])} differs between the {shared['world']} saved ranks "
                     f"(layout {shared['layout']!r}), so it can only be restored on that layout; "
-                    f"this run has {world} ranks, layout {self.layout!r}; per-rank parts: "
+                    f"this run has {world} ranks, layout {layout!r}; per-rank parts: "
                     f"{', '.join(_label(n) for n in per_rank)}. Resume on the saved layout, pass "
                     "strict=False to re-derive them, or use replicated streams / keyed "
                     "randomness, which reshard"

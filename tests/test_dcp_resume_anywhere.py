@@ -282,11 +282,29 @@ def _load_at(root: str, tensor: int) -> dict:
     return out
 
 
+def _layout_from_the_parallel_state(root: str) -> list[str]:
+    """No layout= given: saved at tp=4, loaded at tp=2 x dp=2 on the same 4 ranks. The layout is
+    the parallel state's, so the per-tp streams are re-derived, not taken from another tp rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker.parallel.mesh import destroy_model_parallel
+
+    tracker, keyed, _ = _megatron_like(4, keyed_step=3)
+    dcp.save({"rng": RNGStateful(tracker, keyed)}, checkpoint_id=f"{root}/no-layout")
+    tracker, keyed, _ = _megatron_like(2, keyed_step=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load({"rng": RNGStateful(tracker, keyed)}, checkpoint_id=f"{root}/no-layout")
+    destroy_model_parallel()
+    return [str(w.message) for w in caught if w.category is RNGStateRederivedWarning]
+
+
 def _on_four_ranks(root: str) -> dict:
     return {
         "tp4": _load_at(root, 4),
         "tp2dp2": _load_at(root, 2),
         "mesh": _load_with_a_mesh(root),
+        "no_layout_given": _layout_from_the_parallel_state(root),
     }
 
 
@@ -365,6 +383,11 @@ def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(t
                 by_tp.setdefault(result["tp"], set()).add(result["restored"][f"stream/{stream}"])
             assert all(len(states) == 1 for states in by_tp.values()), layout  # equal within tp
             assert len(set().union(*by_tp.values())) == len(by_tp), layout  # distinct across tp
+
+    # no layout= given: the parallel state's axis sizes tell tp=4 from tp=2 x dp=2 (same world)
+    for result in four:
+        assert len(result["no_layout_given"]) == 1, result["no_layout_given"]
+        assert _MP in result["no_layout_given"][0]
 
     # the same with a DeviceMesh as layout=: equal within a tp coordinate, distinct across
     by_tp_mesh: dict[int, set] = {}
