@@ -1,5 +1,5 @@
 """Build, cache and load a kernel's C source: the one copy shared by the CPU dropout kernel
-(``cpu_compiled``) and keyed init (``keyed_init``).
+(``_cpu_kernel``) and the keyed fill of init values (``_keyed_fill``).
 
 A library is compiled once per machine with the system C compiler (``CC``, else cc, gcc or
 clang), atomically (ranks may build at the same time), into the cache directory
@@ -24,8 +24,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-__all__ = ["BUILD_ERRORS", "HEADERS", "CSource", "load_once"]
 
 # The headers the kernels' C sources include (``#include "..."``): copied next to the source
 # to compile it, and part of every library's cache key.

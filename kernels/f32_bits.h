@@ -1,6 +1,6 @@
 /*
  * Bit casts between a float and its IEEE-754 binary32 bits, shared by cpu_dropout.c and
- * keyed_init.c (memcpy: no aliasing questions, and the compiler makes it a register move).
+ * keyed_fill.c (memcpy: no aliasing questions, and the compiler makes it a register move).
  * Copied next to the .c file and hashed into the cache key by the Python loaders.
  */
 #ifndef RT_F32_BITS_H

@@ -1,6 +1,6 @@
 /*
  * Philox4x32-10, the counter-based generator every rng_tracker kernel draws from: the one C
- * definition, included by cpu_dropout.c and keyed_init.c (and equal, word for word, to
+ * definition, included by cpu_dropout.c and keyed_fill.c (and equal, word for word, to
  * rng_tracker.kernels.philox.philox4x32 and Triton's tl.philox).
  *
  * Both functions are static inline, so each kernel's loops keep them inlined and vectorised.

@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from rng_tracker.kernels.index_map import IndexMap
+from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.philox import philox4x32
 
 __all__ = ["fused_dropout_reference", "keep_mask", "keep_scale", "keep_threshold"]

@@ -11,10 +11,10 @@ docs and the training example in ``examples/gpt_training/`` build on). None of t
 
 from __future__ import annotations
 
-from rng_tracker._deprecation import deprecated_names
+from rng_tracker._deprecation import deprecated_names, moved_modules
 
 # the mesh
-from rng_tracker.parallel.mesh import (
+from rng_tracker.parallel._mesh import (
     ParallelState,
     destroy_model_parallel,
     get_parallel_state,
@@ -22,14 +22,14 @@ from rng_tracker.parallel.mesh import (
 )
 
 # tensor-parallel layers
-from rng_tracker.parallel.layers import (  # isort: skip
+from rng_tracker.parallel._layers import (  # isort: skip
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 
 # collectives (Megatron's mappings, differentiable)
-from rng_tracker.parallel.collectives import (  # isort: skip
+from rng_tracker.parallel._tp_mappings import (  # isort: skip
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -39,7 +39,7 @@ from rng_tracker.parallel.collectives import (  # isort: skip
 )
 
 # cross-rank RNG verification
-from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency  # isort: skip
+from rng_tracker.parallel._verify import RNGReport, verify_rng_consistency  # isort: skip
 
 __all__ = [
     # the mesh
@@ -71,6 +71,18 @@ __getattr__ = deprecated_names(
         "ParallelTransformerLayer": "rng_tracker.parallel.transformer:ParallelTransformerLayer",
         "TinyGPT": "rng_tracker.parallel.transformer:TinyGPT",
         "record_masks": "rng_tracker.parallel.transformer:record_masks",
-        "get_parallel_state_or_none": "rng_tracker.parallel.mesh:get_parallel_state_or_none",
+        "get_parallel_state_or_none": "rng_tracker.parallel._mesh:get_parallel_state_or_none",
+    },
+)
+
+# Modules renamed private in 0.2 (their public names are exported above); the old paths import,
+# with a warning, until 0.3.
+moved_modules(
+    __name__,
+    {
+        "mesh": "_mesh",
+        "layers": "_layers",
+        "collectives": "_tp_mappings",
+        "verify": "_verify",
     },
 )

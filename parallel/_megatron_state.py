@@ -19,9 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rng_tracker.errors import ParallelStateError, ParallelStateMismatchError
-from rng_tracker.parallel.mesh import ParallelState, get_parallel_state_or_none
-
-__all__ = ["MegatronParallelState", "current_layout", "megatron_parallel_state_or_none"]
+from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
 _MEGATRON_PARALLEL_STATE = "megatron.core.parallel_state"
 

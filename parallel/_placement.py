@@ -23,9 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorPlacementError
-from rng_tracker.kernels.index_map import Region, chunk_bounds
-
-__all__ = ["LocalIndex", "local_index", "local_index_of", "split_by_chunk"]
+from rng_tracker.kernels._index_map import Region, chunk_bounds
 
 _StridedShard = strided_shard_type()
 _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other

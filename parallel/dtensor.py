@@ -32,13 +32,14 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
 from rng_tracker._collective import all_gather_json, state_digest
+from rng_tracker._device_rng import default_generator
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
     set_trunc_normal_impl,
     trunc_normal_impl,
 )
-from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import (
     DTensorInputTypeError,
     DTensorPlacementError,
@@ -51,9 +52,8 @@ from rng_tracker.errors import (
 from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels.fused_dropout import _check_p
+from rng_tracker.kernels._fused_dropout import _check_p
 from rng_tracker.kernels.reference import keep_scale
-from rng_tracker.keyed import get_keyed_rng
 from rng_tracker.parallel._placement import LocalIndex, local_index_of
 from rng_tracker.parallel.keyed_init import (
     KeyedInit,

@@ -1,7 +1,7 @@
 """Keyed init of a model's parameters: values a pure function of (seed, stable name, global index).
 
 Each rank computes only its local shard with the compiled kernel of
-``rng_tracker.kernels.keyed_init``: no full-size buffer, work in proportion to the shard,
+``rng_tracker.kernels._keyed_fill``: no full-size buffer, work in proportion to the shard,
 nothing drawn from any generator. So a parameter's full tensor is the same for any TP, FSDP
 or PP layout (and on one device), whether it was built on the meta device and materialised
 later, and whatever order the modules were built or initialised in: only the seed and the
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import InvariantRandomConfigError
-from rng_tracker.kernels import keyed_init as _kernel
+from rng_tracker.kernels import _keyed_fill as _kernel
 from rng_tracker.parallel._placement import local_index_of
 
 __all__ = [

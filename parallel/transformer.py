@@ -30,21 +30,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
+from rng_tracker._device_rng import default_generator
+from rng_tracker._keyed import get_keyed_rng
+from rng_tracker._tracker import MODEL_PARALLEL_RNG, get_rng_tracker
 from rng_tracker._validate import checked_int
 from rng_tracker.activation_checkpoint import checkpoint
-from rng_tracker.device_rng import default_generator
 from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
 from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
-from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.collectives import scatter_to_tp
-from rng_tracker.parallel.layers import (
+from rng_tracker.parallel._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     _tp,
     shard_param,
 )
-from rng_tracker.tracker import MODEL_PARALLEL_RNG, get_rng_tracker
+from rng_tracker.parallel._tp_mappings import scatter_to_tp
 
 __all__ = [
     "BatchPosition",

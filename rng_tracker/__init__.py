@@ -10,27 +10,27 @@ matching builtin); the ones a training script catches are re-exported here.
 
 from __future__ import annotations
 
-from rng_tracker._deprecation import deprecated_names
+from rng_tracker._deprecation import deprecated_names, moved_modules
 
 # streams
-from rng_tracker.tracker import (
+from rng_tracker._tracker import (
     MODEL_PARALLEL_RNG,
     RNGStatesTracker,
     get_rng_tracker,
 )
 
-from rng_tracker.seeds import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG  # isort: skip
+from rng_tracker._seeds import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG  # isort: skip
 
 # seeding
-from rng_tracker.seeds import SeedPlan, model_parallel_seed, plan_seeds  # isort: skip
+from rng_tracker._seeds import SeedPlan, model_parallel_seed, plan_seeds  # isort: skip
 
 # keyed randomness
-from rng_tracker.keyed import KeyedRNG, get_keyed_rng  # isort: skip
+from rng_tracker._keyed import KeyedRNG, get_keyed_rng  # isort: skip
 
 # activation checkpointing
 from rng_tracker.activation_checkpoint import checkpoint, rng_context_fn  # isort: skip
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutput  # isort: skip
-from rng_tracker.rng_snapshot import RNGSnapshot  # isort: skip
+from rng_tracker._rng_snapshot import RNGSnapshot  # isort: skip
 
 # errors a training script catches
 from rng_tracker.errors import (  # isort: skip
@@ -76,11 +76,11 @@ __all__ = [
 __getattr__ = deprecated_names(
     __name__,
     {
-        "CPURNGChangedWarning": "rng_tracker.tracker:CPURNGChangedWarning",
+        "CPURNGChangedWarning": "rng_tracker._tracker:CPURNGChangedWarning",
         "CheckpointConfigError": "rng_tracker.errors:CheckpointConfigError",
         "CheckpointTypeError": "rng_tracker.errors:CheckpointTypeError",
         "CheckpointUsageError": "rng_tracker.errors:CheckpointUsageError",
-        "DeviceRNG": "rng_tracker.device_rng:DeviceRNG",
+        "DeviceRNG": "rng_tracker._device_rng:DeviceRNG",
         "DuplicateStreamError": "rng_tracker.errors:DuplicateStreamError",
         "InvalidSeedError": "rng_tracker.errors:InvalidSeedError",
         "InvalidSeedTypeError": "rng_tracker.errors:InvalidSeedTypeError",
@@ -90,7 +90,7 @@ __getattr__ = deprecated_names(
         "KeyedTypeError": "rng_tracker.errors:KeyedTypeError",
         "KeyedUnseededError": "rng_tracker.errors:KeyedUnseededError",
         "ParallelConfigError": "rng_tracker.errors:ParallelConfigError",
-        "RNGState": "rng_tracker.device_rng:RNGState",
+        "RNGState": "rng_tracker._device_rng:RNGState",
         "RankError": "rng_tracker.errors:RankError",
         "SeedSchemeError": "rng_tracker.errors:SeedSchemeError",
         "SiteCollisionError": "rng_tracker.errors:SiteCollisionError",
@@ -102,8 +102,23 @@ __getattr__ = deprecated_names(
         "TrackerDeviceError": "rng_tracker.errors:TrackerDeviceError",
         "TrackerNotInitializedError": "rng_tracker.errors:TrackerNotInitializedError",
         "UnknownSiteError": "rng_tracker.errors:UnknownSiteError",
-        "default_device": "rng_tracker.device_rng:default_device",
-        "default_generator": "rng_tracker.device_rng:default_generator",
-        "device_rng": "rng_tracker.device_rng:device_rng",
+        "default_device": "rng_tracker._device_rng:default_device",
+        "default_generator": "rng_tracker._device_rng:default_generator",
+        "device_rng": "rng_tracker._device_rng:device_rng",
+    },
+)
+
+# Modules renamed private in 0.2 (their public names are exported above); the old paths import,
+# with a warning, until 0.3.
+moved_modules(
+    __name__,
+    {
+        "tracker": "_tracker",
+        "seeds": "_seeds",
+        "keyed": "_keyed",
+        "device_rng": "_device_rng",
+        "rng_snapshot": "_rng_snapshot",
+        "saved_inputs": "_saved_inputs",
+        "random_op_log": "_random_op_log",
     },
 )

@@ -13,14 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "all_gather_bytes",
-    "all_gather_cat",
-    "all_gather_json",
-    "all_gather_tensor_tree",
-    "state_digest",
-]
-
 
 def _device_of(group: dist.ProcessGroup | None) -> torch.device:
     """Where ``group``'s collectives take their tensors: the current GPU for NCCL, else the CPU."""

@@ -27,8 +27,6 @@ from typing import Any, Literal
 
 from rng_tracker.errors import StateDictError
 
-__all__ = ["DCPCall", "find_dcp_call", "saved_keys", "top_level_key"]
-
 
 @dataclass(frozen=True, slots=True)
 class DCPCall:

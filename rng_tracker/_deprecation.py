@@ -1,13 +1,21 @@
-"""Old public names kept for one release: a module ``__getattr__`` that warns and resolves them."""
+"""Old public names and module paths kept for one release, each resolved with a warning.
+
+``deprecated_names`` is a package ``__getattr__`` for names that moved; ``moved_modules``
+registers module paths that were renamed (``rng_tracker.tracker`` became the private
+``rng_tracker._tracker``), so ``import rng_tracker.tracker`` and ``from rng_tracker.tracker
+import X`` still work, warning, until the release named by :data:`REMOVED_IN`.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any
-
-__all__ = ["REMOVED_IN", "deprecated_names", "warn_deprecated"]
 
 REMOVED_IN = "0.3"
 
@@ -22,8 +30,49 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     )
 
 
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module path and hands back the module that replaced it, warning."""
+
+    def __init__(self) -> None:
+        self.moved: dict[str, str] = {}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in self.moved:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        # 4: the importer (warnings skips importlib's own frames)
+        _warn_moved(spec.name, stacklevel=4)
+        return importlib.import_module(self.moved[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The replacement is already imported; nothing to run."""
+
+
+_FINDER = _MovedModules()
+
+
+def _warn_moved(old: str, *, stacklevel: int = 3) -> None:
+    package = old.rpartition(".")[0]
+    warn_deprecated(
+        f"module {old}",
+        f"the names {package} exports (the module is private now: {_FINDER.moved[old]})",
+        stacklevel=stacklevel,
+    )
+
+
+sys.meta_path.append(_FINDER)
+
+
+def moved_modules(package: str, moved: Mapping[str, str]) -> None:
+    """Register ``package.<old>`` -> ``package.<new>`` for each item of ``moved``."""
+    _FINDER.moved.update({f"{package}.{old}": f"{package}.{new}" for old, new in moved.items()})
+
+
 def deprecated_names(module: str, aliases: Mapping[str, str]) -> Callable[[str], Any]:
-    """A ``__getattr__`` for ``module`` mapping each old name to ``"package.module:new_name"``.
+    """A ``__getattr__`` for ``module`` mapping each old name to ``"package.module:new_name"``
+    (or, for a renamed submodule, to ``"package.new_module"``).
 
     Accessing an old name warns with :class:`DeprecationWarning` naming its replacement and
     returns the replacement's object; any other missing name raises ``AttributeError`` as usual.
@@ -32,6 +81,10 @@ def deprecated_names(module: str, aliases: Mapping[str, str]) -> Callable[[str],
     def __getattr__(name: str) -> Any:
         target = aliases.get(name)
         if target is None:
+            old_module = f"{module}.{name}"
+            if old_module in _FINDER.moved:
+                _warn_moved(old_module, stacklevel=4)
+                return importlib.import_module(_FINDER.moved[old_module])
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         where, _, new_name = target.partition(":")
         warn_deprecated(f"{module}.{name}", f"{where}.{new_name}")

@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rng_tracker.parallel.mesh import ParallelState
-
-__all__ = ["process_layout"]
+    from rng_tracker.parallel._mesh import ParallelState
 
 
 def process_layout() -> ParallelState | None:

@@ -24,17 +24,6 @@ from typing import Any
 
 from rng_tracker.errors import MegatronInstallError, MegatronVersionError
 
-__all__ = [
-    "KNOWN_KEY_SCHEMES",
-    "KNOWN_MEGATRON_CORE_VERSIONS",
-    "MEGATRON_RANDOM",
-    "REPLACED_NAMES",
-    "install",
-    "installed",
-    "invariant_installed",
-    "uninstall",
-]
-
 # Versions whose tensor_parallel/random.py this was checked against (0.19.0 to 0.19.2 ship
 # the same file; tests/test_megatron_core_*.py run 0.19.2's own code).
 KNOWN_MEGATRON_CORE_VERSIONS: tuple[str, ...] = ("0.19.0", "0.19.1", "0.19.2")

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["expert_forking"]
-
 _SEED_BOUND = 2**63 - 1
 
 

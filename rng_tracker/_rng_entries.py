@@ -17,8 +17,6 @@ from typing import Any
 
 from rng_tracker.errors import StateDictError
 
-__all__ = ["MAGIC", "canonical", "checksum", "decode_entry", "encode_entry", "split_blob"]
-
 MAGIC = b"rng_tracker RNG state, format 2\n"
 _CHECKSUM_BYTES = 32
 _PERSON = b"rng_tracker.ckpt"

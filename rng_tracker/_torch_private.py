@@ -12,20 +12,6 @@ from typing import Any
 import torch
 import torch.overrides
 
-__all__ = [
-    "checkpoint_valid",
-    "correct_fan",
-    "disable_current_dispatch_modes",
-    "dispatch_mode_depth",
-    "functorch_transforms_active",
-    "is_innermost_function_mode",
-    "profiler_enabled",
-    "set_trunc_normal_impl",
-    "storage_use_count",
-    "strided_shard_type",
-    "trunc_normal_impl",
-]
-
 # torch.autograd._is_checkpoint_valid: False inside torch.autograd.grad(), where a
 # reentrant checkpoint cannot recompute. Without it, every backward is taken as valid.
 _is_checkpoint_valid = getattr(torch.autograd, "_is_checkpoint_valid", None)

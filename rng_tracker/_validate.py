@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import operator
 
-__all__ = ["checked_int"]
-
 _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
 
 

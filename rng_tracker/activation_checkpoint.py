@@ -25,11 +25,15 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker._layout import process_layout
+from rng_tracker._random_op_log import RandomOpLog, first_divergence
+from rng_tracker._rng_snapshot import RNGSnapshot
+from rng_tracker._saved_inputs import InputSaver, gather_chunks, split_for_save
 from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
     dispatch_mode_depth,
 )
+from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
@@ -37,13 +41,9 @@ from rng_tracker.errors import (
     CheckpointUsageError,
     TrackerDeviceError,
 )
-from rng_tracker.random_op_log import RandomOpLog, first_divergence
-from rng_tracker.rng_snapshot import RNGSnapshot
-from rng_tracker.saved_inputs import InputSaver, gather_chunks, split_for_save
-from rng_tracker.tracker import RNGStatesTracker, all_trackers
 
 if TYPE_CHECKING:
-    from rng_tracker.parallel.mesh import ParallelState
+    from rng_tracker.parallel._mesh import ParallelState
 
 __all__ = [
     "check_split_input",
@@ -273,7 +273,7 @@ def resolve_trackers(
     tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
 ) -> list[RNGStatesTracker]:
     """The trackers a checkpoint replays: those ``tracker`` names (one, or an iterable of them),
-    or every live tracker when it is None (:func:`~rng_tracker.tracker.all_trackers`); anything
+    or every live tracker when it is None (:func:`~rng_tracker._tracker.all_trackers`); anything
     else raises :class:`CheckpointTypeError`."""
     if tracker is None:
         return all_trackers()

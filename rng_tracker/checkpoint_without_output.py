@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
+from rng_tracker._rng_snapshot import RNGSnapshot, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
+from rng_tracker._tracker import RNGStatesTracker
 from rng_tracker.activation_checkpoint import _backward_recomputed, resolve_trackers
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
-from rng_tracker.rng_snapshot import RNGSnapshot, replaying
-from rng_tracker.tracker import RNGStatesTracker
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
 

@@ -42,10 +42,12 @@ import torch.distributed as dist
 
 from rng_tracker._collective import _device_of, _to_bytes, _to_uint8
 from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
+from rng_tracker._device_rng import default_device, default_generator, device_rng
+from rng_tracker._keyed import KeyedRNG, get_keyed_rng
 from rng_tracker._layout import process_layout
 from rng_tracker._rng_entries import canonical, decode_entry, encode_entry, split_blob
+from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
 from rng_tracker._validate import checked_int
-from rng_tracker.device_rng import default_device, default_generator, device_rng
 from rng_tracker.errors import (
     RNGStateConfigError,
     RNGStateLayoutError,
@@ -54,8 +56,6 @@ from rng_tracker.errors import (
     StateDictError,
     TrackerBusyError,
 )
-from rng_tracker.keyed import KeyedRNG, get_keyed_rng
-from rng_tracker.tracker import RNGStatesTracker, get_rng_tracker
 
 __all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import _device_of
+from rng_tracker._device_rng import RNGState, device_rng
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._layout import process_layout
 from rng_tracker._megatron_install import (
     KNOWN_KEY_SCHEMES,
@@ -35,6 +37,20 @@ from rng_tracker._megatron_install import (
     uninstall,
 )
 from rng_tracker._megatron_invariant.position import batch_position
+from rng_tracker._seeds import (
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    SeedPlan,
+    _rank,
+    _ranks_from,
+    model_parallel_seed,
+    plan_seeds,
+)
+from rng_tracker._tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    _set_process_tracker,
+)
 from rng_tracker.activation_checkpoint import (
     check_split_input,
     is_checkpointing,
@@ -44,7 +60,6 @@ from rng_tracker.checkpoint_without_output import (
     CheckpointWithoutOutput,
     CheckpointWithoutOutputManager,
 )
-from rng_tracker.device_rng import RNGState, device_rng
 from rng_tracker.errors import (
     CheckpointConfigError,
     InvariantSeedError,
@@ -55,24 +70,9 @@ from rng_tracker.errors import (
     TrackerDeviceError,
     TrackerNotInitializedError,
 )
-from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.seeds import (
-    DATA_PARALLEL_RNG,
-    EXPERT_PARALLEL_RNG,
-    SeedPlan,
-    _rank,
-    _ranks_from,
-    model_parallel_seed,
-    plan_seeds,
-)
-from rng_tracker.tracker import (
-    MODEL_PARALLEL_RNG,
-    RNGStatesTracker,
-    _set_process_tracker,
-)
 
 if TYPE_CHECKING:
-    from rng_tracker.parallel.mesh import ParallelState
+    from rng_tracker.parallel._mesh import ParallelState
 
 __all__ = [
     "HAVE_TE",

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels.triton_dropout import (
+from rng_tracker.kernels._triton_kernel import (
     _GROUPS_PER_PROGRAM,
     HAS_TRITON,
     TRITON_IMPORT_ERROR,
@@ -61,7 +61,7 @@ def _kernel():
         raise KernelUnavailableError(f"compiling the kernel needs triton ({TRITON_IMPORT_ERROR})")
     import triton
 
-    from rng_tracker.kernels.triton_dropout import _fused_dropout_kernel
+    from rng_tracker.kernels._triton_kernel import _fused_dropout_kernel
 
     if not isinstance(_fused_dropout_kernel, triton.runtime.JITFunction):
         raise KernelUnavailableError(

@@ -261,18 +261,18 @@ def _limit_row(name: str, dtype: torch.dtype, log2: int, seed_mode: str, p: floa
 def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
     """One ctypes call into the compiled library (the arguments prepared once): the C code's
     own time, without the Python around it."""
-    from rng_tracker.kernels import cpu_compiled
-    from rng_tracker.kernels.index_map import index_map_of
+    from rng_tracker.kernels import _cpu_kernel
+    from rng_tracker.kernels._index_map import index_map_of
 
     out = torch.empty_like(x)
-    saved = cpu_compiled._state["isa"]
-    cpu_compiled._state["isa"] = cpu_compiled.ISA_CODES[path]
+    saved = _cpu_kernel._state["isa"]
+    _cpu_kernel._state["isa"] = _cpu_kernel.ISA_CODES[path]
     try:
-        args = cpu_compiled._arguments(index_map_of(x.shape, None), x.dtype, 0, p, 1)
+        args = _cpu_kernel._arguments(index_map_of(x.shape, None), x.dtype, 0, p, 1)
     finally:
-        cpu_compiled._state["isa"] = saved
+        _cpu_kernel._state["isa"] = saved
     args[4:8] = (0x1234_5678, 0, 0, 0)
-    library = cpu_compiled._library()
+    library = _cpu_kernel._library()
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
 
     def call(keep_alive: tuple[torch.Tensor, ...] = (x, out)) -> object:  # the pointers' owners
@@ -283,12 +283,12 @@ def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
 
 def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
     """Elements/s on one thread (one core), the whole call and the kernel alone."""
-    from rng_tracker.kernels import cpu_compiled
+    from rng_tracker.kernels import _cpu_kernel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        paths = cpu_compiled.isa_paths()
+        paths = _cpu_kernel.isa_paths()
         print(
             f"\n2. per core: G elements/s on 1 thread (its CPU time: time.thread_time), best "
             f"of {repeats} interleaved; "
@@ -376,7 +376,7 @@ _SECTIONS = ("limit", "core", "fixed", "eager", "startup")
 
 
 def _cpu_main(args: argparse.Namespace) -> None:
-    from rng_tracker.kernels import cpu_compiled
+    from rng_tracker.kernels import _cpu_kernel
 
     sections = args.sections.split(",") if args.sections else list(_SECTIONS)
     unknown = set(sections) - set(_SECTIONS)
@@ -388,7 +388,7 @@ def _cpu_main(args: argparse.Namespace) -> None:
     print(
         f"CPU ({_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load "
         f"average {load:.1f}), torch {torch.__version__}; impl='cpu' (kernels/cpu_dropout.c, "
-        f"paths {cpu_compiled.isa_paths()}), p={args.p}"
+        f"paths {_cpu_kernel.isa_paths()}), p={args.p}"
     )
     if "limit" in sections:
         _limit_rows([24, 26], args.p, max(5, args.repeats // 2))

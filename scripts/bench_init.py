@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import PeakHeap, heap_bytes
 
-from rng_tracker.parallel.testing.harness import run_distributed
+from rng_tracker.parallel.testing._harness import run_distributed
 
 
 def _shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, int], int]]:

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _memory import PeakHeap, heap_bytes
 
-from rng_tracker.parallel.testing.harness import run_distributed
+from rng_tracker.parallel.testing._harness import run_distributed
 
 _MODES = {  # name: (invariant, use_cpu_initialization)
     "megatron gpu-init": (False, False),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rng_tracker.kernels.index_map import Chunk, Region, index_map_of
+from rng_tracker.kernels._index_map import Chunk, Region, index_map_of
 from rng_tracker.kernels.reference import fused_dropout_reference
 
 _HIDDEN = 1024

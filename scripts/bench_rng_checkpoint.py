@@ -112,8 +112,8 @@ def _counting(base: type, counts: dict) -> type:
 def _setup():
     import torch.distributed as dist
 
-    from rng_tracker.keyed import KeyedRNG
-    from rng_tracker.tracker import RNGStatesTracker
+    from rng_tracker._keyed import KeyedRNG
+    from rng_tracker._tracker import RNGStatesTracker
 
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)

@@ -29,10 +29,10 @@ from _memory import PeakHeap, heap_bytes
 from gpt_training.corpus import Corpus
 from gpt_training.trainer import TrainConfig, build, train_step
 
-from rng_tracker.keyed import get_keyed_rng
+from rng_tracker._keyed import get_keyed_rng
+from rng_tracker._tracker import RNGStatesTracker
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig
-from rng_tracker.tracker import RNGStatesTracker
 
 MODES = ("megatron", "invariant", "keyed")
 RECOMPUTES = ("none", "full", "selective")

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from rng_tracker.keyed import get_keyed_rng
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import GPTConfig, place_masks
 

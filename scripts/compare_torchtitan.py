@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from rng_tracker.parallel.testing.harness import run_distributed
+from rng_tracker.parallel.testing._harness import run_distributed
 
 
 def _one(tp: int, dp_shard: int, parallel: bool, ours: bool) -> tuple[dict, list]:

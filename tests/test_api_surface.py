@@ -86,7 +86,7 @@ def test_no_module_is_shadowed_by_a_name_of_its_package() -> None:
     modules = _library_modules()
     assert (
         "rng_tracker.activation_checkpoint" in modules
-        and "rng_tracker.kernels.fused_dropout" in modules
+        and "rng_tracker.kernels._fused_dropout" in modules
     )
     shadowed = []
     for name in modules:
@@ -140,3 +140,71 @@ def test_the_top_level_package_is_small_and_grouped() -> None:
     assert isinstance(rng_tracker, ModuleType)
     errors = [name for name in rng_tracker.__all__ if name.endswith(("Error", "Warning"))]
     assert len(rng_tracker.__all__) <= 20 and len(errors) <= 6, rng_tracker.__all__
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") for part in module.split("."))
+
+
+def _readme_public_modules() -> set[str]:
+    """The modules README.md's API section documents: its table headings and the modules named
+    in the first column of its "Other modules" table."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    api = text[text.index("## API\n") : text.index("\n## ", text.index("## API\n") + 1)]
+    public = set(re.findall(r"^### `(rng_tracker[\w.]*)`", api, re.M))
+    for line in api.splitlines():
+        if line.startswith("| `rng_tracker"):
+            for span in re.findall(r"`(rng_tracker[\w.]*)", line.split(" | ", 1)[0]):
+                parts = span.split(".")
+                for cut in range(len(parts), 0, -1):  # the longest prefix that is a module
+                    try:
+                        importlib.import_module(".".join(parts[:cut]))
+                    except ModuleNotFoundError:
+                        continue
+                    public.add(".".join(parts[:cut]))
+                    break
+    return public
+
+
+def test_public_modules_are_the_readme_ones_and_only_they_have_an_all() -> None:
+    """Every library module is either public (documented in README's API section, with an
+    ``__all__``) or private by name (an ``_`` in its path, and no ``__all__``)."""
+    documented = _readme_public_modules()
+    undocumented, private_with_all = [], []
+    for name in _library_modules():
+        module = importlib.import_module(name)
+        if _is_private(name):
+            if hasattr(module, "__all__"):
+                private_with_all.append(name)
+        elif name not in documented and name != "rng_tracker.parallel.testing.pytest_plugin":
+            undocumented.append(name)
+    assert not undocumented, f"public by name but not in README's API section: {undocumented}"
+    assert not private_with_all, f"private modules that declare an __all__: {private_with_all}"
+
+
+def _imported_private_names(path: Path) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+            "rng_tracker"
+        ):
+            continue
+        for alias in node.names:
+            if not alias.name.startswith("_") or alias.name.startswith("__"):
+                continue
+            source = importlib.import_module(node.module)
+            if not isinstance(getattr(source, alias.name, None), ModuleType):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    """What two modules share has a real name in its one home: importing a private module is how
+    the library's parts meet, importing another module's ``_name`` is not."""
+    found = []
+    for folder in ("rng_tracker", "parallel", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += _imported_private_names(path)
+    assert not found, "\n".join(found)

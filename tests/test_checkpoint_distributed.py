@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from rng_tracker import MODEL_PARALLEL_RNG, checkpoint, get_rng_tracker, model_parallel_seed
 from rng_tracker.megatron import checkpoint as megatron_checkpoint
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
-from rng_tracker.parallel.collectives import copy_to_tp, reduce_from_tp
+from rng_tracker.parallel._tp_mappings import copy_to_tp, reduce_from_tp
 from rng_tracker.parallel.testing import run_distributed
 
 HIDDEN, FFN, BATCH = 16, 32, 6
@@ -121,7 +121,7 @@ def test_distributed_saved_input_of_odd_size_is_padded_not_truncated():
 
 
 def test_input_saver_says_packing_and_keeps_active_as_a_deprecated_alias():
-    from rng_tracker.saved_inputs import InputSaver
+    from rng_tracker._saved_inputs import InputSaver
 
     assert not InputSaver().packing and InputSaver(offload=True).packing
     kept = torch.ones(3)

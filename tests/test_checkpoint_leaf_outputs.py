@@ -16,7 +16,7 @@ import torch
 
 import rng_tracker
 import rng_tracker.megatron as megatron
-from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 
 
 class _MLP(torch.nn.Module):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rng_tracker import RNGStatesTracker
+from rng_tracker._tracker import CPURNGChangedWarning
 from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels import Chunk, bias_dropout_add, dropout
-from rng_tracker.tracker import CPURNGChangedWarning
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -19,7 +19,7 @@ from gpt_training.errors import ResumeRefusedError, TrainingCheckpointError
 from gpt_training.trainer import TrainConfig, _load, build, train
 
 from rng_tracker import get_rng_tracker
-from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
 
 config = functools.partial(small_run, global_batch=4, verify=False)

@@ -32,6 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rng_tracker._keyed import KeyedRNG
+from rng_tracker._tracker import RNGStatesTracker
 from rng_tracker.dcp import RNGStateful
 from rng_tracker.errors import (
     RNGStateLayoutError,
@@ -41,9 +43,7 @@ from rng_tracker.errors import (
     StateDictError,
     TrackerBusyError,
 )
-from rng_tracker.keyed import KeyedRNG
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.tracker import RNGStatesTracker
 
 FORMAT1 = Path(__file__).resolve().parent / "data" / "rng_format1"
 _MP = "model-parallel-rng"
@@ -88,8 +88,8 @@ def _reader(path: str, read: list[str]):
 def _megatron_like(tensor: int, keyed_step: int) -> tuple[RNGStatesTracker, KeyedRNG, object]:
     """model_parallel_seed on a (tp=tensor) mesh: the default generator and data-parallel-rng are
     equal on every rank, model- and expert-parallel-rng differ over tp (etp); keyed seeded."""
-    from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
-    from rng_tracker.seeds import model_parallel_seed
+    from rng_tracker._seeds import model_parallel_seed
+    from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 
     destroy_model_parallel()
     state = init_model_parallel(tensor=tensor)
@@ -107,7 +107,7 @@ def _megatron_like(tensor: int, keyed_step: int) -> tuple[RNGStatesTracker, Keye
 def _fresh_model_parallel_state(tensor: int) -> str:
     """The model-parallel stream a fresh model_parallel_seed(1234) gives this rank (step 0)."""
     tracker = RNGStatesTracker("cpu")
-    from rng_tracker.seeds import model_parallel_seed
+    from rng_tracker._seeds import model_parallel_seed
 
     model_parallel_seed(
         1234, tracker=tracker, tp_rank=dist.get_rank() % tensor, pp_rank=0, dp_rank=0
@@ -122,7 +122,7 @@ def _save_at_tp2(root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from rng_tracker.dcp import comm_bytes
-    from rng_tracker.parallel.mesh import destroy_model_parallel
+    from rng_tracker.parallel._mesh import destroy_model_parallel
 
     rank = dist.get_rank()
     out: dict = {}
@@ -254,7 +254,7 @@ def _load_at(root: str, tensor: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from rng_tracker.dcp import comm_bytes
-    from rng_tracker.parallel.mesh import destroy_model_parallel
+    from rng_tracker.parallel._mesh import destroy_model_parallel
 
     tracker, keyed, state = _megatron_like(tensor, keyed_step=0)
     torch.manual_seed(77)  # elsewhere until the load
@@ -287,7 +287,7 @@ def _layout_from_the_parallel_state(root: str) -> list[str]:
     the parallel state's, so the per-tp streams are re-derived, not taken from another tp rank."""
     import torch.distributed.checkpoint as dcp
 
-    from rng_tracker.parallel.mesh import destroy_model_parallel
+    from rng_tracker.parallel._mesh import destroy_model_parallel
 
     tracker, keyed, _ = _megatron_like(4, keyed_step=3)
     dcp.save({"rng": RNGStateful(tracker, keyed)}, checkpoint_id=f"{root}/no-layout")

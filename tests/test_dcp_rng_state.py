@@ -27,9 +27,9 @@ def _draws(tracker, keyed) -> list[torch.Tensor]:
 def test_dcp_save_at_one_layout_load_at_another(rank: int, tmp_path) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from rng_tracker._keyed import KeyedRNG
+    from rng_tracker._tracker import RNGStatesTracker
     from rng_tracker.dcp import RNGStateful
-    from rng_tracker.keyed import KeyedRNG
-    from rng_tracker.tracker import RNGStatesTracker
 
     torch.manual_seed(1)  # replicated: the same on every rank
     tracker = RNGStatesTracker("cpu")

@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 
 import rng_tracker.kernels as kernels
-from rng_tracker.kernels import philox, reference, triton_dropout
-from rng_tracker.kernels.index_map import index_map_of
+from rng_tracker.kernels import _triton_kernel, philox, reference
+from rng_tracker.kernels._index_map import index_map_of
 
 RENAMED = {
     "Shard": (kernels.Chunk, "rng_tracker.kernels.Chunk"),
     "Layout": (kernels.IndexMap, "rng_tracker.kernels.IndexMap"),
-    "layout_of": (index_map_of, "rng_tracker.kernels.index_map.index_map_of"),
+    "layout_of": (index_map_of, "rng_tracker.kernels._index_map.index_map_of"),
     "philox4x32": (philox.philox4x32, "rng_tracker.kernels.philox.philox4x32"),
     "keep_mask": (reference.keep_mask, "rng_tracker.kernels.reference.keep_mask"),
     "keep_scale": (reference.keep_scale, "rng_tracker.kernels.reference.keep_scale"),
     "keep_threshold": (reference.keep_threshold, "rng_tracker.kernels.reference.keep_threshold"),
     "triton_runs_on": (
-        triton_dropout.triton_runs_on,
-        "rng_tracker.kernels.triton_dropout.triton_runs_on",
+        _triton_kernel.triton_runs_on,
+        "rng_tracker.kernels._triton_kernel.triton_runs_on",
     ),
 }
 
@@ -50,13 +50,13 @@ def test_unknown_name_is_still_an_attribute_error() -> None:
     [
         ("rng_tracker", "DuplicateStreamError", "rng_tracker.errors"),
         ("rng_tracker", "KernelInputError", "rng_tracker.errors"),
-        ("rng_tracker", "DeviceRNG", "rng_tracker.device_rng"),
-        ("rng_tracker", "default_generator", "rng_tracker.device_rng"),
-        ("rng_tracker", "CPURNGChangedWarning", "rng_tracker.tracker"),
+        ("rng_tracker", "DeviceRNG", "rng_tracker._device_rng"),
+        ("rng_tracker", "default_generator", "rng_tracker._device_rng"),
+        ("rng_tracker", "CPURNGChangedWarning", "rng_tracker._tracker"),
         ("rng_tracker.parallel", "TinyGPT", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "GPTConfig", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.transformer"),
-        ("rng_tracker.parallel", "get_parallel_state_or_none", "rng_tracker.parallel.mesh"),
+        ("rng_tracker.parallel", "get_parallel_state_or_none", "rng_tracker.parallel._mesh"),
     ],
 )
 def test_names_that_left_a_package_namespace_still_resolve(

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from rng_tracker.errors import KernelInputError, RNGTrackerError
 from rng_tracker.kernels import MAX_LOGICAL_NUMEL, Chunk, IndexMap, Region, dropout
-from rng_tracker.kernels.index_map import index_map_of
-from rng_tracker.kernels.rng_source import advanced_offset
+from rng_tracker.kernels._index_map import index_map_of
+from rng_tracker.kernels._rng_source import advanced_offset
 
 IMPLS = ("torch", "cpu", "triton")
 P = 0.5

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rng_tracker import RNGTrackerError
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import Chunk, IndexMap, Region, bias_dropout_add, dropout
-from rng_tracker.kernels.index_map import index_map_of
+from rng_tracker.kernels._index_map import index_map_of
 
 IMPLS = ["torch", "cpu", "triton"]
 P = 0.4
@@ -259,7 +259,7 @@ def test_chunk_bounds_and_the_dtensor_split_follow_torch_chunk() -> None:
     """One split rule for kernels' Chunk and the DTensor placements: torch.chunk's, where the
     chunks torch.chunk leaves out (10 rows in 4, 3 rows in 4) are empty."""
     pytest.importorskip("torch.distributed.tensor")
-    from rng_tracker.kernels.index_map import chunk_bounds
+    from rng_tracker.kernels._index_map import chunk_bounds
     from rng_tracker.parallel._placement import split_by_chunk
 
     for extent in range(13):

@@ -25,10 +25,10 @@ from rng_tracker.kernels import (
     Chunk,
     Region,
     _c_build,
+    _cpu_kernel,
+    _keyed_fill,
     bias_dropout_add,
-    cpu_compiled,
     dropout,
-    keyed_init,
 )
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -40,7 +40,7 @@ def _gen(seed: int = 1234) -> torch.Generator:
 
 def _assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
     # A failed compile falls back to the reference, which would then be compared with itself.
-    assert cpu_compiled.compiled_cpu_available(), cpu_compiled._state["failed"]
+    assert _cpu_kernel.compiled_cpu_available(), _cpu_kernel._state["failed"]
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype]))
 
@@ -139,12 +139,12 @@ def test_auto_runs_the_compiled_kernel_on_cpu_and_the_op_path_equals_the_direct_
     for mode in (None, _OpNames()):
         leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
         if mode is None:
-            assert cpu_compiled.may_skip_dispatch(leaves[0])  # eager: straight to the kernel
+            assert _cpu_kernel.may_skip_dispatch(leaves[0])  # eager: straight to the kernel
             out = bias_dropout_add(*leaves, 0.3, generator=_gen())
             out.backward(grad)
         else:
             with mode:
-                assert not cpu_compiled.may_skip_dispatch(leaves[0])
+                assert not _cpu_kernel.may_skip_dispatch(leaves[0])
                 out = bias_dropout_add(*leaves, 0.3, generator=_gen())
                 out.backward(grad)
             assert mode.names.count("rng_tracker.fused_dropout_cpu.default") == 2  # fwd, bwd
@@ -176,7 +176,7 @@ def test_p_one_drops_everything_and_threads_split_the_work_without_changing_bits
         bias_dropout_add(x, None, residual, 1.0, impl="cpu"),
         bias_dropout_add(x, None, residual, 1.0, impl="torch"),
     )
-    big = torch.randn(2 * cpu_compiled._MIN_NUMEL_PER_THREAD + 1000, generator=_gen(2))
+    big = torch.randn(2 * _cpu_kernel._MIN_NUMEL_PER_THREAD + 1000, generator=_gen(2))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -208,15 +208,15 @@ def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
     """The kernel is compiled once per instruction-set path (portable, and AVX2 on x86-64);
     forcing each path this CPU runs gives the reference's bits for every dtype, op variant,
     placement and seed (counter carries and wraps included), and auto picks the fastest."""
-    paths = cpu_compiled.isa_paths()
+    paths = _cpu_kernel.isa_paths()
     assert paths[0] == "portable"
     if os.path.exists("/proc/cpuinfo"):  # Linux: the kernel's pick agrees with the CPU's flags
         with open("/proc/cpuinfo") as info:
             flags = re.search(r"^flags\s*:(.*)$", info.read(), re.MULTILINE)
         has_avx2 = flags is not None and "avx2" in flags.group(1).split()
         assert ("avx2" in paths) == (has_avx2 and platform.machine() == "x86_64")
-    library = cpu_compiled._library()
-    assert library.rt_isa_best() == cpu_compiled.ISA_CODES[paths[-1]]
+    library = _cpu_kernel._library()
+    assert library.rt_isa_best() == _cpu_kernel.ISA_CODES[paths[-1]]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for shape, placement in _PLACEMENTS.values():
             x, bias, residual = _inputs(shape, dtype)
@@ -226,11 +226,9 @@ def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
                     args = (x, op_bias, op_residual, placement, seed)
                     want = _fused(*args, impl="torch")
                     for path in paths:
-                        monkeypatch.setitem(
-                            cpu_compiled._state, "isa", cpu_compiled.ISA_CODES[path]
-                        )
+                        monkeypatch.setitem(_cpu_kernel._state, "isa", _cpu_kernel.ISA_CODES[path])
                         _assert_bitwise(_fused(*args, impl="cpu"), want)
-                    monkeypatch.setitem(cpu_compiled._state, "isa", 0)
+                    monkeypatch.setitem(_cpu_kernel._state, "isa", 0)
 
 
 def _fused(x, bias, residual, placement, seed, *, impl):
@@ -243,7 +241,7 @@ def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
     """Outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
     per block, then streamed out; the last block's 12 bytes with plain stores): the bits equal
     the reference's on every path, on one thread and split over two."""
-    paths = cpu_compiled.isa_paths()
+    paths = _cpu_kernel.isa_paths()
     x = torch.randn(2**22 + 3, generator=_gen(5))  # 16 MiB + 12 bytes of fp32
     residual = torch.randn_like(x)
     seed = torch.tensor(_SEEDS["carry"], dtype=torch.int64)
@@ -253,7 +251,7 @@ def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
         for count in (1, 2):
             torch.set_num_threads(count)
             for path in paths:
-                monkeypatch.setitem(cpu_compiled._state, "isa", cpu_compiled.ISA_CODES[path])
+                monkeypatch.setitem(_cpu_kernel._state, "isa", _cpu_kernel.ISA_CODES[path])
                 got = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="cpu")
                 _assert_bitwise(got, want)
     finally:
@@ -262,7 +260,7 @@ def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
 
 def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
     """A forced path the CPU cannot run is refused by the kernel, which writes nothing."""
-    monkeypatch.setitem(cpu_compiled._state, "isa", 99)
+    monkeypatch.setitem(_cpu_kernel._state, "isa", 99)
     with pytest.raises(KernelUnavailableError, match="refused its arguments"):
         dropout(torch.ones(8), 0.5, impl="cpu")
 
@@ -276,8 +274,8 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import warnings
     import torch
-    from rng_tracker.kernels import cpu_compiled, dropout
-    from rng_tracker.kernels.cpu_compiled import CompiledKernelFallbackWarning
+    from rng_tracker.kernels import _cpu_kernel, dropout
+    from rng_tracker.kernels._cpu_kernel import CompiledKernelFallbackWarning
 
     x = torch.randn(16, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -290,7 +288,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     for s, out in zip((1, 2), outs):
         ref = dropout(x, 0.5, generator=torch.Generator().manual_seed(s), impl="torch")
         assert torch.equal(out, ref)
-    print("compiled" if cpu_compiled.compiled_cpu_available() else "reference", len(fallbacks))
+    print("compiled" if _cpu_kernel.compiled_cpu_available() else "reference", len(fallbacks))
     if fallbacks:
         print(fallbacks[0].message)
     """
@@ -326,7 +324,7 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
         [
             sys.executable,
             "-c",
-            "from rng_tracker.kernels import cpu_compiled as c; print(c.compiled_cpu_available())",
+            "from rng_tracker.kernels import _cpu_kernel as c; print(c.compiled_cpu_available())",
         ],
         env=dict(os.environ, RNG_TRACKER_CACHE_DIR=str(cache)),
         capture_output=True,
@@ -341,16 +339,16 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
 
 
 def _library_paths() -> list:
-    return [cpu_compiled.kernel_library_path(), keyed_init._SOURCE.library_path()]
+    return [_cpu_kernel.kernel_library_path(), _keyed_fill._SOURCE.library_path()]
 
 
 def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
     """Both C sources include the shared Philox header: each library's cache key hashes every
     header the loaders copy next to the source, and those are all the sources include, so an
     edited header is never answered by a library built from the old one."""
-    kernels_dir = os.path.dirname(cpu_compiled.__file__)
+    kernels_dir = os.path.dirname(_cpu_kernel.__file__)
     included = set()
-    for name in ("cpu_dropout.c", "keyed_init.c"):
+    for name in ("cpu_dropout.c", "keyed_fill.c"):
         with open(os.path.join(kernels_dir, name)) as source:
             included |= set(re.findall(r'^#include "([^"]+)"', source.read(), re.MULTILINE))
     assert included == set(_c_build.HEADERS) == {"f32_bits.h", "philox4x32.h"}
@@ -398,9 +396,9 @@ _KNOB_SCRIPT = textwrap.dedent(
 def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
     """RNG_TRACKER_CPU_KERNEL=reference makes impl="auto" run the reference op in a process;
     impl="cpu" still runs the compiled kernel; an unknown value is an error naming both."""
-    env = {k: v for k, v in os.environ.items() if k != cpu_compiled.CPU_KERNEL_ENV}
+    env = {k: v for k, v in os.environ.items() if k != _cpu_kernel.CPU_KERNEL_ENV}
     if value is not None:
-        env[cpu_compiled.CPU_KERNEL_ENV] = value
+        env[_cpu_kernel.CPU_KERNEL_ENV] = value
     result = subprocess.run(
         [sys.executable, "-c", _KNOB_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
@@ -412,7 +410,7 @@ def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
 
 
 def test_an_unknown_cpu_kernel_choice_is_an_error_at_import():
-    env = dict(os.environ, **{cpu_compiled.CPU_KERNEL_ENV: "fast"})
+    env = dict(os.environ, **{_cpu_kernel.CPU_KERNEL_ENV: "fast"})
     result = subprocess.run(
         [sys.executable, "-c", "import rng_tracker.kernels"],
         env=env,
@@ -436,7 +434,7 @@ def test_an_unwritable_home_cache_falls_back_to_the_temp_dir(tmp_path):
         [
             sys.executable,
             "-c",
-            "from rng_tracker.kernels import cpu_compiled as c; "
+            "from rng_tracker.kernels import _cpu_kernel as c; "
             "print(c.compiled_cpu_available(), c.kernel_library_path())",
         ],
         env=env,

@@ -1,4 +1,4 @@
-"""Keyed randomness: site ids, steps, seeds and logical state dicts (rng_tracker.keyed), and
+"""Keyed randomness: site ids, steps, seeds and logical state dicts (rng_tracker._keyed), and
 keyed dropout sites in TinyGPT that draw the same masks on every layout and under recompute."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rng_tracker import KeyedRNG, RNGSnapshot, RNGStatesTracker, RNGTrackerError, get_keyed_rng
-from rng_tracker.device_rng import DeviceRNG
+from rng_tracker._device_rng import DeviceRNG
+from rng_tracker._keyed import STEP_LIMIT, _philox_key, site_id_of
 from rng_tracker.errors import (
     InvalidSeedError,
     InvalidSeedTypeError,
@@ -27,7 +28,6 @@ from rng_tracker.errors import (
     UnknownSiteError,
 )
 from rng_tracker.kernels import dropout as kernel_dropout
-from rng_tracker.keyed import STEP_LIMIT, _philox_key, site_id_of
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import (

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rng_tracker.errors import InvariantRandomConfigError, KernelInputError, RNGTrackerError
-from rng_tracker.kernels.keyed_init import keyed_normal_, keyed_uniform_, keyed_uniform_reference
+from rng_tracker.kernels._keyed_fill import keyed_normal_, keyed_uniform_, keyed_uniform_reference
 from rng_tracker.parallel.dtensor import invariant_random
 from rng_tracker.parallel.keyed_init import KeyedInit, stable_name
 

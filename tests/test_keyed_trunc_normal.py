@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rng_tracker._torch_private import trunc_normal_impl
 from rng_tracker.errors import KernelInputError
-from rng_tracker.kernels.keyed_init import keyed_trunc_normal_
+from rng_tracker.kernels._keyed_fill import keyed_trunc_normal_
 from rng_tracker.parallel.dtensor import invariant_random
 
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from rng_tracker.parallel.layers import RowParallelLinear, shard_param
+from rng_tracker.parallel._layers import RowParallelLinear, shard_param
 
 
 def test_shard_param_marks_a_sequence_parallel_gradient() -> None:

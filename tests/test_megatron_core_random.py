@@ -21,7 +21,7 @@ import torch
 
 import rng_tracker.errors
 import rng_tracker.megatron
-import rng_tracker.tracker as tracker_module
+import rng_tracker._tracker as tracker_module
 
 _MEGATRON_NAMES = (
     "CheckpointWithoutOutput",

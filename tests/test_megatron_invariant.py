@@ -430,7 +430,7 @@ def _load(path: str, model: torch.nn.Module, rng: Any | None) -> int:
 
 def _rng_states() -> dict[str, Any]:
     """Every RNG state seeding touches: the CPU generator, the tracker's streams, the keyed state."""
-    from rng_tracker.keyed import get_keyed_rng
+    from rng_tracker._keyed import get_keyed_rng
 
     streams = rm.get_cuda_rng_tracker().get_states()
     return {
@@ -483,6 +483,7 @@ def test_megatron_invariant_run_saved_at_tp2xpp2_resumes_at_tp4_and_tp1_with_the
     warnings.simplefilter("ignore")  # Megatron's warnings about TE/Apex and deprecations
     import megatron.core.parallel_state as ps
 
+    from rng_tracker._keyed import get_keyed_rng
     from rng_tracker.dcp import RNGStateful
     from rng_tracker.errors import (
         InvalidSeedError,
@@ -490,7 +491,6 @@ def test_megatron_invariant_run_saved_at_tp2xpp2_resumes_at_tp4_and_tp1_with_the
         MegatronInvariantUnsupportedError,
         RNGStateRederivedWarning,
     )
-    from rng_tracker.keyed import get_keyed_rng
 
     path = str(tmp_path / "iteration1")
     rm.install(invariant=True)

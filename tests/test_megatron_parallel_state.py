@@ -25,7 +25,7 @@ from rng_tracker.parallel._megatron_state import (
     current_layout,
     megatron_parallel_state_or_none,
 )
-from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 
 # (tensor, pipeline, context, expert) on 8 ranks; data parallel is what is left. Cycling them
 # over the 120 orders gives each size every relative order of its axes above size 1, dense and

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import rng_tracker.tracker as tracker_module
+import rng_tracker._tracker as tracker_module
 from rng_tracker import megatron
-from rng_tracker.device_rng import default_device, default_generator
+from rng_tracker._device_rng import default_device, default_generator
+from rng_tracker._tracker import get_rng_tracker
 from rng_tracker.errors import (
     ParallelStateError,
     RNGTrackerError,
@@ -38,8 +39,7 @@ from rng_tracker.megatron import (
     initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
-from rng_tracker.parallel.mesh import destroy_model_parallel, init_model_parallel
-from rng_tracker.tracker import get_rng_tracker
+from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 
 DEVICE = default_device()
 

@@ -52,7 +52,7 @@ def test_global_rank_places_a_layout_by_megatrons_order_without_a_mesh():
     """tp varies fastest in the default order; 'tp-cp-ep-pp-dp' puts pp before dp; every
     coordinate of the layout gets its own rank; bad axes and coordinates are typed errors."""
     from rng_tracker.errors import ParallelConfigError
-    from rng_tracker.parallel.mesh import global_rank
+    from rng_tracker.parallel._mesh import global_rank
 
     sizes = {"tp": 2, "dp": 2, "pp": 2}
     cells = [{"tp": t, "dp": d, "pp": p} for p in range(2) for d in range(2) for t in range(2)]

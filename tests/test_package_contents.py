@@ -62,9 +62,9 @@ def test_the_wheel_holds_the_library_but_not_the_job_or_the_lowering_tool(tmp_pa
         archive.extractall(tmp_path / "site")
     modules = [n for n in names if n.endswith(".py")]
     assert "rng_tracker/parallel/transformer.py" in modules  # the library is there
-    assert "rng_tracker/kernels/triton_dropout.py" in modules
+    assert "rng_tracker/kernels/_triton_kernel.py" in modules
     # the C kernels build from the installed files: their sources and the headers they include
-    for kernel_file in ("cpu_dropout.c", "keyed_init.c", "philox4x32.h", "f32_bits.h"):
+    for kernel_file in ("cpu_dropout.c", "keyed_fill.c", "philox4x32.h", "f32_bits.h"):
         assert f"rng_tracker/kernels/{kernel_file}" in names, kernel_file
     stray = [
         n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rng_tracker import RNGStatesTracker
-from rng_tracker.rng_snapshot import RNGSnapshot, replaying
+from rng_tracker._rng_snapshot import RNGSnapshot, replaying
 
 
 def _tracker() -> RNGStatesTracker:

@@ -17,6 +17,7 @@ from rng_tracker import (
     model_parallel_seed,
     plan_seeds,
 )
+from rng_tracker._seeds import AXES
 from rng_tracker.errors import (
     InvalidSeedError,
     RankError,
@@ -25,7 +26,6 @@ from rng_tracker.errors import (
     SeedOverflowError,
 )
 from rng_tracker.megatron import model_parallel_cuda_manual_seed
-from rng_tracker.seeds import AXES
 
 
 def _state(tracker: RNGStatesTracker) -> tuple:

@@ -19,8 +19,8 @@ from rng_tracker import (
     model_parallel_seed,
     plan_seeds,
 )
+from rng_tracker import _seeds as seeds_module
 from rng_tracker import megatron as mg
-from rng_tracker import seeds as seeds_module
 from rng_tracker.errors import InvalidSeedError, RankError, SeedSchemeError
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.testing import run_distributed

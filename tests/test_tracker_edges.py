@@ -18,7 +18,7 @@ from rng_tracker import (
     UnknownStreamError,
     get_rng_tracker,
 )
-from rng_tracker.device_rng import default_generator
+from rng_tracker._device_rng import default_generator
 from rng_tracker.errors import (
     DuplicateStreamError,
     ForkOrderError,

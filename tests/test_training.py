@@ -15,8 +15,8 @@ from gpt_training.trainer import TrainConfig, train
 
 from rng_tracker import RNGConsistencyError, get_rng_tracker, model_parallel_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._verify import verify_rng_consistency
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.verify import verify_rng_consistency
 
 # Invariant-mode runs on different TP/SP degrees draw identical masks, so their losses differ
 # only by fp32 summation order (matmuls split over TP, all-reduce order): we measured at most

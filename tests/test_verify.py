@@ -15,8 +15,8 @@ from rng_tracker import (
     model_parallel_seed,
 )
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._verify import verify_rng_consistency
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.verify import verify_rng_consistency
 
 
 def _every_rank_seeds_as_tp_rank_0() -> tuple:
@@ -79,7 +79,7 @@ def test_seeding_refuses_to_guess_ranks_on_several_processes():
 
 
 def _verify_with_the_state_passed_in() -> tuple:
-    import rng_tracker.parallel.verify as verify
+    import rng_tracker.parallel._verify as verify
 
     destroy_model_parallel()
     state = init_model_parallel(tensor=2)

@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker.dcp import RankStates
-from rng_tracker.parallel.collectives import gather_from_tp
 
 # mesh.py has no public "global rank of these coordinates"; its own rank grid is the truth.
-from rng_tracker.parallel.mesh import global_rank
+from rng_tracker.parallel._mesh import global_rank
+from rng_tracker.parallel._tp_mappings import gather_from_tp
 
 from .errors import ResumeRefusedError, SaveCommitError, TrainingCheckpointError
 

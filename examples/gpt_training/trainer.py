@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rng_tracker.device_rng import device_rng
-from rng_tracker.keyed import get_keyed_rng
-from rng_tracker.parallel.mesh import ParallelState, destroy_model_parallel, init_model_parallel
+from rng_tracker._device_rng import device_rng
+from rng_tracker._keyed import get_keyed_rng
+from rng_tracker._seeds import SeedPlan, model_parallel_seed
+from rng_tracker._tracker import STATE_DICT_VERSION, get_rng_tracker
+from rng_tracker.parallel._mesh import ParallelState, destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel._verify import RNGReport, verify_rng_consistency
 from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
-from rng_tracker.parallel.verify import RNGReport, verify_rng_consistency
-from rng_tracker.seeds import SeedPlan, model_parallel_seed
-from rng_tracker.tracker import STATE_DICT_VERSION, get_rng_tracker
 
 from .corpus import Corpus
 from .dcp_checkpoint import (

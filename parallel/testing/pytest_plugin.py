@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rng_tracker.parallel.testing.harness import run_distributed
+from rng_tracker.parallel.testing._harness import run_distributed
 
 _DEFAULT_WORLD_SIZE = 2
 _DEFAULT_TIMEOUT_S = 120.0

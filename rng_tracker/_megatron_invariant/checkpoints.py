@@ -15,8 +15,6 @@ from typing import Any
 from rng_tracker import megatron as _facade
 from rng_tracker._megatron_invariant.position import carrying_position
 
-__all__ = ["CheckpointFunction", "CheckpointWithoutOutput", "checkpoint"]
-
 
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
     """``rng_tracker.megatron.checkpoint``, its recompute in the first forward's batch position."""

@@ -29,18 +29,7 @@ from rng_tracker.errors import (
     MegatronInvariantInitError,
     MegatronInvariantUnsupportedError,
 )
-from rng_tracker.kernels import keyed_init as _kernel
-
-__all__ = [
-    "DeferredInitMethod",
-    "check_helpers",
-    "defer",
-    "deferred_count",
-    "fill_deferred",
-    "initialize_affine_weight_cpu",
-    "initialize_affine_weight_gpu",
-    "set_active",
-]
+from rng_tracker.kernels import _keyed_fill as _kernel
 
 _STATE: dict[str, Any] = {"active": False, "hook": None}
 _LOCK = threading.RLock()

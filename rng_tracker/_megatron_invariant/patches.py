@@ -20,20 +20,10 @@ from typing import Any
 
 import torch
 
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._megatron_invariant import keyed_params, sites
 from rng_tracker._megatron_invariant.position import microbatches
 from rng_tracker.errors import MegatronInvariantUnsupportedError
-from rng_tracker.keyed import get_keyed_rng
-
-__all__ = [
-    "ClassPatch",
-    "apply_class_patches",
-    "finish_model",
-    "name_swaps",
-    "refuse_config",
-    "refuse_spec",
-    "undo_class_patches",
-]
 
 _INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
 _TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")

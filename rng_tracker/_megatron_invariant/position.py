@@ -24,8 +24,6 @@ from rng_tracker.errors import (
     MissingBatchPositionError,
 )
 
-__all__ = ["Position", "batch_position", "carrying_position", "microbatches", "resolve"]
-
 
 @dataclass(frozen=True, slots=True)
 class Position:

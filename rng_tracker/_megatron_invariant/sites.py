@@ -22,21 +22,11 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_json
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._megatron_invariant.position import Position, resolve
 from rng_tracker.errors import MegatronInvariantInitError, MegatronInvariantUnsupportedError
 from rng_tracker.kernels import Region, bias_dropout_add, dropout
-from rng_tracker.kernels import keyed_init as _init_kernel
-from rng_tracker.keyed import get_keyed_rng
-
-__all__ = [
-    "KeyedBiasDropoutAdd",
-    "KeyedDropout",
-    "KeyedJitter",
-    "SiteLayout",
-    "record",
-    "register_every_stage",
-    "wire",
-]
+from rng_tracker.kernels import _keyed_fill as _init_kernel
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 Each rank fingerprints its default generators and every tracker stream; the fingerprints
 are all-gathered and checked: a stream must be in the same state on ranks that share its
-coordinates on the axes it varies over (rng_tracker.seeds.stream_axes), and in different
+coordinates on the axes it varies over (rng_tracker._seeds.stream_axes), and in different
 states wherever those coordinates differ — also across streams, which catches
 Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel random init.
 """
@@ -17,11 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_json, state_digest
-from rng_tracker.device_rng import device_rng
-from rng_tracker.errors import ParallelStateError, RNGConsistencyError
-from rng_tracker.parallel._megatron_state import current_layout
-from rng_tracker.parallel.mesh import ParallelState
-from rng_tracker.seeds import (
+from rng_tracker._device_rng import device_rng
+from rng_tracker._seeds import (
     AXES,
     DATA_PARALLEL_RNG,
     DEFAULT_STREAM,
@@ -29,9 +26,10 @@ from rng_tracker.seeds import (
     SeedPlan,
     stream_axes,
 )
-from rng_tracker.tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
-
-__all__ = ["RNGReport", "verify_rng_consistency"]
+from rng_tracker._tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from rng_tracker.errors import ParallelStateError, RNGConsistencyError
+from rng_tracker.parallel._megatron_state import current_layout
+from rng_tracker.parallel._mesh import ParallelState
 
 # Megatron seeds the default generator and data-parallel-rng from one seed, by design.
 _MAY_SHARE = {frozenset({DEFAULT_STREAM, DATA_PARALLEL_RNG})}

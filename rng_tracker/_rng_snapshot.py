@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rng_tracker.device_rng import RNGState, device_rng
-from rng_tracker.tracker import RNGStatesTracker
-
-__all__ = ["RNGSnapshot", "replaying"]
+from rng_tracker._device_rng import RNGState, device_rng
+from rng_tracker._tracker import RNGStatesTracker
 
 
 @dataclass(frozen=True, slots=True)

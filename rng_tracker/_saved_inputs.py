@@ -15,8 +15,6 @@ import torch.distributed as dist
 from rng_tracker._collective import all_gather_cat
 from rng_tracker._deprecation import warn_deprecated
 
-__all__ = ["InputSaver", "gather_chunks", "gather_saved", "split_for_save"]
-
 
 @dataclass(frozen=True, slots=True)
 class _SplitTensor:

@@ -27,8 +27,6 @@ from typing import Any
 
 from rng_tracker.errors import ParallelConfigError, RNGTrackerError
 
-__all__ = ["DistributedTestError", "HarnessUsageError", "run_distributed"]
-
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0

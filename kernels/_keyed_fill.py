@@ -3,9 +3,10 @@
 Element g of the parameter called ``name`` takes word g % 4 of Philox4x32-10 under the key of
 ``seed`` at counter (lo32(g // 4), hi32(g // 4), lo32(h), hi32(h)), h a 64-bit hash of the
 name; ``uniform`` maps the word to [a, b), ``normal`` pairs words by Box-Muller, ``truncated
-normal`` maps it through the inverse normal CDF restricted to [a, b] (see ``keyed_init.c``). Nothing is read from or written to a generator, so a rank computes exactly
-its local shard: no full-size buffer, work in proportion to the shard, and the same values for
-any mesh, placement, pipeline split, meta-device materialisation or construction order.
+normal`` maps it through the inverse normal CDF restricted to [a, b] (see ``keyed_fill.c``).
+Nothing is read from or written to a generator, so a rank computes exactly its local shard: no
+full-size buffer, work in proportion to the shard, and the same values for any mesh, placement,
+pipeline split, meta-device materialisation or construction order.
 
 These are *not* torch's values (torch's draws depend on the whole tensor's size and order):
 ``invariant_random(init="full")`` keeps those. The compiled C kernel is built once with the
@@ -26,24 +27,15 @@ import torch
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels._c_build import CSource, load_once
-from rng_tracker.kernels.cpu_compiled import _FLAGS
+from rng_tracker.kernels._cpu_kernel import _FLAGS
 from rng_tracker.kernels.philox import philox4x32
 
-__all__ = [
-    "init_key",
-    "keyed_normal_",
-    "keyed_trunc_normal_",
-    "keyed_uniform_",
-    "keyed_uniform_reference",
-    "name_hash",
-]
-
 _SOURCE = CSource(
-    "keyed_init.c",
+    "keyed_fill.c",
     (*_FLAGS, "-O3", "-fno-math-errno"),
     libraries=("-lm",),
     abi_function="rt_keyed_abi_version",
-    abi_version=3,  # RT_KEYED_ABI of keyed_init.c
+    abi_version=3,  # RT_KEYED_ABI of keyed_fill.c
 )
 _MASK64 = 2**64 - 1
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout

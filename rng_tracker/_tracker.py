@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from rng_tracker._deprecation import warn_deprecated
+from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker._validate import checked_int
-from rng_tracker.device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker.errors import (
     DuplicateStreamError,
     ForkOrderError,
@@ -31,15 +31,6 @@ from rng_tracker.errors import (
     TrackerDeviceError,
     UnknownStreamError,
 )
-
-__all__ = [
-    "MODEL_PARALLEL_RNG",
-    "CPURNGChangedWarning",
-    "RNGStatesTracker",
-    "all_trackers",
-    "get_rng_tracker",
-    "validate_seed",
-]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 STATE_DICT_VERSION = 1

@@ -23,16 +23,6 @@ import torch.distributed as dist
 from rng_tracker._collective import all_gather_cat
 from rng_tracker.errors import ParallelConfigError
 
-__all__ = [
-    "copy_to_tp",
-    "gather_from_sp",
-    "gather_from_tp",
-    "reduce_from_tp",
-    "reduce_scatter_to_sp",
-    "scatter_to_tp",
-]
-
-
 # Every collective below has the signature (tensor, group, dim) -> tensor.
 
 

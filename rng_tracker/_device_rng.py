@@ -16,14 +16,6 @@ import torch
 
 from rng_tracker.errors import TrackerDeviceError
 
-__all__ = [
-    "DeviceRNG",
-    "RNGState",
-    "default_device",
-    "default_generator",
-    "device_rng",
-]
-
 # A saved generator state: a ``torch.Generator`` (graph-safe handle on CUDA, clone
 # elsewhere) or a uint8 CPU tensor.
 RNGState: TypeAlias = "torch.Generator | torch.Tensor"

@@ -19,15 +19,13 @@ import torch.nn.functional as F
 
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker.errors import ParallelConfigError
-from rng_tracker.parallel.collectives import (
+from rng_tracker.parallel._tp_mappings import (
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
 )
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "shard_param"]
 
 
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:

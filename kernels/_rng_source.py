@@ -14,8 +14,6 @@ import torch
 
 from rng_tracker.errors import KernelInputError
 
-__all__ = ["advanced_offset", "draw_key_and_base", "drawn_seed", "drawn_words", "seed_tensor"]
-
 _MAX_OFFSET = 2**64 - 1  # a CUDA generator's Philox offset is a uint64
 
 

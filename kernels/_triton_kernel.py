@@ -17,7 +17,7 @@ import os
 import torch
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels.index_map import IndexMap
+from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.reference import keep_scale, keep_threshold
 
 TRITON_IMPORT_ERROR: str | None = None
@@ -29,13 +29,6 @@ except ImportError as error:  # pragma: no cover - exercised only where triton i
     tl = None
     TRITON_IMPORT_ERROR = f"{type(error).__name__}: {error}"
 
-__all__ = [
-    "HAS_TRITON",
-    "MAX_DIVISIONS",
-    "TRITON_IMPORT_ERROR",
-    "fused_dropout_triton",
-    "triton_runs_on",
-]
 
 HAS_TRITON = triton is not None
 _GROUPS_PER_PROGRAM = 256  # 1024 elements per program

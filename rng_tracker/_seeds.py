@@ -18,6 +18,13 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from rng_tracker._layout import process_layout
+from rng_tracker._tracker import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    _first_repeat,
+    get_rng_tracker,
+    validate_seed,
+)
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
     ParallelStateError,
@@ -28,28 +35,10 @@ from rng_tracker.errors import (
     SeedReuseError,
     SeedSchemeError,
 )
-from rng_tracker.tracker import (
-    MODEL_PARALLEL_RNG,
-    RNGStatesTracker,
-    _first_repeat,
-    get_rng_tracker,
-    validate_seed,
-)
 
 if TYPE_CHECKING:
-    from rng_tracker.parallel.mesh import ParallelState
+    from rng_tracker.parallel._mesh import ParallelState
 
-__all__ = [
-    "AXES",
-    "DATA_PARALLEL_RNG",
-    "DEFAULT_STREAM",
-    "EXPERT_PARALLEL_RNG",
-    "MODEL_PARALLEL_RNG",
-    "SeedPlan",
-    "model_parallel_seed",
-    "plan_seeds",
-    "stream_axes",
-]
 
 DATA_PARALLEL_RNG = "data-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
@@ -108,7 +97,7 @@ def _feistel64(key: bytes, value: int) -> int:
 def _seed_key(base_seed: int) -> bytes:
     """The Feistel key of a base seed."""
     return hashlib.blake2b(
-        b"rng_tracker.seeds.v1" + base_seed.to_bytes(8, "little"), digest_size=32
+        b"rng_tracker._seeds.v1" + base_seed.to_bytes(8, "little"), digest_size=32
     ).digest()
 
 

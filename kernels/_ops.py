@@ -14,11 +14,9 @@ from typing import Any
 
 import torch
 
-from rng_tracker.kernels.index_map import IndexMap
+from rng_tracker.kernels._index_map import IndexMap
+from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
 from rng_tracker.kernels.reference import fused_dropout_reference
-from rng_tracker.kernels.triton_dropout import HAS_TRITON, fused_dropout_triton
-
-__all__ = ["fused_dropout_op", "fused_dropout_triton_op"]
 
 
 def _index_map(offset: int, dims: list[int], logical_numel: int) -> IndexMap:

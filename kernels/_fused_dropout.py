@@ -13,20 +13,18 @@ from typing import Literal
 
 import torch
 
-from rng_tracker.device_rng import default_generator
+from rng_tracker._device_rng import default_generator
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels.cpu_compiled import (
+from rng_tracker.kernels._cpu_kernel import (
     auto_uses_compiled,
     compiled_cpu_dropout,
     fused_dropout_cpu_op,
     may_skip_dispatch,
 )
-from rng_tracker.kernels.index_map import IndexMap, ShardArg, index_map_of
-from rng_tracker.kernels.ops import fused_dropout_op, fused_dropout_triton_op
-from rng_tracker.kernels.rng_source import drawn_seed, drawn_words, seed_tensor
-from rng_tracker.kernels.triton_dropout import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
-
-__all__ = ["Impl", "bias_dropout_add", "dropout"]
+from rng_tracker.kernels._index_map import IndexMap, ShardArg, index_map_of
+from rng_tracker.kernels._ops import fused_dropout_op, fused_dropout_triton_op
+from rng_tracker.kernels._rng_source import drawn_seed, drawn_words, seed_tensor
+from rng_tracker.kernels._triton_kernel import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

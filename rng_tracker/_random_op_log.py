@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rng_tracker.device_rng import device_rng
-
-__all__ = ["RandomOpLog", "first_divergence"]
+from rng_tracker._device_rng import device_rng
 
 
 def _op_device(args: Any, kwargs: dict[str, Any]) -> torch.device:

@@ -34,8 +34,8 @@ from rng_tracker._torch_private import (
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels._c_build import CSource, load_once
-from rng_tracker.kernels.index_map import IndexMap
-from rng_tracker.kernels.ops import (
+from rng_tracker.kernels._index_map import IndexMap
+from rng_tracker.kernels._ops import (
     _fake,
     _index_map,
     _make_backward,
@@ -44,20 +44,6 @@ from rng_tracker.kernels.ops import (
     save_for_dropout_backward,
 )
 from rng_tracker.kernels.reference import fused_dropout_reference, keep_scale, keep_threshold
-
-__all__ = [
-    "CPU_KERNEL_ENV",
-    "CompiledKernelFallbackWarning",
-    "auto_uses_compiled",
-    "compiled_cpu_available",
-    "compiled_cpu_dropout",
-    "fused_dropout_compiled",
-    "fused_dropout_cpu_op",
-    "isa_paths",
-    "kernel_library_path",
-    "may_skip_dispatch",
-    "run_compiled",
-]
 
 _MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

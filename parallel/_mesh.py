@@ -21,16 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import ParallelConfigError, ParallelStateError
 
-__all__ = [
-    "DEFAULT_ORDER",
-    "ParallelState",
-    "destroy_model_parallel",
-    "get_parallel_state",
-    "get_parallel_state_or_none",
-    "global_rank",
-    "init_model_parallel",
-]
-
 _DENSE_AXES = ("pp", "dp", "cp", "tp")
 _EXPERT_AXES = ("pp", "edp", "ep", "etp")
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from rng_tracker._device_rng import _normalize
+from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
-from rng_tracker.device_rng import _normalize
 from rng_tracker.errors import (
     KeyedTypeError,
     KeyedUnseededError,
@@ -26,9 +27,6 @@ from rng_tracker.errors import (
     StepRangeError,
     UnknownSiteError,
 )
-from rng_tracker.tracker import validate_seed
-
-__all__ = ["STEP_LIMIT", "KeyedRNG", "get_keyed_rng", "site_id_of"]
 
 STEP_LIMIT = 2**32  # the step is Philox counter word 3
 _SITE_LIMIT = 2**32  # the site id is counter word 2; 0 is left to generator-driven calls

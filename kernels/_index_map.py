@@ -29,16 +29,6 @@ import torch
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
-__all__ = [
-    "MAX_LOGICAL_NUMEL",
-    "Chunk",
-    "IndexMap",
-    "Region",
-    "ShardArg",
-    "chunk_bounds",
-    "index_map_of",
-]
-
 MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
 
 
