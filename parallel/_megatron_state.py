@@ -38,8 +38,9 @@ _GETTERS = {
 @dataclass(frozen=True, slots=True)
 class MegatronParallelState:
     """This rank's ranks, sizes and groups per axis (tp, pp, dp, cp, ep, etp, edp), read
-    from Megatron's initialised ``parallel_state``; answers ``rank``/``size``/``group`` as
-    :class:`~rng_tracker.parallel.ParallelState` does (it has no DeviceMesh)."""
+    from Megatron's initialised ``parallel_state``: a :class:`~rng_tracker.ParallelLayout`, as
+    :class:`~rng_tracker.parallel.ParallelState` is (it has no DeviceMesh). It does not import
+    the Protocol (the core imports this module lazily; tests/test_layout.py checks it)."""
 
     sizes: dict[str, int] = field(hash=False)
     ranks: dict[str, int] = field(hash=False)

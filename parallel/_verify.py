@@ -2,7 +2,7 @@
 
 Each rank fingerprints its default generators and every tracker stream; the fingerprints
 are all-gathered and checked: a stream must be in the same state on ranks that share its
-coordinates on the axes it varies over (rng_tracker._seeds.stream_axes), and in different
+coordinates on the axes it varies over (rng_tracker._streams.stream_axes), and in different
 states wherever those coordinates differ — also across streams, which catches
 Megatron-scheme collisions such as pp 1/dp 0 vs pp 0/dp 10 with data-parallel random init.
 """
@@ -17,23 +17,24 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_json, state_digest
+from rng_tracker._deprecation import renamed_keyword
 from rng_tracker._device_rng import device_rng
-from rng_tracker._seeds import (
+from rng_tracker._layout import ParallelLayout
+from rng_tracker._seeds import SeedPlan
+from rng_tracker._streams import (
     AXES,
     DATA_PARALLEL_RNG,
     DEFAULT_STREAM,
-    EXPERT_PARALLEL_RNG,
-    SeedPlan,
+    POLICY_STREAMS,
     stream_axes,
 )
-from rng_tracker._tracker import MODEL_PARALLEL_RNG, RNGStatesTracker, get_rng_tracker
+from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
 from rng_tracker.errors import ParallelStateError, RNGConsistencyError
 from rng_tracker.parallel._megatron_state import current_layout
-from rng_tracker.parallel._mesh import ParallelState
 
 # Megatron seeds the default generator and data-parallel-rng from one seed, by design.
 _MAY_SHARE = {frozenset({DEFAULT_STREAM, DATA_PARALLEL_RNG})}
-_POLICIES = (DEFAULT_STREAM, DATA_PARALLEL_RNG, MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG)
+_POLICIES = POLICY_STREAMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,27 +77,30 @@ def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
 
 
 def verify_rng_consistency(
-    state: ParallelState | None = None,
+    layout: ParallelLayout | None = None,
     *,
     tracker: RNGStatesTracker | None = None,
     plan: SeedPlan | None = None,
     strict: bool = False,
+    state: ParallelLayout | None = None,
 ) -> RNGReport:
     """Check every rank's RNG states against the policy; collective over the default group.
 
-    Ranks are placed by their coordinates in ``state`` (default: the initialised parallel
-    state, else Megatron's initialised ``parallel_state``). ``plan`` (the :class:`SeedPlan` that ``model_parallel_seed`` returned) says how
+    Ranks are placed by their coordinates in ``layout`` (a :class:`~rng_tracker.ParallelLayout`;
+    default: the initialised parallel state, else Megatron's initialised ``parallel_state``;
+    ``state=`` is its deprecated name). ``plan`` (the :class:`SeedPlan` that ``model_parallel_seed`` returned) says how
     the streams were seeded; every coordinate it claims is checked against the mesh, so a
     rank seeded as another rank is named. Without a mesh the plan's coordinates are taken as
     given. With several ranks and neither, :class:`ParallelStateError` is raised rather than
     placing every rank at 0. With ``strict=True`` a failed check raises
     :class:`RNGConsistencyError` carrying the report.
     """
+    layout = renamed_keyword("verify_rng_consistency", "state", "layout", state, layout)
     tracker = tracker if tracker is not None else get_rng_tracker()
-    state = state if state is not None else current_layout()
+    layout = layout if layout is not None else current_layout()
     claimed: dict[str, int] = {}
-    if state is not None:
-        coords = {axis: state.rank(axis) for axis in AXES}
+    if layout is not None:
+        coords = {axis: layout.rank(axis) for axis in AXES}
         if plan is not None:
             claimed = {a: r for a, r in plan.coordinates.items() if a in coords and coords[a] != r}
     elif plan is not None:
@@ -105,7 +109,7 @@ def verify_rng_consistency(
         raise ParallelStateError(
             f"verify_rng_consistency on rank {dist.get_rank()}: no parallel state is "
             "initialised and no plan was given, so the ranks' coordinates are unknown; call "
-            "init_model_parallel(...) first, or pass state=... or plan=model_parallel_seed(...)"
+            "init_model_parallel(...) first, or pass layout=... or plan=model_parallel_seed(...)"
         )
     else:
         coords = dict.fromkeys(AXES, 0)
@@ -133,7 +137,7 @@ def _misplaced(rank: int, info: dict[str, Any], streams: list[str]) -> list[str]
         problems.append(
             f"rank {rank} was seeded as {axis}={claimed} but the mesh puts it at "
             f"{axis}={info['coords'][axis]}: its streams {affected} were seeded for another "
-            "rank; seed with model_parallel_seed(seed, state=...) or the mesh's ranks"
+            "rank; seed with model_parallel_seed(seed, layout=...) or the mesh's ranks"
         )
     return problems
 

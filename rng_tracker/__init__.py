@@ -13,16 +13,17 @@ from __future__ import annotations
 from rng_tracker._deprecation import deprecated_names, moved_modules
 
 # streams
-from rng_tracker._tracker import (
-    MODEL_PARALLEL_RNG,
-    RNGStatesTracker,
-    get_rng_tracker,
-)
+from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
 
-from rng_tracker._seeds import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG  # isort: skip
+from rng_tracker._streams import (  # isort: skip
+    DATA_PARALLEL_RNG,
+    EXPERT_PARALLEL_RNG,
+    MODEL_PARALLEL_RNG,
+)
 
 # seeding
 from rng_tracker._seeds import SeedPlan, model_parallel_seed, plan_seeds  # isort: skip
+from rng_tracker._layout import ParallelLayout  # isort: skip
 
 # keyed randomness
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng  # isort: skip
@@ -55,6 +56,7 @@ __all__ = [
     "model_parallel_seed",
     "plan_seeds",
     "SeedPlan",
+    "ParallelLayout",
     # keyed randomness
     "KeyedRNG",
     "get_keyed_rng",
@@ -76,7 +78,7 @@ __all__ = [
 __getattr__ = deprecated_names(
     __name__,
     {
-        "CPURNGChangedWarning": "rng_tracker._tracker:CPURNGChangedWarning",
+        "CPURNGChangedWarning": "rng_tracker.errors:CPURNGChangedWarning",
         "CheckpointConfigError": "rng_tracker.errors:CheckpointConfigError",
         "CheckpointTypeError": "rng_tracker.errors:CheckpointTypeError",
         "CheckpointUsageError": "rng_tracker.errors:CheckpointUsageError",
@@ -105,6 +107,14 @@ __getattr__ = deprecated_names(
         "default_device": "rng_tracker._device_rng:default_device",
         "default_generator": "rng_tracker._device_rng:default_generator",
         "device_rng": "rng_tracker._device_rng:device_rng",
+    },
+    # the public way to do what the internal ones did
+    instead={
+        "DeviceRNG": "get_rng_tracker(device).generator, or RNGSnapshot for copies of states",
+        "RNGState": "torch.Generator | torch.Tensor, what a saved generator state is",
+        "default_device": "torch.accelerator.current_accelerator() (None: the CPU)",
+        "default_generator": "get_rng_tracker(device).generator",
+        "device_rng": "get_rng_tracker(device).generator, or RNGSnapshot for copies of states",
     },
 )
 

@@ -14,18 +14,20 @@ import torch
 import torch.distributed as dist
 
 
-def _device_of(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where ``group``'s collectives take their tensors: the current GPU for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _to_bytes(data: torch.Tensor) -> bytes:
+def as_bytes(data: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor (on any device)."""
     return bytes(data.cpu().tolist())  # no numpy needed
 
 
-def _to_uint8(payload: bytes, device: torch.device) -> torch.Tensor:
+def as_uint8(payload: bytes, device: torch.device) -> torch.Tensor:
+    """``payload`` as a uint8 tensor on ``device`` (empty payloads included)."""
     if not payload:  # torch.frombuffer refuses an empty buffer
         return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
@@ -36,8 +38,8 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> 
 
     Two all-gathers: the lengths, then the payloads zero-padded to the longest.
     """
-    device = _device_of(group)
-    data = _to_uint8(payload, device)
+    device = collective_device(group)
+    data = as_uint8(payload, device)
     world = dist.get_world_size(group)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
@@ -47,7 +49,7 @@ def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> 
     padded[: data.numel()] = data
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return [_to_bytes(part[:n]) for part, n in zip(parts, sizes, strict=True)]
+    return [as_bytes(part[:n]) for part, n in zip(parts, sizes, strict=True)]
 
 
 def all_gather_json(payload: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -67,7 +69,7 @@ def _encode_tree(tree: Any) -> bytes:
     def header(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             flat = node.detach().to("cpu").contiguous().reshape(-1)
-            blobs.append(_to_bytes(flat.view(torch.uint8)))
+            blobs.append(as_bytes(flat.view(torch.uint8)))
             return {_TENSOR: [str(node.dtype).removeprefix("torch."), list(node.shape)]}
         if isinstance(node, dict):
             return {key: header(value) for key, value in node.items()}
@@ -88,7 +90,7 @@ def _decode_tree(data: bytes) -> Any:
             dtype_name, shape = node[_TENSOR]
             dtype = getattr(torch, dtype_name)
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            raw = _to_uint8(body[offset : offset + nbytes], torch.device("cpu"))
+            raw = as_uint8(body[offset : offset + nbytes], torch.device("cpu"))
             offset += nbytes
             return raw.view(dtype).reshape(shape).clone()
         if isinstance(node, dict):
@@ -122,4 +124,4 @@ def all_gather_cat(
 
 def state_digest(state: torch.Tensor) -> str:
     """A short hex digest of a generator state (its uint8 bytes), to compare states across ranks."""
-    return hashlib.blake2b(_to_bytes(state), digest_size=8).hexdigest()
+    return hashlib.blake2b(as_bytes(state), digest_size=8).hexdigest()

@@ -49,6 +49,7 @@ def _code(module: str, name: str) -> Any:
     return getattr(inspect.unwrap(function), "__code__", None)
 
 
+# Process-wide: code objects of DCP's entry points, the same for every thread.
 _CODES: dict[str, Any] = {}
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
+from rng_tracker.errors import ArgumentConflictError
+
 REMOVED_IN = "0.3"
 
 
@@ -28,6 +30,21 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def renamed_keyword(function: str, old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    """The value of keyword ``new`` of ``function``, also accepted under its deprecated name
+    ``old`` (warning at the caller of ``function``); None when neither was given. Both given is
+    an :class:`~rng_tracker.errors.ArgumentConflictError`."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ArgumentConflictError(
+            f"{function}() got both {new}= and {old}=, its deprecated name; pass only {new}="
+        )
+    # 4: warn_deprecated, this function, ``function``, its caller
+    warn_deprecated(f"{function}({old}=...)", f"{function}({new}=...)", stacklevel=4)
+    return old_value
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -57,9 +74,13 @@ def _warn_moved(old: str, *, stacklevel: int = 3) -> None:
     package = old.rpartition(".")[0]
     warn_deprecated(
         f"module {old}",
-        f"the names {package} exports (the module is private now: {_FINDER.moved[old]})",
+        f"the names {package} exports (the module is internal now)",
         stacklevel=stacklevel,
     )
+
+
+def _is_private(path: str) -> bool:
+    return any(part.startswith("_") for part in path.split("."))
 
 
 sys.meta_path.append(_FINDER)
@@ -70,13 +91,19 @@ def moved_modules(package: str, moved: Mapping[str, str]) -> None:
     _FINDER.moved.update({f"{package}.{old}": f"{package}.{new}" for old, new in moved.items()})
 
 
-def deprecated_names(module: str, aliases: Mapping[str, str]) -> Callable[[str], Any]:
+def deprecated_names(
+    module: str, aliases: Mapping[str, str], *, instead: Mapping[str, str] | None = None
+) -> Callable[[str], Any]:
     """A ``__getattr__`` for ``module`` mapping each old name to ``"package.module:new_name"``
     (or, for a renamed submodule, to ``"package.new_module"``).
 
     Accessing an old name warns with :class:`DeprecationWarning` naming its replacement and
     returns the replacement's object; any other missing name raises ``AttributeError`` as usual.
+    A replacement in a private module is not one to import: the warning says the name is
+    internal now and names ``instead[old]``, the public way to do what it did, or that there is
+    none.
     """
+    instead = dict(instead or {})
 
     def __getattr__(name: str) -> Any:
         target = aliases.get(name)
@@ -87,7 +114,16 @@ def deprecated_names(module: str, aliases: Mapping[str, str]) -> Callable[[str],
                 return importlib.import_module(_FINDER.moved[old_module])
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         where, _, new_name = target.partition(":")
-        warn_deprecated(f"{module}.{name}", f"{where}.{new_name}")
+        if not _is_private(f"{where}.{new_name}"):
+            warn_deprecated(f"{module}.{name}", f"{where}.{new_name}")
+        else:
+            public = f"; use {instead[name]}" if name in instead else ", with no public replacement"
+            warnings.warn(
+                f"{module}.{name} is deprecated and will be removed in {REMOVED_IN}: it is "
+                f"internal now{public}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return getattr(importlib.import_module(where), new_name)
 
     return __getattr__

@@ -57,7 +57,9 @@ def _device_module(device: torch.device) -> object:
     return module
 
 
-def _normalize(device: torch.device | str | int | None) -> torch.device:
+def normalize_device(device: torch.device | str | int | None) -> torch.device:
+    """``device`` as the ``torch.device`` of one generator (None: :func:`default_device`; an int:
+    that CUDA device; no index: the type's current device), or :class:`TrackerDeviceError`."""
     if device is None:
         return default_device()
     if isinstance(device, bool):
@@ -84,7 +86,7 @@ def _normalize(device: torch.device | str | int | None) -> torch.device:
 
 def default_generator(device: torch.device | str | int | None = None) -> torch.Generator:
     """The default generator of ``device`` (the one ``torch.manual_seed`` seeds)."""
-    device = _normalize(device)
+    device = normalize_device(device)
     if device.type == "cpu":
         return torch.default_generator
     module = torch.get_device_module(device.type)
@@ -125,7 +127,7 @@ class DeviceRNG:
         *,
         generator_states: bool | None = None,
     ) -> None:
-        self.device = _normalize(device)
+        self.device = normalize_device(device)
         self.generator = default_generator(self.device)
         has_handles = self.device.type == "cuda" and hasattr(self.generator, "graphsafe_get_state")
         self.generator_states = has_handles if generator_states is None else bool(generator_states)
@@ -212,6 +214,8 @@ class DeviceRNG:
         )
 
 
+# Process-wide: a DeviceRNG holds nothing but its device's default generator, which torch keeps
+# once per process.
 _DEVICE_RNGS: dict[tuple[torch.device, bool | None], DeviceRNG] = {}
 
 
@@ -219,7 +223,7 @@ def device_rng(
     device: torch.device | str | int | None = None, *, generator_states: bool | None = None
 ) -> DeviceRNG:
     """The cached :class:`DeviceRNG` of ``device`` for the given state form."""
-    device = _normalize(device)
+    device = normalize_device(device)
     key = (device, generator_states)
     rng = _DEVICE_RNGS.get(key)
     if rng is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker._device_rng import _normalize
+from rng_tracker._device_rng import normalize_device
 from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
@@ -106,7 +106,7 @@ class KeyedRNG:
     def __init__(
         self, device: torch.device | str | int | None = None, *, seed: int | None = None
     ) -> None:
-        self._device = _normalize(device)
+        self._device = normalize_device(device)
         self._words = torch.zeros(4, dtype=torch.int64, device=self._device)  # [key, 0, 0, step]
         self._seed: int | None = None
         self._host_step = 0  # mirrors the device step for range checks without a sync
@@ -302,12 +302,14 @@ class KeyedRNG:
         )
 
 
+# Process-wide, not per thread: the keyed state is the run's (seed, step, sites), the same for
+# every thread (an autograd worker's recompute draws the forward's masks from it).
 _KEYED_RNGS: dict[torch.device, KeyedRNG] = {}
 
 
 def get_keyed_rng(device: torch.device | str | int | None = None) -> KeyedRNG:
     """The process's :class:`KeyedRNG` of ``device`` (created unseeded on first use)."""
-    device = _normalize(device)
+    device = normalize_device(device)
     rng = _KEYED_RNGS.get(device)
     if rng is None:
         rng = _KEYED_RNGS[device] = KeyedRNG(device)

@@ -6,9 +6,13 @@ import time (``tensor_parallel/__init__``, ``tensor_parallel.layers``,
 internal calls on its CUDA tracker. :func:`install` replaces the names in ``random`` itself
 and in every already-imported ``megatron*`` module that holds one of ``random``'s original
 objects; modules imported later read the replaced names from ``random`` (or from a module
-already patched). :func:`uninstall` puts every original back.
+already patched). :func:`uninstall` puts every original back. Beside ``random``'s names,
+install puts in place megatron's CPU init helper with experts drawn from the expert-parallel
+stream (:func:`expert_forking`), and in invariant mode what ``_megatron_invariant.patches``
+swaps.
 
-This module never imports megatron at import time: only :func:`install` does.
+This module never imports megatron at import time: only :func:`install` does. Nor does it import
+:mod:`rng_tracker.megatron`: the facade hands its replacements to :func:`install`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import importlib.util
 import os
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
+import torch
+
+from rng_tracker._streams import EXPERT_PARALLEL_RNG
 from rng_tracker.errors import MegatronInstallError, MegatronVersionError
 
 # Versions whose tensor_parallel/random.py this was checked against (0.19.0 to 0.19.2 ship
@@ -63,6 +71,7 @@ REPLACED_NAMES: tuple[str, ...] = (
 _LOCK = threading.RLock()
 # label -> (Megatron's original object, rng_tracker's replacement), while installed: the names of
 # random (REPLACED_NAMES), megatron's CPU init helper, and in invariant mode the names it swaps.
+# Process-wide, under _LOCK: install() patches megatron's modules, which every thread shares.
 _SWAPS: dict[str, tuple[Any, Any]] = {}
 _STATE: dict[str, Any] = {"invariant": False, "class_patches": []}
 
@@ -187,18 +196,54 @@ def _swap_everywhere(table: dict[int, Any]) -> None:
                 setattr(module, attr, replacement[1])
 
 
-def _plain_swaps(random: ModuleType) -> dict[str, tuple[Any, Any]]:
-    from rng_tracker import megatron as ours
-    from rng_tracker._megatron_layers import expert_forking
+_SEED_BOUND = 2**63 - 1
 
+
+def expert_forking(
+    original: Callable[..., Any], tracker_of_process: Callable[[], Any]
+) -> Callable[..., Any]:
+    """megatron-core's CPU init helper ``original`` (``_initialize_affine_weight_cpu``) drawing an
+    expert layer's master weight from the expert-parallel stream of ``tracker_of_process()``.
+
+    megatron-core 0.19's helper builds a layer's master weight from the CPU default generator,
+    which every expert-parallel rank seeds alike: with ``use_cpu_initialization=True`` the
+    experts of EP rank 1 are bitwise copies of EP rank 0's. Its GPU helper forks
+    ``expert-parallel-rng`` for experts; this does the same for the CPU master weight (the
+    calling layer's ``is_expert`` decides), so no two global experts draw the same values. Dense
+    layers draw exactly megatron's values.
+    """
+
+    def initialize_affine_weight_cpu(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_locals.get("self")  # the Column/RowParallelLinear being built
+        if getattr(caller, "is_expert", False) is not True:
+            return original(*args, **kwargs)
+        tracker = tracker_of_process()
+        with tracker.fork(EXPERT_PARALLEL_RNG):
+            if tracker.device.type == "cpu":  # the stream is the CPU generator itself
+                return original(*args, **kwargs)
+            # the master weight is drawn on the CPU: seed it from the device stream (advancing it)
+            seed = int(torch.randint(0, _SEED_BOUND, (1,), device=tracker.device).item())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return original(*args, **kwargs)
+
+    initialize_affine_weight_cpu.__wrapped__ = original  # type: ignore[attr-defined]
+    initialize_affine_weight_cpu.__doc__ = original.__doc__
+    return initialize_affine_weight_cpu
+
+
+def _plain_swaps(random: ModuleType, ours: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     swaps = {
-        name: (getattr(random, name), getattr(ours, name))
+        name: (getattr(random, name), ours[name])
         for name in REPLACED_NAMES
         if hasattr(random, name)
     }
     layers = importlib.import_module("megatron.core.tensor_parallel.layers")
     original = layers._initialize_affine_weight_cpu
-    swaps["layers._initialize_affine_weight_cpu"] = (original, expert_forking(original))
+    swaps["layers._initialize_affine_weight_cpu"] = (
+        original,
+        expert_forking(original, ours["get_cuda_rng_tracker"]),
+    )
     leaked = sorted(
         label
         for label, (orig, _) in swaps.items()
@@ -213,21 +258,12 @@ def _plain_swaps(random: ModuleType) -> dict[str, tuple[Any, Any]]:
     return swaps
 
 
-def install(*, invariant: bool = False, allow_unknown_version: bool = False) -> None:
-    """Make megatron-core's own code use :mod:`rng_tracker.megatron` on any device.
-
-    Imports ``megatron.core.tensor_parallel.random`` and replaces :data:`REPLACED_NAMES` in it
-    and in every imported megatron module bound to the same objects (and megatron's CPU init
-    helper, so experts draw from the expert-parallel stream). Modules imported afterwards bind
-    the replacements. ``invariant=True`` also makes megatron-core's init and every dropout and
-    jitter mask a pure function of (seed, step, site, global index): the same values on any
-    layout (see docs/migrating.md, "Invariant mode"). Calling it again in the same mode does
-    nothing; in the other mode it raises :class:`~rng_tracker.errors.MegatronInstallError`
-    (``uninstall()`` first). Raises :class:`~rng_tracker.errors.MegatronVersionError` (changing
-    nothing) when megatron-core is missing or of a version not in
-    :data:`KNOWN_MEGATRON_CORE_VERSIONS` (for ``invariant=True``: not in
-    :data:`KNOWN_KEY_SCHEMES`, whatever ``allow_unknown_version`` says).
-    """
+def install(
+    ours: Mapping[str, Any], *, invariant: bool = False, allow_unknown_version: bool = False
+) -> None:
+    """Replace :data:`REPLACED_NAMES` of megatron's ``random`` by ``ours`` (the facade's objects
+    of those names) in every imported megatron module; see :func:`rng_tracker.megatron.install`,
+    which documents the behaviour and calls this."""
     invariant = bool(invariant)
     with _LOCK:
         if _SWAPS:
@@ -239,7 +275,7 @@ def install(*, invariant: bool = False, allow_unknown_version: bool = False) -> 
             return
         _check_version(allow_unknown_version, invariant)
         random = _import_random()
-        swaps = _plain_swaps(random)
+        swaps = _plain_swaps(random, ours)
         class_patches = []
         if invariant:
             from rng_tracker._megatron_invariant import keyed_params, patches

@@ -7,13 +7,16 @@ applies them to the inputs torch saves, and the reentrant one calls them directl
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_cat
 from rng_tracker._deprecation import warn_deprecated
+from rng_tracker.errors import CheckpointConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,26 @@ def split_for_save(tensor: torch.Tensor, group: dist.ProcessGroup) -> _SplitTens
     if flat.numel() != per_rank * size:
         flat = torch.nn.functional.pad(flat, (0, per_rank * size - flat.numel()))
     return _SplitTensor(flat[rank * per_rank : (rank + 1) * per_rank].clone(), tensor.shape, group)
+
+
+def first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The first argument, which ``distribute_saved_activations`` splits: it must be a tensor."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True needs a tensor as the first argument"
+        )
+    return args[0]
+
+
+def check_split_input(args: Sequence[Any]) -> None:
+    """Refuse ``args`` whose first item cannot give its storage up to a split (Megatron's
+    in-place ``distribute_saved_activations``), before anything runs."""
+    if first_tensor(args)._base is not None:
+        raise CheckpointConfigError(
+            "distribute_saved_activations=True replaces args[0].data by this rank's chunk, but "
+            "args[0] is a view of another tensor, whose data would not shrink; pass a tensor "
+            "that owns its storage (e.g. x.clone() or Megatron's make_viewless_tensor)"
+        )
 
 
 def gather_chunks(part: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup) -> torch.Tensor:

@@ -13,19 +13,22 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-from rng_tracker._layout import process_layout
-from rng_tracker._tracker import (
+from rng_tracker._deprecation import renamed_keyword
+from rng_tracker._layout import ParallelLayout, process_layout
+from rng_tracker._streams import (
+    AXES,
+    DATA_PARALLEL_RNG,
+    DEFAULT_STREAM,
+    EXPERT_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
-    RNGStatesTracker,
-    _first_repeat,
-    get_rng_tracker,
-    validate_seed,
+    stream_axes,
 )
-from rng_tracker._validate import checked_int
+from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker, validate_seed
+from rng_tracker._validate import checked_int, first_repeat
 from rng_tracker.errors import (
     ParallelStateError,
     RankError,
@@ -36,15 +39,6 @@ from rng_tracker.errors import (
     SeedSchemeError,
 )
 
-if TYPE_CHECKING:
-    from rng_tracker.parallel._mesh import ParallelState
-
-
-DATA_PARALLEL_RNG = "data-parallel-rng"
-EXPERT_PARALLEL_RNG = "expert-parallel-rng"
-DEFAULT_STREAM = "default"  # the device's and the CPU's default generator
-
-AXES = ("tp", "pp", "dp", "cp", "ep", "etp")
 Scheme = Literal["hashed", "megatron"]
 
 # Hashed-scheme encoding: stream id in the top 4 bits, then the stream's axes packed in
@@ -56,19 +50,7 @@ _STREAM_IDS = {
     MODEL_PARALLEL_RNG: 2,
     EXPERT_PARALLEL_RNG: 3,
 }
-_STREAM_AXES = {
-    DEFAULT_STREAM: ("pp",),
-    DATA_PARALLEL_RNG: ("pp",),
-    MODEL_PARALLEL_RNG: ("tp", "cp", "pp"),
-    EXPERT_PARALLEL_RNG: ("ep", "etp", "pp"),
-}
 _MASK32 = 0xFFFFFFFF
-
-
-def stream_axes(stream: str, *, data_parallel_random_init: bool = False) -> tuple[str, ...]:
-    """The parallel axes whose coordinates ``stream``'s seed depends on."""
-    axes = _STREAM_AXES[stream]
-    return (*axes, "dp") if data_parallel_random_init else axes
 
 
 def _encode(stream: str, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
@@ -132,7 +114,7 @@ class SeedPlan:
         return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
 
 
-def _rank(what: str, value: object) -> int:
+def checked_rank(what: str, value: object) -> int:
     """``value`` as a rank, an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
     return checked_int(value, what, type_error=RankError, minimum=0)
 
@@ -154,7 +136,7 @@ def _coordinates(coordinates: object) -> dict[str, int]:
             f"unknown coordinate axis {shown}: the axes are {', '.join(AXES)} (a rank like "
             "tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
         )
-    return {axis: _rank(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
+    return {axis: checked_rank(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
 
 
 def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: str) -> None:
@@ -206,7 +188,7 @@ def plan_seeds(
     where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
     _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)
-    repeat = _first_repeat(seeds.items())
+    repeat = first_repeat(seeds.items())
     if repeat is not None:
         first, second, value = repeat
         raise SeedReuseError(
@@ -224,20 +206,17 @@ def plan_seeds(
     )
 
 
-def _ranks_of(state: ParallelState) -> dict[str, int]:
-    return {axis: state.rank(axis) for axis in AXES}
-
-
-def _ranks_from(
-    state: ParallelState | None, missing: list[str], caller: str = "model_parallel_seed"
+def ranks_from_layout(
+    layout: ParallelLayout | None, missing: list[str], caller: str = "model_parallel_seed"
 ) -> dict[str, int]:
-    """Ranks for the axes the caller left out: ``state``'s, else 0 in a single process.
+    """Every axis's rank for a caller that left ``missing`` out: ``layout``'s, else 0 in a
+    single process.
 
-    Several ranks with no parallel state would all take rank 0 and draw correlated masks, so
-    that is refused rather than guessed.
+    Several ranks with no layout would all take rank 0 and draw correlated masks, so that is
+    refused rather than guessed.
     """
-    if state is not None:
-        return _ranks_of(state)
+    if layout is not None:
+        return {axis: layout.rank(axis) for axis in AXES}
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -245,10 +224,22 @@ def _ranks_from(
             f"{caller} on rank {dist.get_rank()} of {dist.get_world_size()}: no "
             f"parallel state is initialised and {', '.join(missing)} were not given, so every "
             "rank would seed as rank 0 and draw correlated masks; call "
-            "rng_tracker.parallel.init_model_parallel(...) first, pass state=..., or pass "
+            "rng_tracker.parallel.init_model_parallel(...) first, pass layout=..., or pass "
             "every rank explicitly"
         )
     return dict.fromkeys(AXES, 0)
+
+
+def apply_seed_plan(plan: SeedPlan, tracker: RNGStatesTracker) -> None:
+    """Seed the CPU and ``tracker``'s device default generators and give ``tracker`` exactly the
+    plan's streams (it is reset first). The plan was checked when it was made: nothing here
+    can refuse it."""
+    tracker.reset()
+    torch.default_generator.manual_seed(plan.default_seed)
+    if tracker.device.type != "cpu":
+        tracker.generator.manual_seed(plan.default_seed)
+    for stream, stream_seed in plan.stream_seeds.items():
+        tracker.add(stream, stream_seed)
 
 
 def model_parallel_seed(
@@ -262,19 +253,22 @@ def model_parallel_seed(
     etp_rank: int | None = None,
     cp_rank: int | None = None,
     data_parallel_random_init: bool = False,
-    state: ParallelState | None = None,
+    layout: ParallelLayout | None = None,
     tracker: RNGStatesTracker | None = None,
+    state: ParallelLayout | None = None,
 ) -> SeedPlan:
     """Seed the CPU and device default generators and register the parallel streams.
 
-    Ranks come from the arguments, then from ``state`` (a
-    :class:`~rng_tracker.parallel.ParallelState`), then from the initialised parallel state;
-    in a single process the rest are 0. With several ranks and no parallel state, leaving a
-    rank out raises :class:`ParallelStateError` instead of guessing rank 0 everywhere.
-    The tracker is reset and gets ``data-parallel-rng``, ``model-parallel-rng`` and
-    ``expert-parallel-rng``. Returns the :class:`SeedPlan` (pass it to
-    ``verify_rng_consistency(plan=...)``). Nothing changes if the call raises.
+    Ranks come from the arguments, then from ``layout`` (a
+    :class:`~rng_tracker.ParallelLayout`, e.g. :class:`~rng_tracker.parallel.ParallelState`),
+    then from the process's parallel state; in a single process the rest are 0. With several
+    ranks and no layout, leaving a rank out raises :class:`ParallelStateError` instead of
+    guessing rank 0 everywhere. The tracker is reset and gets ``data-parallel-rng``,
+    ``model-parallel-rng`` and ``expert-parallel-rng``. Returns the :class:`SeedPlan` (pass it
+    to ``verify_rng_consistency(plan=...)``). Nothing changes if the call raises.
+    ``state=`` is the deprecated name of ``layout=``.
     """
+    layout = renamed_keyword("model_parallel_seed", "state", "layout", state, layout)
     tracker = tracker if tracker is not None else get_rng_tracker()
     given = {
         "tp": tp_rank,
@@ -285,17 +279,12 @@ def model_parallel_seed(
         "cp": cp_rank,
     }
     missing = [f"{axis}_rank" for axis in AXES if given[axis] is None]
-    if state is None and missing:
-        state = process_layout()  # the edge: looked up here, passed in below
-    coords = _ranks_from(state, missing) if state is not None or missing else {}
+    if layout is None and missing:
+        layout = process_layout()  # the edge: looked up here, passed in below
+    coords = ranks_from_layout(layout, missing) if layout is not None or missing else {}
     coords.update({axis: rank for axis, rank in given.items() if rank is not None})
     plan = plan_seeds(
         seed, scheme=scheme, coordinates=coords, data_parallel_random_init=data_parallel_random_init
     )
-    tracker.reset()
-    torch.default_generator.manual_seed(plan.default_seed)
-    if tracker.device.type != "cpu":
-        tracker.generator.manual_seed(plan.default_seed)
-    for stream, stream_seed in plan.stream_seeds.items():
-        tracker.add(stream, stream_seed)
+    apply_seed_plan(plan, tracker)
     return plan

@@ -11,15 +11,17 @@ import inspect
 import itertools
 import warnings
 import weakref
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng
-from rng_tracker._validate import checked_int
+from rng_tracker._streams import MODEL_PARALLEL_RNG
+from rng_tracker._validate import checked_int, first_repeat
 from rng_tracker.errors import (
+    CPURNGChangedWarning,
     DuplicateStreamError,
     ForkOrderError,
     InvalidSeedError,
@@ -32,12 +34,7 @@ from rng_tracker.errors import (
     UnknownStreamError,
 )
 
-MODEL_PARALLEL_RNG = "model-parallel-rng"
 STATE_DICT_VERSION = 1
-
-
-class CPURNGChangedWarning(UserWarning):
-    """The CPU generator advanced inside a fork of a device stream (it is not forked)."""
 
 
 def validate_seed(seed: Any) -> int:
@@ -72,17 +69,6 @@ def _shown_names(names: list[str]) -> str:
     if len(names) > _SHOWN_NAMES:
         shown += f", ... ({len(names) - _SHOWN_NAMES} more)"
     return shown or "none"
-
-
-def _first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:
-    """The first two names given the same value, and the value, or None if all differ
-    (two streams of one seed or state would draw identical values)."""
-    first_with: dict[Hashable, str] = {}
-    for name, value in values:
-        if value in first_with:
-            return first_with[value], name, value
-        first_with[value] = name
-    return None
 
 
 def _check_name(name: object) -> str:
@@ -419,7 +405,7 @@ class RNGStatesTracker:
     def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
         """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
         way they would draw identical values)."""
-        repeat = _first_repeat(seeds.items())
+        repeat = first_repeat(seeds.items())
         if repeat is not None:
             first, second, seed = repeat
             raise SeedReuseError(
@@ -427,7 +413,7 @@ class RNGStatesTracker:
                 f"{seed}: they would draw identical values; it was not saved by state_dict() of "
                 "a valid tracker (add() refuses a reused seed)"
             )
-        repeat = _first_repeat(
+        repeat = first_repeat(
             (name, bytes(self._rng.to_bytes(state).tolist()))  # no numpy needed
             for name, state in states.items()
         )
@@ -462,11 +448,14 @@ class RNGStatesTracker:
             ) from None
 
 
-_TRACKERS: dict[torch.device, RNGStatesTracker] = {}
+# Process-wide, not per thread: a tracker forks its device's default generator, which torch
+# keeps once per process, and a recompute in an autograd worker thread must replay the streams
+# the forward's thread drew from. One tracker per device is what get_rng_tracker() returns.
+_PROCESS_TRACKERS: dict[torch.device, RNGStatesTracker] = {}
+# Every live tracker (what a checkpoint replays by default), and all_trackers()' last answer as
+# (creation serial, live count, weak references), replaced in one store.
 _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
-
-
-_ORDERED: dict[str, Any] = {"key": None, "refs": []}  # all_trackers' last answer, as weakrefs
+_ORDERED: list[Any] = [None]
 
 
 def all_trackers() -> list[RNGStatesTracker]:
@@ -474,24 +463,31 @@ def all_trackers() -> list[RNGStatesTracker]:
     # Sorting the weak set costs microseconds per checkpoint: reuse the last order while no
     # tracker was made (the serial) and none died (the count).
     key = (_SERIALS_ISSUED[0], len(_ALL_TRACKERS))
-    if _ORDERED["key"] == key:
-        trackers = [ref() for ref in _ORDERED["refs"]]
+    cached = _ORDERED[0]
+    if cached is not None and cached[0] == key:
+        trackers = [ref() for ref in cached[1]]
         if all(t is not None for t in trackers):
             return trackers  # type: ignore[return-value]
     trackers = sorted(_ALL_TRACKERS, key=lambda t: t._serial)
-    _ORDERED["key"], _ORDERED["refs"] = key, [weakref.ref(t) for t in trackers]
+    _ORDERED[0] = (key, [weakref.ref(t) for t in trackers])
     return trackers
 
 
-def _set_process_tracker(tracker: RNGStatesTracker) -> None:
-    """Make ``tracker`` what :func:`get_rng_tracker` returns for its device."""
-    _TRACKERS[tracker.device] = tracker
+def process_tracker(device: torch.device | str | int | None = None) -> RNGStatesTracker | None:
+    """The process's tracker for ``device`` if one was made or set, else None (nothing is made)."""
+    return _PROCESS_TRACKERS.get(device_rng(device).device)
+
+
+def set_process_tracker(tracker: RNGStatesTracker) -> None:
+    """Make ``tracker`` what :func:`get_rng_tracker` returns for its device (Megatron's
+    ``initialize_rng_tracker`` makes its tracker the process's this way)."""
+    _PROCESS_TRACKERS[tracker.device] = tracker
 
 
 def get_rng_tracker(device: torch.device | str | int | None = None) -> RNGStatesTracker:
     """The process's tracker for ``device`` (one per device, created on first use)."""
     rng = device_rng(device)
-    tracker = _TRACKERS.get(rng.device)
+    tracker = _PROCESS_TRACKERS.get(rng.device)
     if tracker is None:
-        tracker = _TRACKERS[rng.device] = RNGStatesTracker(rng.device)
+        tracker = _PROCESS_TRACKERS[rng.device] = RNGStatesTracker(rng.device)
     return tracker

@@ -1,8 +1,10 @@
-"""One integer check for every argument the library takes as an int (ranks, sizes, seeds, steps)."""
+"""The checks every module shares: one integer check for every argument the library takes as an
+int (ranks, sizes, seeds, steps), and the search for two names given one value."""
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable, Iterable
 
 _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
 
@@ -56,3 +58,14 @@ def checked_int(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
         )
     return result
+
+
+def first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:
+    """The first two names given the same value, and the value, or None if all differ (two
+    streams of one seed or state would draw identical values)."""
+    first_with: dict[Hashable, str] = {}
+    for name, value in values:
+        if value in first_with:
+            return first_with[value], name, value
+        first_with[value] = name
+    return None

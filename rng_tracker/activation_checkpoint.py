@@ -18,16 +18,24 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
-from rng_tracker._layout import process_layout
+import rng_tracker._recompute as recompute
+import rng_tracker._saved_inputs as saved_inputs
+from rng_tracker._deprecation import deprecated_names, renamed_keyword
+from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._random_op_log import RandomOpLog, first_divergence
 from rng_tracker._rng_snapshot import RNGSnapshot
-from rng_tracker._saved_inputs import InputSaver, gather_chunks, split_for_save
+from rng_tracker._saved_inputs import (
+    InputSaver,
+    first_tensor,
+    gather_chunks,
+    split_for_save,
+)
 from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
@@ -42,17 +50,20 @@ from rng_tracker.errors import (
     TrackerDeviceError,
 )
 
-if TYPE_CHECKING:
-    from rng_tracker.parallel._mesh import ParallelState
+__all__ = ["checkpoint", "is_checkpointing", "reentrant_checkpoint", "rng_context_fn"]
 
-__all__ = [
-    "check_split_input",
-    "checkpoint",
-    "is_checkpointing",
-    "reentrant_checkpoint",
-    "resolve_trackers",
-    "rng_context_fn",
-]
+# Helpers this module exported in 0.1 that the checkpoint modules share; internal now.
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "check_split_input": "rng_tracker._saved_inputs:check_split_input",
+        "resolve_trackers": "rng_tracker._recompute:resolve_trackers",
+    },
+    instead={
+        "check_split_input": "checkpoint(..., distribute_saved_activations=True), which checks",
+        "resolve_trackers": "checkpoint(..., tracker=...), which takes one tracker or several",
+    },
+)
 
 _DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
 
@@ -70,24 +81,6 @@ def _enter_checkpointing() -> None:
 
 def _leave_checkpointing() -> None:
     _DEPTH.value -= 1
-
-
-def _backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:
-    """Backpropagate ``grad_outputs`` through recomputed ``outputs``, as torch's reentrant
-    checkpoint does: raise (with torch's words) when no output requires grad."""
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    pairs = [
-        (out, grad)
-        for out, grad in zip(outputs, grad_outputs)
-        if isinstance(out, torch.Tensor) and out.requires_grad
-    ]
-    if not pairs:
-        raise CheckpointUsageError(
-            "none of output has requires_grad=True, this checkpoint() is not necessary: the "
-            "recomputed function returned no tensor that requires grad (a detached or no-grad "
-            "output?). Drop the checkpoint, or use checkpoint(use_reentrant=False)"
-        )
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _no_dispatch_modes() -> Any:
@@ -259,31 +252,14 @@ def rng_context_fn(
     device generators. Its recompute context replays them at every recompute.
     """
     # Refuse a bad tracker now; None stays None: every tracker alive at each forward.
-    given = None if tracker is None else resolve_trackers(tracker)
+    given = None if tracker is None else recompute.resolve_trackers(tracker)
 
     def context_fn() -> tuple[_Forward, _Replay]:
-        trackers = resolve_trackers(given)
+        trackers = recompute.resolve_trackers(given)
         record = _RNGRecord((), trackers, False)
         return record.forward(), record.replay()
 
     return context_fn
-
-
-def resolve_trackers(
-    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
-) -> list[RNGStatesTracker]:
-    """The trackers a checkpoint replays: those ``tracker`` names (one, or an iterable of them),
-    or every live tracker when it is None (:func:`~rng_tracker._tracker.all_trackers`); anything
-    else raises :class:`CheckpointTypeError`."""
-    if tracker is None:
-        return all_trackers()
-    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
-    for t in trackers:
-        if not isinstance(t, RNGStatesTracker):
-            raise CheckpointTypeError(
-                f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
-            )
-    return trackers
 
 
 def _autocast_state(device_types: Iterable[str]) -> list[tuple[str, bool, torch.dtype]]:
@@ -395,7 +371,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             _replay_autocast(ctx.autocast, ctx.autocast_cache),
         ):
             outputs = ctx.run_function(*args)
-        _backward_recomputed(outputs, grad_outputs)
+        recompute.backward_recomputed(outputs, grad_outputs)
         grads = tuple(
             a.grad if isinstance(a, torch.Tensor) and ctx.input_requires_grad[i] else None
             for i, a in enumerate(args)
@@ -423,10 +399,11 @@ def checkpoint(
     early_stop: bool | None = None,
     distribute_saved_activations: bool = False,
     tp_group: dist.ProcessGroup | None = None,
-    parallel_state: ParallelState | None = None,
+    layout: ParallelLayout | None = None,
     offload_to_cpu: bool = False,
     tracker: RNGStatesTracker | Sequence[RNGStatesTracker] | None = None,
     check_rng: bool = False,
+    parallel_state: ParallelLayout | None = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in
@@ -442,19 +419,22 @@ def checkpoint(
         use_reentrant: an autograd Function (``.backward()`` only) instead of torch's
             non-reentrant machinery.
         distribute_saved_activations: keep only this rank's slice of the first input,
-            split across ``tp_group`` (default: the TP group of ``parallel_state``), and
+            split across ``tp_group`` (default: the TP group of ``layout``), and
             all-gather it for the recompute. The caller's tensor is not changed (see
             :func:`reentrant_checkpoint` for Megatron's in-place variant).
-        parallel_state: the layout whose TP group ``distribute_saved_activations`` splits
-            over when ``tp_group`` is not given (a
-            :class:`~rng_tracker.parallel.ParallelState`, or anything with ``.group(axis)``);
-            default: the process's parallel state (rng_tracker's, else Megatron's).
+        layout: the :class:`~rng_tracker.ParallelLayout` whose TP group
+            ``distribute_saved_activations`` splits over when ``tp_group`` is not given;
+            default: the process's parallel state (rng_tracker's, else Megatron's). A keyword
+            of ``checkpoint`` itself, never passed to ``function`` (give a function that takes
+            ``layout`` its value with ``functools.partial``).
         offload_to_cpu: keep saved inputs in (pinned) CPU memory until the recompute.
         tracker: tracker(s) whose streams to replay; default every tracker of the process.
         check_rng: verify each complete recompute drew exactly the forward's randomness,
             else raise :class:`CheckpointRNGMismatchError` naming what diverged (turns early
             stop off unless ``early_stop=True`` is passed, which is refused).
+        parallel_state: the deprecated name of ``layout``.
     """
+    layout = renamed_keyword("checkpoint", "parallel_state", "layout", parallel_state, layout)
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     if use_reentrant:
@@ -470,7 +450,7 @@ def checkpoint(
             "stops the recompute early; drop one of them"
         )
     devices = _input_devices(args, kwargs)
-    trackers = resolve_trackers(tracker)
+    trackers = recompute.resolve_trackers(tracker)
     if tracker is not None and devices:  # a tracker given must drive the inputs' device
         for t in trackers:
             if t.device not in devices:
@@ -479,11 +459,9 @@ def checkpoint(
                     f"{[str(d) for d in devices]}; pass the tracker of the inputs' device "
                     "(get_rng_tracker(x.device))"
                 )
-    if distribute_saved_activations and tp_group is None and parallel_state is None:
-        parallel_state = process_layout()  # the edge: looked up here, passed in below
-    saver = _input_saver(
-        args, distribute_saved_activations, tp_group, parallel_state, offload_to_cpu
-    )
+    if distribute_saved_activations and tp_group is None and layout is None:
+        layout = process_layout()  # the edge: looked up here, passed in below
+    saver = _input_saver(args, distribute_saved_activations, tp_group, layout, offload_to_cpu)
     record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:
         _warn_if_no_input_requires_grad(args)
@@ -539,52 +517,32 @@ def reentrant_checkpoint(
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     if split_group is not None:
-        check_split_input(args)
+        saved_inputs.check_split_input(args)
     record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
     _warn_if_no_input_requires_grad(args)
     return _ReentrantCheckpoint.apply(function, record, InputSaver(), split_group, *args)
 
 
-def check_split_input(args: Sequence[Any]) -> None:
-    """Refuse ``args`` whose first item cannot give its storage up to a split (see
-    :func:`reentrant_checkpoint`), before anything runs."""
-    if _first_tensor(args)._base is not None:
+def _tp_group_of(layout: ParallelLayout | None) -> dist.ProcessGroup:
+    if layout is None:
         raise CheckpointConfigError(
-            "distribute_saved_activations=True replaces args[0].data by this rank's chunk, but "
-            "args[0] is a view of another tensor, whose data would not shrink; pass a tensor "
-            "that owns its storage (e.g. x.clone() or Megatron's make_viewless_tensor)"
-        )
-
-
-def _first_tensor(args: Sequence[Any]) -> torch.Tensor:
-    """The first argument, which distribute_saved_activations splits: it must be a tensor."""
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise CheckpointConfigError(
-            "distribute_saved_activations=True needs a tensor as the first argument"
-        )
-    return args[0]
-
-
-def _tp_group_of(state: ParallelState | None) -> dist.ProcessGroup:
-    if state is None:
-        raise CheckpointConfigError(
-            "distribute_saved_activations=True needs tp_group=..., parallel_state=... or an "
+            "distribute_saved_activations=True needs tp_group=..., layout=... or an "
             "initialised parallel state (rng_tracker.parallel.init_model_parallel, or "
             "Megatron's parallel_state.initialize_model_parallel)"
         )
-    return state.group("tp")
+    return layout.group("tp")
 
 
 def _input_saver(
     args: Sequence[Any],
     distribute: bool,
     group: dist.ProcessGroup | None,
-    state: ParallelState | None,
+    layout: ParallelLayout | None,
     offload: bool,
 ) -> InputSaver:
     if not distribute:
         return InputSaver(offload=offload)
-    first = _first_tensor(args)
+    first = first_tensor(args)
     if group is None:
-        group = _tp_group_of(state)
+        group = _tp_group_of(layout)
     return InputSaver(distribute=first, group=group, offload=offload)

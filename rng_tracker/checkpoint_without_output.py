@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
+from rng_tracker._recompute import backward_recomputed, resolve_trackers
 from rng_tracker._rng_snapshot import RNGSnapshot, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker._tracker import RNGStatesTracker
-from rng_tracker.activation_checkpoint import _backward_recomputed, resolve_trackers
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
@@ -87,7 +87,7 @@ class _RunWithoutSavingOutput(torch.autograd.Function):
         assert owner._recomputed is not None
         inputs, outputs = owner._recomputed
         owner._recomputed = None
-        _backward_recomputed(outputs, grad_outputs)
+        backward_recomputed(outputs, grad_outputs)
         grads = tuple(a.grad if isinstance(a, torch.Tensor) else None for a in inputs)
         return (None, *grads)
 

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from rng_tracker._collective import _device_of, _to_bytes, _to_uint8
+from rng_tracker._collective import as_bytes, as_uint8, collective_device
 from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
 from rng_tracker._device_rng import default_device, default_generator, device_rng
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng
@@ -115,6 +115,7 @@ def _layout_text(layout: object) -> str:
 
 # --- collectives, counted (scripts/bench_rng_checkpoint.py reads the counts) -----------------
 
+# Process-wide: a count of this process's traffic, whichever thread saved or loaded.
 _COMM = {"sent": 0, "received": 0}
 
 
@@ -125,7 +126,7 @@ def comm_bytes() -> dict[str, int]:
 
 
 def _all_reduce_max(values: list[int], group: Any) -> list[int]:
-    data = torch.tensor(values, dtype=torch.int64, device=_device_of(group))
+    data = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(data, op=dist.ReduceOp.MAX, group=group)
     _COMM["sent"] += 2 * data.nbytes
     _COMM["received"] += 2 * data.nbytes
@@ -135,10 +136,10 @@ def _all_reduce_max(values: list[int], group: Any) -> list[int]:
 def _gather_to_main(payload: bytes, group: Any) -> list[bytes] | None:
     """Every rank's ``payload`` on the group's rank 0 (None elsewhere): O(world) there only."""
     (longest,) = _all_reduce_max([len(payload)], group)
-    device = _device_of(group)
+    device = collective_device(group)
     data = torch.zeros(8 + longest, dtype=torch.uint8, device=device)
-    data[:8] = _to_uint8(len(payload).to_bytes(8, "little"), device)
-    data[8 : 8 + len(payload)] = _to_uint8(payload, device)
+    data[:8] = as_uint8(len(payload).to_bytes(8, "little"), device)
+    data[8 : 8 + len(payload)] = as_uint8(payload, device)
     main = dist.get_rank(group) == 0
     parts = [torch.empty_like(data) for _ in range(dist.get_world_size(group))] if main else None
     dist.gather(data, parts, group=group, group_dst=0)
@@ -148,7 +149,7 @@ def _gather_to_main(payload: bytes, group: Any) -> list[bytes] | None:
     _COMM["received"] += data.nbytes * (len(parts) - 1)
     out = []
     for part in parts:
-        raw = _to_bytes(part)
+        raw = as_bytes(part)
         out.append(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     return out
 
@@ -198,7 +199,7 @@ def _label(name: str) -> str:
 
 
 def _fresh_state(seed: int) -> bytes:
-    return _to_bytes(torch.Generator().manual_seed(seed).get_state())
+    return as_bytes(torch.Generator().manual_seed(seed).get_state())
 
 
 @dataclass
@@ -318,13 +319,13 @@ class RNGStateful:
         )
 
     def _parts(self) -> list[_Part]:
-        parts = [_Part("cpu", _to_bytes(torch.get_rng_state()))]
+        parts = [_Part("cpu", as_bytes(torch.get_rng_state()))]
         if self._device.type != "cpu":
-            parts.append(_Part("device", _to_bytes(default_generator(self._device).get_state())))
+            parts.append(_Part("device", as_bytes(default_generator(self._device).get_state())))
         streams = self.tracker.state_dict()["streams"]
         for name in sorted(streams):
             entry = streams[name]
-            parts.append(_Part(f"stream/{name}", _to_bytes(entry["state"]), entry["seed"]))
+            parts.append(_Part(f"stream/{name}", as_bytes(entry["state"]), entry["seed"]))
         return parts
 
     # -- save -------------------------------------------------------------------------------
@@ -608,10 +609,10 @@ class RNGStateful:
                 out["cpu"] = (_fresh_state(seed), None)
             elif part["name"] == "device":
                 rng = device_rng(self._device)
-                out["device"] = (_to_bytes(rng.to_bytes(rng.fresh(seed))), None)
+                out["device"] = (as_bytes(rng.to_bytes(rng.fresh(seed))), None)
             else:
                 rng = device_rng(self.tracker.device)
-                out[part["name"]] = (_to_bytes(rng.to_bytes(rng.fresh(seed))), seed)
+                out[part["name"]] = (as_bytes(rng.to_bytes(rng.fresh(seed))), seed)
         return out
 
     def _checked_plan(
@@ -632,7 +633,7 @@ class RNGStateful:
         except RuntimeError as exc:
             raise StateDictError(f"the saved CPU generator state does not decode: {exc}") from None
         if "device" in states and self._device.type != "cpu":
-            plan.device = _to_uint8(states["device"][0], torch.device("cpu")).clone()
+            plan.device = as_uint8(states["device"][0], torch.device("cpu")).clone()
             try:
                 device_rng(self._device).from_bytes(plan.device)
             except RuntimeError as exc:
@@ -734,11 +735,11 @@ def _is_rank_key(key: object) -> bool:
 
 
 def _format1_parts(saved: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
-    parts = {"cpu": (_to_bytes(saved["cpu"]), None)}
+    parts = {"cpu": (as_bytes(saved["cpu"]), None)}
     if "device" in saved:
-        parts["device"] = (_to_bytes(saved["device"]), None)
+        parts["device"] = (as_bytes(saved["device"]), None)
     for name, entry in sorted(saved["tracker"]["streams"].items()):
-        parts[f"stream/{name}"] = (_to_bytes(entry["state"]), entry["seed"])
+        parts[f"stream/{name}"] = (as_bytes(entry["state"]), entry["seed"])
     return parts
 
 

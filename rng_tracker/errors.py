@@ -300,3 +300,17 @@ class RNGStateRederivedWarning(UserWarning):
 
 
 __all__ += ["RNGStateConfigError", "RNGStateRederivedWarning", "RNGStateSaveError"]
+
+
+# -- core (issue 24): the stragglers that lived beside their raisers, and the keyword renames --
+class CPURNGChangedWarning(UserWarning):
+    """The CPU generator advanced inside a fork of a device stream (it is not forked), so those
+    CPU draws are not part of the stream."""
+
+
+class ArgumentConflictError(RNGTrackerError, TypeError):
+    """A keyword given under both its name and its deprecated name (e.g. ``layout=`` and
+    ``state=``)."""
+
+
+__all__ += ["ArgumentConflictError", "CPURNGChangedWarning"]

@@ -19,47 +19,44 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rng_tracker._collective import _device_of
+import rng_tracker._megatron_install as _megatron_install
+from rng_tracker import checkpoint_without_output as _without_output
+from rng_tracker._collective import collective_device
 from rng_tracker._device_rng import RNGState, device_rng
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._layout import process_layout
+from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._megatron_install import (
     KNOWN_KEY_SCHEMES,
     KNOWN_MEGATRON_CORE_VERSIONS,
-    install,
+    REPLACED_NAMES,
     installed,
     invariant_installed,
     uninstall,
 )
-from rng_tracker._megatron_invariant.position import batch_position
+from rng_tracker._megatron_invariant.position import batch_position, carrying_position
+from rng_tracker._saved_inputs import check_split_input
 from rng_tracker._seeds import (
-    DATA_PARALLEL_RNG,
-    EXPERT_PARALLEL_RNG,
     SeedPlan,
-    _rank,
-    _ranks_from,
-    model_parallel_seed,
+    apply_seed_plan,
+    checked_rank,
     plan_seeds,
+    ranks_from_layout,
 )
-from rng_tracker._tracker import (
+from rng_tracker._streams import (
+    DATA_PARALLEL_RNG,
+    EXPERT_GTP_REMAT_RNG,
+    EXPERT_PARALLEL_RNG,
+    GTP_REMAT_RNG,
     MODEL_PARALLEL_RNG,
-    RNGStatesTracker,
-    _set_process_tracker,
 )
-from rng_tracker.activation_checkpoint import (
-    check_split_input,
-    is_checkpointing,
-    reentrant_checkpoint,
-)
-from rng_tracker.checkpoint_without_output import (
-    CheckpointWithoutOutput,
-    CheckpointWithoutOutputManager,
-)
+from rng_tracker._tracker import RNGStatesTracker, process_tracker, set_process_tracker
+from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
+from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
 from rng_tracker.errors import (
     CheckpointConfigError,
     InvariantSeedError,
@@ -70,9 +67,6 @@ from rng_tracker.errors import (
     TrackerDeviceError,
     TrackerNotInitializedError,
 )
-
-if TYPE_CHECKING:
-    from rng_tracker.parallel._mesh import ParallelState
 
 __all__ = [
     "HAVE_TE",
@@ -105,11 +99,12 @@ __all__ = [
 # a tracker of graph-safe generator states (see initialize_rng_tracker).
 HAVE_TE = False
 
+# Megatron's module-level names of its stream names (rng_tracker._streams holds the names).
 _MODEL_PARALLEL_RNG_TRACKER_NAME = MODEL_PARALLEL_RNG
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = EXPERT_PARALLEL_RNG
 _DATA_PARALLEL_RNG_TRACKER_NAME = DATA_PARALLEL_RNG
-_GTP_REMAT_RNG_TRACKER_NAME = "gtp-remat-rng"
-_EXPERT_GTP_REMAT_RNG_TRACKER_NAME = "egtp-remat-rng"
+_GTP_REMAT_RNG_TRACKER_NAME = GTP_REMAT_RNG
+_EXPERT_GTP_REMAT_RNG_TRACKER_NAME = EXPERT_GTP_REMAT_RNG
 
 
 # -- device generator states -------------------------------------------------------------
@@ -245,8 +240,11 @@ class _InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
         return contextlib.nullcontext()
 
 
-_CUDA_RNG_STATE_TRACKER: CudaRNGStatesTracker | None = None
-_CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+def _megatron_tracker() -> CudaRNGStatesTracker | None:
+    """The process's tracker of the current device when Megatron's calls made it (it is then
+    what :func:`rng_tracker.get_rng_tracker` returns too: one registry), else None."""
+    tracker = process_tracker()
+    return tracker if isinstance(tracker, CudaRNGStatesTracker) else None
 
 
 def initialize_rng_tracker(
@@ -257,25 +255,20 @@ def initialize_rng_tracker(
 ) -> None:
     """Create the process's Megatron tracker once (again with ``force_reset``).
 
-    It also becomes what :func:`rng_tracker.get_rng_tracker` returns for its device.
-    ``use_te_rng_tracker`` gives what TransformerEngine's tracker is, a tracker of
-    graph-safe generator states (TE itself is not used); ``inference_rng_tracker`` a
-    tracker whose ``add``/``set_states``/``fork`` do nothing.
+    It becomes the process's tracker of the current device, what
+    :func:`rng_tracker.get_rng_tracker` returns. ``use_te_rng_tracker`` gives what
+    TransformerEngine's tracker is, a tracker of graph-safe generator states (TE itself is not
+    used); ``inference_rng_tracker`` a tracker whose ``add``/``set_states``/``fork`` do nothing.
     """
-    global _CUDA_RNG_STATE_TRACKER, _CUDA_RNG_STATE_TRACKER_INITIALIZED
-    if force_reset:
-        _CUDA_RNG_STATE_TRACKER = None
-        _CUDA_RNG_STATE_TRACKER_INITIALIZED = False
-    if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
+    if not force_reset and _megatron_tracker() is not None:
         return
     cls = _InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
-    tracker = cls(
-        use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
-        is_inference_rng_tracker=inference_rng_tracker,
+    set_process_tracker(
+        cls(
+            use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
+            is_inference_rng_tracker=inference_rng_tracker,
+        )
     )
-    _set_process_tracker(tracker)
-    _CUDA_RNG_STATE_TRACKER = tracker
-    _CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def get_cuda_rng_tracker(
@@ -285,8 +278,9 @@ def get_cuda_rng_tracker(
 ) -> CudaRNGStatesTracker:
     """The process's Megatron tracker, created with these options on the first call."""
     initialize_rng_tracker(use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
-    assert _CUDA_RNG_STATE_TRACKER is not None
-    return _CUDA_RNG_STATE_TRACKER
+    tracker = _megatron_tracker()
+    assert tracker is not None
+    return tracker
 
 
 def get_all_rng_states() -> dict[str, RNGState]:
@@ -295,12 +289,13 @@ def get_all_rng_states() -> dict[str, RNGState]:
     On a graph-safe CUDA tracker these are the generator handles its forks install (what a
     CUDA graph must register); use ``get_cuda_rng_tracker().get_states()`` for copies.
     """
-    if not _CUDA_RNG_STATE_TRACKER_INITIALIZED or _CUDA_RNG_STATE_TRACKER is None:
+    tracker = _megatron_tracker()
+    if tracker is None:
         raise TrackerNotInitializedError(
             "get_all_rng_states(): the RNG tracker is not initialised; call "
             "get_cuda_rng_tracker() or model_parallel_cuda_manual_seed(seed) first"
         )
-    return dict(_CUDA_RNG_STATE_TRACKER.states_)
+    return dict(tracker.states_)
 
 
 def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
@@ -313,12 +308,12 @@ def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
 
 # -- seeding -------------------------------------------------------------------------------
 def _parallel_ranks(
-    state: ParallelState | None, tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
+    layout: ParallelLayout | None, tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
 ) -> dict[str, int]:
-    """The tp/ep/etp ranks: as given, else from ``state``, else 0 in one process."""
+    """The tp/ep/etp ranks: as given, else from ``layout``, else 0 in one process."""
     given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
     missing = [f"{axis}_rank" for axis, rank in given.items() if rank is None]
-    found = _ranks_from(state, missing, "model_parallel_cuda_manual_seed") if missing else {}
+    found = ranks_from_layout(layout, missing, "model_parallel_cuda_manual_seed") if missing else {}
     return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}
 
 
@@ -326,7 +321,7 @@ def _gtp_seed(
     axis: str, rank: int | None, world_size: int | None, base: int, offset: int
 ) -> int | None:
     """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
-    size = 1 if world_size is None else _rank(f"{axis}_world_size", world_size)
+    size = 1 if world_size is None else checked_rank(f"{axis}_world_size", world_size)
     if size <= 1:
         return None
     if rank is None:
@@ -334,12 +329,12 @@ def _gtp_seed(
             f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
             f"{axis} axis, so pass the rank explicitly"
         )
-    return base + offset + 65536 * (1 + _rank(f"{axis}_rank", rank))
+    return base + offset + 65536 * (1 + checked_rank(f"{axis}_rank", rank))
 
 
 def _megatron_seeds(
     seed: int,
-    state: ParallelState | None,
+    layout: ParallelLayout | None,
     tp_rank: int | None,
     ep_rank: int | None,
     etp_rank: int | None,
@@ -347,9 +342,9 @@ def _megatron_seeds(
     egtp_remat_rank: int | None,
     gtp_remat_world_size: int | None,
     egtp_remat_world_size: int | None,
-) -> tuple[dict[str, int], SeedPlan, dict[str, int]]:
-    """The ranks, Megatron's seed plan and the GTP-remat seeds, checked; touches nothing."""
-    ranks = _parallel_ranks(state, tp_rank, ep_rank, etp_rank)
+) -> tuple[SeedPlan, dict[str, int]]:
+    """Megatron's seed plan and the GTP-remat seeds, checked; touches nothing."""
+    ranks = _parallel_ranks(layout, tp_rank, ep_rank, etp_rank)
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
         name: value
@@ -391,7 +386,7 @@ def _megatron_seeds(
                 "they would draw identical values; change the ranks or the seed"
             )
         used[value] = name
-    return ranks, plan, extra
+    return plan, extra
 
 
 # Megatron-LM's training loop seeds each pipeline stage with its own offset (its
@@ -410,12 +405,12 @@ def _equal(reduced: list[int]) -> bool:
     return reduced[0] == -reduced[1] and reduced[2] == -reduced[3]
 
 
-def _invariant_seed(seed: int, state: ParallelState | None, failure: Exception | None) -> int:
+def _invariant_seed(seed: int, layout: ParallelLayout | None, failure: Exception | None) -> int:
     """The keyed seed of invariant mode, the same on every rank; collective over the world.
 
     ``seed`` itself where every rank gave the same; the base of Megatron-LM's
     ``base + 100 * pipeline rank`` where the ranks gave exactly that (the pipeline rank from
-    ``state``); anything else raises :class:`InvariantSeedError`. ``failure`` (this rank's seed
+    ``layout``); anything else raises :class:`InvariantSeedError`. ``failure`` (this rank's seed
     or ranks were refused) is raised after the agreement, and the other ranks raise too, so no
     rank waits and none changes its RNG state.
     """
@@ -425,16 +420,16 @@ def _invariant_seed(seed: int, state: ParallelState | None, failure: Exception |
         return seed
     rank = dist.get_rank()
     pp_rank: int | None = None
-    if failure is None and state is not None:
+    if failure is None and layout is not None:
         try:
-            pp_rank = state.rank("pp")
+            pp_rank = layout.rank("pp")
         except RNGTrackerError:  # a parallel state without a pipeline axis
             pp_rank = None
     base = None if pp_rank is None else seed - _PIPELINE_SEED_STRIDE * pp_rank
     base_known = base is not None and base >= 0
     local = [1 if failure else 0, rank if failure else -1, 0 if base_known else 1]
     local += _words(0 if failure else seed) + _words(base if base_known else 0)
-    data = torch.tensor(local, dtype=torch.int64, device=_device_of(None))
+    data = torch.tensor(local, dtype=torch.int64, device=collective_device(None))
     dist.all_reduce(data, op=dist.ReduceOp.MAX)
     reduced = [int(v) for v in data.cpu().tolist()]
     if failure is not None:
@@ -448,7 +443,7 @@ def _invariant_seed(seed: int, state: ParallelState | None, failure: Exception |
         return seed
     if not reduced[2] and _equal(reduced[7:11]):
         return base  # Megatron-LM's seed + 100 * pipeline rank: the run's seed is its base
-    where = "no parallel state" if state is None else f"pipeline rank {pp_rank}"
+    where = "no parallel state" if layout is None else f"pipeline rank {pp_rank}"
     raise InvariantSeedError(
         f"install(invariant=True): model_parallel_cuda_manual_seed got the seed {seed} on rank "
         f"{rank} ({where}) and another seed elsewhere; invariant mode keys init and every mask "
@@ -488,14 +483,14 @@ def model_parallel_cuda_manual_seed(
     pipeline rank from the parallel state), whose base then keys init and masks; anything else
     raises :class:`~rng_tracker.errors.InvariantSeedError` on every rank, changing nothing.
     """
-    state: ParallelState | None = None
+    layout: ParallelLayout | None = None
     invariant = invariant_installed()
     failure: Exception | None = None
     try:
-        state = process_layout()  # the facade is the edge: the process-wide layout, once
-        ranks, plan, extra = _megatron_seeds(
+        layout = process_layout()  # the facade is the edge: the process-wide layout, once
+        plan, extra = _megatron_seeds(
             seed,
-            state,
+            layout,
             tp_rank,
             ep_rank,
             etp_rank,
@@ -508,28 +503,17 @@ def model_parallel_cuda_manual_seed(
         if not invariant:
             raise
         failure = exc  # every rank must reach the agreement on the keyed seed first
-    keyed_seed = _invariant_seed(seed, state, failure) if invariant else None
+    keyed_seed = _invariant_seed(seed, layout, failure) if invariant else None
     initialize_rng_tracker(
         te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
     )
-    tracker = _CUDA_RNG_STATE_TRACKER
-    assert tracker is not None
-    plan = model_parallel_seed(
-        seed,
-        scheme="megatron",
-        tp_rank=ranks["tp"],
-        ep_rank=ranks["ep"],
-        etp_rank=ranks["etp"],
-        pp_rank=0,
-        dp_rank=0,
-        cp_rank=0,
-        tracker=tracker,
-    )
+    tracker = get_cuda_rng_tracker()
+    apply_seed_plan(plan, tracker)  # the plan made (and checked) above: seeds are planned once
     for name, value in extra.items():
         tracker.add(name, value)
     if keyed_seed is not None:  # invariant mode's keyed state is (the run's seed, step 0)
         get_keyed_rng().manual_seed(keyed_seed)
-    return _placed_on_mesh(plan, state)
+    return _placed_on_mesh(plan, layout)
 
 
 def set_step(step: int) -> None:
@@ -541,12 +525,12 @@ def set_step(step: int) -> None:
     get_keyed_rng().set_step(step)
 
 
-def _placed_on_mesh(plan: SeedPlan, state: ParallelState | None) -> SeedPlan:
-    """The plan with ``state``'s pp/dp/cp coordinates: Megatron folds them into ``seed`` before
+def _placed_on_mesh(plan: SeedPlan, layout: ParallelLayout | None) -> SeedPlan:
+    """The plan with ``layout``'s pp/dp/cp coordinates: Megatron folds them into ``seed`` before
     the call, so the plan records where the rank really is and verifies against the mesh."""
-    if state is None:
+    if layout is None:
         return plan
-    placed = {axis: state.rank(axis) for axis in ("pp", "dp", "cp")}
+    placed = {axis: layout.rank(axis) for axis in ("pp", "dp", "cp")}
     return dataclasses.replace(plan, coordinates={**plan.coordinates, **placed})
 
 
@@ -582,6 +566,14 @@ def _fork_rng() -> Iterator[None]:
 
 
 # -- checkpointing -------------------------------------------------------------------------
+def _in_batch_position(function: Any) -> Any:
+    """``function`` re-entering, at every recompute, the batch position of its first forward
+    while invariant mode is installed (its keyed sites then draw the same rows); else itself."""
+    if invariant_installed() and callable(function):
+        return carrying_position(function)
+    return function
+
+
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
     """Megatron's positional checkpoint: reentrant, replaying every tracker stream.
 
@@ -592,19 +584,19 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     if distribute_saved_activations:
         check_split_input(args)
         group = _tp_group_of_parallel_state()
-    return reentrant_checkpoint(function, *args, split_group=group)
+    return reentrant_checkpoint(_in_batch_position(function), *args, split_group=group)
 
 
 def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
-    state = process_layout()  # the facade is the edge
-    if state is None:
+    layout = process_layout()  # the facade is the edge
+    if layout is None:
         raise CheckpointConfigError(
             "distribute_saved_activations=True needs an initialised parallel state "
             "(Megatron's parallel_state.initialize_model_parallel, or "
             "rng_tracker.parallel.init_model_parallel); or call "
             "rng_tracker.checkpoint(..., distribute_saved_activations=True, tp_group=...)"
         )
-    return state.group("tp")
+    return layout.group("tp")
 
 
 class CheckpointFunction:
@@ -617,6 +609,39 @@ class CheckpointFunction:
     ) -> Any:
         """Checkpoint ``run_function(*args)`` (see :func:`checkpoint`)."""
         return checkpoint(run_function, distribute_saved_activations, *args)
+
+
+class CheckpointWithoutOutput(_without_output.CheckpointWithoutOutput):
+    """Megatron's ``CheckpointWithoutOutput`` (:class:`rng_tracker.CheckpointWithoutOutput`);
+    in invariant mode its recompute re-enters the batch position of the first forward."""
+
+    def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
+        """Run ``run_function(*args)`` without saving its output (see the base class)."""
+        return super().checkpoint(_in_batch_position(run_function), *args)
+
+
+# -- routing megatron-core's own modules here ------------------------------------------------
+def install(*, invariant: bool = False, allow_unknown_version: bool = False) -> None:
+    """Make megatron-core's own code use this module on any device.
+
+    Imports ``megatron.core.tensor_parallel.random`` and replaces its names that this module
+    provides, in it and in every imported megatron module bound to the same objects (and
+    megatron's CPU init helper, so experts draw from the expert-parallel stream). Modules
+    imported afterwards bind the replacements. ``invariant=True`` also makes megatron-core's
+    init and every dropout and jitter mask a pure function of (seed, step, site, global index):
+    the same values on any layout (see docs/migrating.md, "Invariant mode"). Calling it again
+    in the same mode does nothing; in the other mode it raises
+    :class:`~rng_tracker.errors.MegatronInstallError` (``uninstall()`` first). Raises
+    :class:`~rng_tracker.errors.MegatronVersionError` (changing nothing) when megatron-core is
+    missing or of a version not in :data:`KNOWN_MEGATRON_CORE_VERSIONS` (for
+    ``invariant=True``: not in :data:`KNOWN_KEY_SCHEMES`, whatever ``allow_unknown_version``
+    says).
+    """
+    _megatron_install.install(
+        {name: globals()[name] for name in REPLACED_NAMES},
+        invariant=invariant,
+        allow_unknown_version=allow_unknown_version,
+    )
 
 
 def __getattr__(name: str) -> Any:

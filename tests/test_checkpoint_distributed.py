@@ -146,7 +146,7 @@ class _GivenLayout:
 
 
 def _distribute_with_a_given_layout() -> dict:
-    """No process-wide parallel state: checkpoint(parallel_state=...) splits over its TP group."""
+    """No process-wide parallel state: checkpoint(layout=...) splits over its TP group."""
     import torch.distributed as dist
 
     from rng_tracker.parallel._megatron_state import current_layout
@@ -154,7 +154,7 @@ def _distribute_with_a_given_layout() -> dict:
     destroy_model_parallel()
     assert current_layout() is None
     layout = _GivenLayout()
-    model_parallel_seed(5, state=layout)
+    model_parallel_seed(5, layout=layout)
     gathered_over: list[bool] = []
     all_gather = dist.all_gather
 
@@ -172,9 +172,7 @@ def _distribute_with_a_given_layout() -> dict:
             if options is None:
                 loss = f(x)
             else:
-                loss = checkpoint(
-                    f, x, distribute_saved_activations=True, parallel_state=layout, **options
-                )
+                loss = checkpoint(f, x, distribute_saved_activations=True, layout=layout, **options)
             loss.backward()
             torch.set_rng_state(state)
             grads.append(x.grad)
@@ -184,7 +182,7 @@ def _distribute_with_a_given_layout() -> dict:
 
 
 def test_distribute_saved_activations_takes_the_layout_as_an_argument():
-    """checkpoint(..., parallel_state=layout) splits over layout.group('tp') with no global
+    """checkpoint(..., layout=layout) splits over layout.group('tp') with no global
     parallel state initialised, and recomputes bitwise what the plain run computes."""
     for result in run_distributed(_distribute_with_a_given_layout, world_size=2):
         plain, *checkpointed = result["grads"]

@@ -97,7 +97,7 @@ _VERIFY_WITHOUT_NUMPY = textwrap.dedent(
         from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
         from rng_tracker.parallel._verify import verify_rng_consistency
         state = init_model_parallel(tensor=2)
-        report = verify_rng_consistency(plan=model_parallel_seed(3, state=state), strict=True)
+        report = verify_rng_consistency(plan=model_parallel_seed(3, layout=state), strict=True)
         destroy_model_parallel()
         return report.ok
 

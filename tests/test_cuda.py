@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from rng_tracker import RNGStatesTracker
-from rng_tracker._tracker import CPURNGChangedWarning
-from rng_tracker.errors import KernelUnavailableError
+from rng_tracker.errors import CPURNGChangedWarning, KernelUnavailableError
 from rng_tracker.kernels import Chunk, bias_dropout_add, dropout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -94,7 +94,7 @@ def _megatron_like(tensor: int, keyed_step: int) -> tuple[RNGStatesTracker, Keye
     destroy_model_parallel()
     state = init_model_parallel(tensor=tensor)
     tracker = RNGStatesTracker("cpu")
-    model_parallel_seed(1234, tracker=tracker, state=state)
+    model_parallel_seed(1234, tracker=tracker, layout=state)
     keyed = KeyedRNG("cpu", seed=1234)
     keyed.register("layer.0.dropout")
     keyed.set_step(keyed_step)

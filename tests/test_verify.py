@@ -3,6 +3,8 @@ needs no numpy, since it exchanges no pickles, is tested in test_collective.py).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,7 +28,7 @@ def _every_rank_seeds_as_tp_rank_0() -> tuple:
     report = verify_rng_consistency(plan=plan)
     with pytest.raises(RNGConsistencyError):
         verify_rng_consistency(plan=plan, strict=True)
-    honest = verify_rng_consistency(plan=model_parallel_seed(11, state=state))
+    honest = verify_rng_consistency(plan=model_parallel_seed(11, layout=state))
     destroy_model_parallel()
     return report.ok, report.problems, honest.ok, honest.problems
 
@@ -63,7 +65,7 @@ def _seed_without_parallel_state() -> tuple:
     with pytest.raises(ParallelStateError, match="plan="):
         verify_rng_consistency()
     state = init_model_parallel(tensor=2)
-    plan = model_parallel_seed(1234, state=state)
+    plan = model_parallel_seed(1234, layout=state)
     destroy_model_parallel()
     return str(info.value), unchanged, plan.coordinates["tp"]
 
@@ -83,22 +85,31 @@ def _verify_with_the_state_passed_in() -> tuple:
 
     destroy_model_parallel()
     state = init_model_parallel(tensor=2)
-    plan = model_parallel_seed(7, state=state)
+    plan = model_parallel_seed(7, layout=state)
 
     def no_lookup() -> None:
-        raise AssertionError("verify_rng_consistency(state=...) looked the layout up")
+        raise AssertionError("verify_rng_consistency(layout) looked the layout up")
 
     verify.current_layout = no_lookup  # this rank's process is fresh and ends after
     report = verify_rng_consistency(state, plan=plan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = verify_rng_consistency(state=state, plan=plan)  # the deprecated keyword
     destroy_model_parallel()
-    return report.ok, report.coordinates
+    warned = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    return report.ok, report.coordinates, old.coordinates, warned
 
 
 def test_verifier_uses_the_state_passed_in_and_looks_nothing_up():
-    """With state= given, the process-wide layout is never read (item 5 of issue 18)."""
-    for ok, coordinates in run_distributed(_verify_with_the_state_passed_in, world_size=2):
+    """With a layout given, the process-wide layout is never read (item 5 of issue 18); the
+    deprecated state= gives the same placement, with one warning naming layout=."""
+    for ok, coordinates, old, warned in run_distributed(
+        _verify_with_the_state_passed_in, world_size=2
+    ):
         assert ok
         assert [c["tp"] for c in coordinates] == [0, 1]
+        assert old == coordinates
+        assert len(warned) == 1 and "verify_rng_consistency(layout=...)" in warned[0]
 
 
 def _megatron_seeding_on_tp2_pp2() -> tuple:

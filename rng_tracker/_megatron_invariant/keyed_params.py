@@ -23,14 +23,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import rng_tracker.kernels._keyed_fill as _kernel
 from rng_tracker._torch_private import set_trunc_normal_impl, trunc_normal_impl
 from rng_tracker.errors import (
     KeyedUnseededError,
     MegatronInvariantInitError,
     MegatronInvariantUnsupportedError,
 )
-from rng_tracker.kernels import _keyed_fill as _kernel
 
+# Process-wide, under _LOCK: what install(invariant=True) switched on, for every thread's model.
 _STATE: dict[str, Any] = {"active": False, "hook": None}
 _LOCK = threading.RLock()
 # id(parameter) -> (weak reference to it, the init method megatron would have called on it)

@@ -1,8 +1,9 @@
 """What ``install(invariant=True)`` puts into megatron-core, what it refuses, and how it is undone.
 
 Name swaps (by identity, in every megatron module, as ``install()`` routes ``random``'s names):
-megatron's affine init helpers (deferring), its checkpoint entry points (carrying the batch
-position) and ``schedules.forward_step`` (telling sites how many microbatches run). Class
+megatron's affine init helpers (deferring) and ``schedules.forward_step`` (telling sites how many
+microbatches run). Megatron's checkpoint entry points are ``rng_tracker.megatron``'s already,
+which carry the batch position into the recompute while invariant mode is installed. Class
 patches: ``TransformerConfig.__post_init__`` (refuses what cannot be invariant, wraps the init
 methods so a parameter they are called on is deferred) and ``GPTModel.__init__`` (refuses a
 TransformerEngine spec before megatron builds anything; when construction ends, wires the keyed
@@ -204,9 +205,6 @@ def name_swaps() -> dict[str, tuple[Any, Any]]:
     """label -> (megatron's object, its invariant-mode replacement), for the identity swap."""
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import layers
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    from rng_tracker._megatron_invariant import checkpoints
 
     keyed_params.check_helpers()
     return {
@@ -221,11 +219,5 @@ def name_swaps() -> dict[str, tuple[Any, Any]]:
         "schedules.forward_step": (
             schedules.forward_step,
             _counting_microbatches(schedules.forward_step),
-        ),
-        "checkpoint": (megatron_random.checkpoint, checkpoints.checkpoint),
-        "CheckpointFunction": (megatron_random.CheckpointFunction, checkpoints.CheckpointFunction),
-        "CheckpointWithoutOutput": (
-            megatron_random.CheckpointWithoutOutput,
-            checkpoints.CheckpointWithoutOutput,
         ),
     }

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import rng_tracker.kernels._keyed_fill as _init_kernel
 from rng_tracker._collective import all_gather_json
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._megatron_invariant.position import Position, resolve
 from rng_tracker.errors import MegatronInvariantInitError, MegatronInvariantUnsupportedError
 from rng_tracker.kernels import Region, bias_dropout_add, dropout
-from rng_tracker.kernels import _keyed_fill as _init_kernel
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Megatron's parallel state is enough, and init_model_parallel(order=...) is Megatron's layout.
+"""rng_tracker.parallel._megatron_state: Megatron's parallel state is enough (a ParallelLayout
+beside rng_tracker's own), and init_model_parallel(order=...) is Megatron's layout.
 
 Real megatron-core 0.19.2 ``parallel_state`` on real gloo ranks, in the same processes as
 rng_tracker's own parallel state.
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import rng_tracker.megatron as megatron
+from rng_tracker import ParallelLayout
 from rng_tracker.errors import (
     ParallelConfigError,
     ParallelStateError,
@@ -144,6 +146,7 @@ def test_megatron_parallel_state_alone_serves_seeding_checkpoints_and_verificati
         ps.get_expert_tensor_parallel_rank(),
     )
     assert isinstance(current_layout(), MegatronParallelState)
+    assert isinstance(current_layout(), ParallelLayout)  # what every layout= takes
 
     # seeding: Megatron's ranks, never a guess
     plan = megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
@@ -192,7 +195,7 @@ def test_megatron_parallel_state_alone_serves_seeding_checkpoints_and_verificati
     # rng_tracker's own parallel state comes first where both agree; where they disagree
     # neither is trusted (it used to answer with rng_tracker's silently)
     ours = init_model_parallel(tensor=2, expert=2, order="dp-tp-ep")
-    assert current_layout() is ours
+    assert current_layout() is ours and isinstance(ours, ParallelLayout)
     destroy_model_parallel()
     init_model_parallel(tensor=4)
     with pytest.raises(ParallelStateMismatchError, match="tp: rng_tracker"):

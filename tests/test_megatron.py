@@ -1,9 +1,17 @@
 """rng_tracker.megatron as a drop-in for megatron.core.tensor_parallel.random.
 
-Part 1 ports Megatron-LM's own tests/unit_tests/tensor_parallel/test_random.py from CUDA
-to any device (the current device: CPU here, CUDA where present), keeping its
-assertions; Megatron's ``Utils.initialize_model_parallel`` becomes
-``init_model_parallel`` on real gloo ranks where a process group is needed.
+Part 1 ports Megatron-LM's own tests/unit_tests/tensor_parallel/test_random.py (core_r0.19.0,
+the random.py megatron-core 0.19.2 ships) from CUDA to any device (the current device: CPU
+here, CUDA where present), keeping its assertions. Each ported test runs twice, once per way a
+user's code reaches these names (``source``):
+
+- ``direct``: ``from rng_tracker.megatron import ...``, with rng_tracker's parallel state
+  (``init_model_parallel``) where Megatron's ``Utils.initialize_model_parallel`` runs;
+- ``installed``: ``rng_tracker.megatron.install()``, then Megatron's own module
+  ``megatron.core.tensor_parallel.random`` (real megatron-core 0.19.2), with Megatron's
+  ``parallel_state`` alone.
+
+Where the port departs from Megatron's test, the test's docstring says how (``[port]``).
 Part 2 checks the API surface against Megatron's signatures, written out here.
 Part 3 checks the behaviours that Megatron's suite leaves out.
 """
@@ -11,6 +19,7 @@ Part 3 checks the behaviours that Megatron's suite leaves out.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +29,7 @@ import torch.distributed as dist
 import rng_tracker._tracker as tracker_module
 from rng_tracker import megatron
 from rng_tracker._device_rng import default_device, default_generator
+from rng_tracker._layout import process_layout
 from rng_tracker._tracker import get_rng_tracker
 from rng_tracker.errors import (
     ParallelStateError,
@@ -36,12 +46,22 @@ from rng_tracker.megatron import (
     checkpoint,
     convert_cuda_rng_state,
     get_cuda_rng_tracker,
-    initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from rng_tracker.parallel._mesh import destroy_model_parallel, init_model_parallel
 
 DEVICE = default_device()
+SOURCES = ("direct", "installed")
+# the names Megatron's test module imports from its random module
+_PORTED_NAMES = (
+    "CheckpointWithoutOutput",
+    "CudaRNGStatesTracker",
+    "checkpoint",
+    "convert_cuda_rng_state",
+    "get_cuda_rng_tracker",
+    "initialize_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+)
 
 
 def device_generator() -> torch.Generator:
@@ -56,22 +76,58 @@ def seeded_state(seed: int) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _fresh_megatron_tracker(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Each test starts without a Megatron tracker and leaves the process tracker as it was."""
-    monkeypatch.setattr(megatron, "_CUDA_RNG_STATE_TRACKER", None)
-    monkeypatch.setattr(megatron, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False)
-    monkeypatch.setattr(tracker_module, "_TRACKERS", dict(tracker_module._TRACKERS))
+    plain = {
+        device: tracker
+        for device, tracker in tracker_module._PROCESS_TRACKERS.items()
+        if not isinstance(tracker, CudaRNGStatesTracker)
+    }
+    monkeypatch.setattr(tracker_module, "_PROCESS_TRACKERS", plain)
     state = device_generator().get_state()
     yield
     device_generator().set_state(state)
 
 
+def _megatron_names(source: str) -> SimpleNamespace:
+    """Megatron's names as ``source`` reaches them, and that path's parallel state."""
+    if source == "direct":
+        module: Any = megatron
+
+        def init(tensor: int = 1, pipeline: int = 1) -> None:
+            init_model_parallel(tensor=tensor, pipeline=pipeline)
+
+        destroy = destroy_model_parallel
+    else:
+        megatron.install()
+        import megatron.core.parallel_state as ps
+        import megatron.core.tensor_parallel.random as module
+
+        def init(tensor: int = 1, pipeline: int = 1) -> None:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor, pipeline)
+
+        destroy = ps.destroy_model_parallel
+    names = {name: getattr(module, name) for name in _PORTED_NAMES}
+    return SimpleNamespace(**names, init_parallel=init, destroy_parallel=destroy)
+
+
+@pytest.fixture(params=SOURCES)
+def mg(request: pytest.FixtureRequest) -> Any:
+    """Megatron's names in this process, from ``rng_tracker.megatron`` or, installed, from
+    Megatron's own module (uninstalled again afterwards)."""
+    was_installed = megatron.installed()
+    yield _megatron_names(request.param)
+    if request.param == "installed" and not was_installed:
+        megatron.uninstall()
+
+
 # ----------------------------------------------------------------------------------------
 # Part 1: Megatron's test_random.py, ported
 # ----------------------------------------------------------------------------------------
-def test_cuda_rng_states_tracker():
-    """Port of test_cuda_rng_states_tracker. Megatron's set_states stores anything (its
-    test passes the int 1234); ours keeps only generator states, so the round trip uses a
-    real state and 1234 gets a typed error (docs/migrating.md)."""
-    rng_tracker = CudaRNGStatesTracker()
+def test_cuda_rng_states_tracker(mg):
+    """Port of test_cuda_rng_states_tracker. [port] Megatron's set_states stores anything (its
+    test passes the int 1234); ours keeps only generator states, so the round trip uses a real
+    state and 1234 gets a typed error (docs/migrating.md)."""
+    rng_tracker = mg.CudaRNGStatesTracker()
     state = device_generator().get_state()
     rng_tracker.set_states({"state1": state})
     assert torch.equal(rng_tracker.get_states()["state1"], state)
@@ -94,10 +150,10 @@ def test_cuda_rng_states_tracker():
 
 
 @pytest.mark.parametrize("use_cudagraphable_rng", [True, False])
-def test_double_fork_cuda_rng_states_tracker(use_cudagraphable_rng):
+def test_double_fork_cuda_rng_states_tracker(mg, use_cudagraphable_rng):
     """Port of test_double_fork_cuda_rng_states_tracker: nested forks of two streams draw
     what single forks draw, and leave the same states, in both state forms."""
-    rng_tracker = CudaRNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng)
+    rng_tracker = mg.CudaRNGStatesTracker(use_cudagraphable_rng=use_cudagraphable_rng)
     rng_tracker.add("state1", 1234)
     rng_tracker.add("state2", 5678)
     double_1, double_2 = [], []
@@ -137,50 +193,51 @@ def test_double_fork_cuda_rng_states_tracker(use_cudagraphable_rng):
     assert torch.equal(double_state2, single_state2)
 
 
-def test_convert_cuda_rng_state():
-    """Port of test_convert_cuda_rng_state. Megatron's TE tracker is replaced by what
-    ``initialize_rng_tracker(use_te_rng_tracker=True)`` gives here (a graph-safe tracker)."""
+def test_convert_cuda_rng_state(mg):
+    """Port of test_convert_cuda_rng_state. [port] Megatron's TE tracker is replaced by what
+    ``initialize_rng_tracker(use_te_rng_tracker=True)`` gives here (a graph-safe tracker), so
+    the TE legs run without TransformerEngine."""
     device_generator().manual_seed(999)
     torch.randn(10, device=DEVICE)
     rng_state = device_generator().get_state()
 
     # from non-graphable to graphable
-    tracker = CudaRNGStatesTracker(use_cudagraphable_rng=False)
+    tracker = mg.CudaRNGStatesTracker(use_cudagraphable_rng=False)
     tracker.add("state1", 123)
     for _ in range(3):
         with tracker.fork("state1"):
             torch.randn(10, device=DEVICE)
-    state = convert_cuda_rng_state(tracker.states_["state1"], to_graphable=True)
+    state = mg.convert_cuda_rng_state(tracker.states_["state1"], to_graphable=True)
     rand_tensors = []
     for _ in range(3):
         with tracker.fork("state1"):
             rand_tensors.append(torch.randn(10, device=DEVICE))
 
-    graphable = CudaRNGStatesTracker(use_cudagraphable_rng=True)
+    graphable = mg.CudaRNGStatesTracker(use_cudagraphable_rng=True)
     graphable.set_states({"state1": state.clone_state()})
     for i in range(3):
         with graphable.fork("state1"):
             assert torch.equal(torch.randn(10, device=DEVICE), rand_tensors[i])
 
-    initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
-    te_tracker = get_cuda_rng_tracker()
+    mg.initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
+    te_tracker = mg.get_cuda_rng_tracker()
     te_tracker.set_states({"state1": state})
     for i in range(3):
         with te_tracker.fork("state1"):
             assert torch.equal(torch.randn(10, device=DEVICE), rand_tensors[i])
 
     # from graphable to non-graphable
-    graphable = CudaRNGStatesTracker(use_cudagraphable_rng=True)
+    graphable = mg.CudaRNGStatesTracker(use_cudagraphable_rng=True)
     graphable.add("state2", 123)
     for _ in range(3):
         with graphable.fork("state2"):
             torch.randn(10, device=DEVICE)
-    state = convert_cuda_rng_state(graphable.states_["state2"], to_graphable=False)
+    state = mg.convert_cuda_rng_state(graphable.states_["state2"], to_graphable=False)
     rand_tensors = []
     for _ in range(3):
         with graphable.fork("state2"):
             rand_tensors.append(torch.randn(10, device=DEVICE))
-    tracker = CudaRNGStatesTracker(use_cudagraphable_rng=False)
+    tracker = mg.CudaRNGStatesTracker(use_cudagraphable_rng=False)
     tracker.set_states({"state2": state})
     for i in range(3):
         with tracker.fork("state2"):
@@ -191,12 +248,12 @@ def test_convert_cuda_rng_state():
     for _ in range(3):
         with te_tracker.fork("state3"):
             torch.randn(10, device=DEVICE)
-    state = convert_cuda_rng_state(te_tracker.states_["state3"], to_graphable=False)
+    state = mg.convert_cuda_rng_state(te_tracker.states_["state3"], to_graphable=False)
     rand_tensors = []
     for _ in range(3):
         with te_tracker.fork("state3"):
             rand_tensors.append(torch.randn(10, device=DEVICE))
-    tracker = CudaRNGStatesTracker(use_cudagraphable_rng=False)
+    tracker = mg.CudaRNGStatesTracker(use_cudagraphable_rng=False)
     tracker.set_states({"state3": state})
     for i in range(3):
         with tracker.fork("state3"):
@@ -205,40 +262,46 @@ def test_convert_cuda_rng_state():
     assert torch.equal(rng_state, device_generator().get_state())
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.distributed(world_size=4, timeout=120)
-def test_model_parallel_cuda_manual_seed(rank):
-    """Port of test_model_parallel_cuda_manual_seed. Megatron runs tp=4, pp=2 on 8 GPUs;
-    here tp=2, pp=2 on 4 gloo ranks (both axes above 1, half the processes on a 2-core
-    CI machine). Also checks bitwise that the stream is seeded with seed + 2718 + tp_rank."""
-    state = init_model_parallel(tensor=2, pipeline=2)
+def test_model_parallel_cuda_manual_seed(rank, source):
+    """Port of test_model_parallel_cuda_manual_seed. [port] Megatron runs tp=4, pp=2 on 8 GPUs;
+    here tp=2, pp=2 on 4 gloo ranks (both axes above 1, half the processes on a 2-core CI
+    machine). Also checks bitwise that the stream is seeded with seed + 2718 + tp_rank, the
+    tp rank read from the source's parallel state."""
+    mg = _megatron_names(source)
+    mg.init_parallel(2, 2)
     try:
-        model_parallel_cuda_manual_seed(0, force_reset_rng=True)
-        rng_tracker = get_cuda_rng_tracker()
+        mg.model_parallel_cuda_manual_seed(0, force_reset_rng=True)
+        rng_tracker = mg.get_cuda_rng_tracker()
         assert rng_tracker.get_states()["model-parallel-rng"] is not None
-        expected = seeded_state(2718 + state.rank("tp"))
+        tp_rank = process_layout().rank("tp")  # the source's parallel state
+        expected = seeded_state(2718 + tp_rank)
         assert torch.equal(rng_tracker.get_states()["model-parallel-rng"], expected)
     finally:
-        destroy_model_parallel()
+        mg.destroy_parallel()
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.distributed(world_size=2, timeout=90)
-def test_checkpoint(rank):
+def test_checkpoint(rank, source):
     """Port of test_checkpoint: Megatron's checkpoint, and with distribute_saved_activations
     the caller's input keeps only its 1/tp flat chunk until backward (tp=2 on 2 gloo ranks)."""
+    mg = _megatron_names(source)
 
     def test_forward(*inputs):
         return inputs[0] + inputs[1]
 
     assert torch.equal(
-        torch.ones(16) * 3, checkpoint(test_forward, None, torch.ones(16), torch.ones(16) * 2)
+        torch.ones(16) * 3, mg.checkpoint(test_forward, None, torch.ones(16), torch.ones(16) * 2)
     )
 
-    init_model_parallel(tensor=2, pipeline=1)
+    mg.init_parallel(2, 1)
     try:
         input1 = torch.ones((4, 4), device=DEVICE)
         input1.requires_grad_(True)
         input2 = torch.ones((4, 4), device=DEVICE) * 2
-        output = checkpoint(test_forward, True, input1, input2)
+        output = mg.checkpoint(test_forward, True, input1, input2)
 
         assert torch.equal(output, torch.ones((4, 4), device=DEVICE) * 3)
         assert input1.data.shape == (8,)
@@ -247,18 +310,19 @@ def test_checkpoint(rank):
         assert input1.grad is not None
         assert torch.equal(input1.grad, torch.ones((4, 4), device=DEVICE))
     finally:
-        destroy_model_parallel()
+        mg.destroy_parallel()
 
 
-def test_checkpoint_without_output():
-    """Port of test_checkpoint_without_output: the discarded output is recomputed and
-    the gradient equals the unchekpointed one (tp=1: no process group needed)."""
+def test_checkpoint_without_output(mg):
+    """Port of test_checkpoint_without_output: the discarded output is recomputed and the
+    gradient equals the uncheckpointed one. [port] No parallel state: Megatron's test sets up
+    tp=1, which this test does not read."""
 
     def normal_forward(x):
         return torch.nn.functional.gelu(x) * x
 
     def checkpoint_forward(x):
-        ckpt = CheckpointWithoutOutput()
+        ckpt = mg.CheckpointWithoutOutput()
         y = ckpt.checkpoint(torch.nn.functional.gelu, x) * x
         ckpt.discard_output_and_register_recompute(y)
         return y
@@ -296,15 +360,16 @@ class _SplitSavingLinear(torch.autograd.Function):
         return (grad_flat @ weight).reshape(ctx.shape), grad_flat.t() @ flat
 
 
-def test_checkpoint_without_output_view_sharing_regression():
+def test_checkpoint_without_output_view_sharing_regression(mg):
     """Port of test_checkpoint_without_output_view_sharing_regression: views of the
-    discarded output saved by the next op see the recomputed data."""
+    discarded output saved by the next op see the recomputed data. [port] No parallel state
+    (Megatron's tp=1 is not read)."""
 
     def normal_forward(x, weight):
         return _SplitSavingLinear.apply(torch.nn.functional.gelu(x), weight)
 
     def checkpoint_forward(x, weight):
-        ckpt = CheckpointWithoutOutput()
+        ckpt = mg.CheckpointWithoutOutput()
         y = _SplitSavingLinear.apply(ckpt.checkpoint(torch.nn.functional.gelu, x), weight)
         ckpt.discard_output_and_register_recompute(y)
         return y
@@ -350,7 +415,8 @@ class _NormAndResidual(torch.autograd.Function):
 @pytest.mark.parametrize("use_manager", [False, True])
 def test_checkpoint_without_output_retain_input_tensors(use_manager):
     """Port of test_checkpoint_without_output_retain_input_tensors: an output that aliases
-    the input is not freed, with or without the manager."""
+    the input is not freed, with or without the manager. ``direct`` only: install() leaves
+    megatron-core's own CheckpointWithoutOutputManager in place."""
     hidden = 32
     torch.manual_seed(0)
     weight = torch.randn(hidden, requires_grad=True)
@@ -746,7 +812,7 @@ def test_ranks_come_from_the_parallel_state_and_are_never_guessed(rank):
     with pytest.raises(ParallelStateError, match="tp_rank, ep_rank, etp_rank"):
         model_parallel_cuda_manual_seed(10)
     assert torch.equal(torch.get_rng_state(), cpu)
-    assert not megatron._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    assert not isinstance(tracker_module.process_tracker(), CudaRNGStatesTracker)
 
     model_parallel_cuda_manual_seed(10, tp_rank=1, ep_rank=0, etp_rank=0)
     assert torch.equal(

@@ -1,0 +1,47 @@
+"""What both checkpoint modules share around a recompute: which trackers it replays, and the
+backward through its outputs (``activation_checkpoint`` and ``checkpoint_without_output``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from rng_tracker._tracker import RNGStatesTracker, all_trackers
+from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
+
+
+def resolve_trackers(
+    tracker: RNGStatesTracker | Iterable[RNGStatesTracker] | None,
+) -> list[RNGStatesTracker]:
+    """The trackers a checkpoint replays: those ``tracker`` names (one, or an iterable of them),
+    or every live tracker when it is None (:func:`~rng_tracker._tracker.all_trackers`); anything
+    else raises :class:`CheckpointTypeError`."""
+    if tracker is None:
+        return all_trackers()
+    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
+    for t in trackers:
+        if not isinstance(t, RNGStatesTracker):
+            raise CheckpointTypeError(
+                f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
+            )
+    return trackers
+
+
+def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+    """Backpropagate ``grad_outputs`` through recomputed ``outputs``, as torch's reentrant
+    checkpoint does: raise (with torch's words) when no output requires grad."""
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, grad_outputs)
+        if isinstance(out, torch.Tensor) and out.requires_grad
+    ]
+    if not pairs:
+        raise CheckpointUsageError(
+            "none of output has requires_grad=True, this checkpoint() is not necessary: the "
+            "recomputed function returned no tensor that requires grad (a detached or no-grad "
+            "output?). Drop the checkpoint, or use checkpoint(use_reentrant=False)"
+        )
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
