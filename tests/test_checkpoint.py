@@ -404,3 +404,38 @@ def test_rng_context_fn_default_replays_trackers_created_after_it():
     out = torch_checkpoint.checkpoint(f, x, use_reentrant=False, context_fn=context_fn)
     out.sum().backward()
     assert torch.equal(x.grad, (out != 0).float() * 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recompute_restores_its_snapshot_without_making_generators(mode, monkeypatch):
+    """Replay installs the forward's saved states directly: a recompute makes no generator and
+    converts no state (no DeviceRNG.fresh/from_bytes/convert, the path for foreign states),
+    whatever the number of streams, and still draws the forward's masks bitwise."""
+    from rng_tracker._device_rng import DeviceRNG
+
+    made: list[str] = []
+    for name in ("fresh", "from_bytes", "convert"):
+        real = getattr(DeviceRNG, name)
+
+        def spy(self, *args, _real=real, _name=name):
+            made.append(_name)
+            return _real(self, *args)
+
+        monkeypatch.setattr(DeviceRNG, name, spy)
+    tracker, x, w = fixed_start()
+    for i in range(6):  # more streams: a per-stream cost would show as more calls
+        tracker.add(f"extra-{i}", 300 + i)
+    forward_masks: list[torch.Tensor] = []
+    out = checkpoint(
+        dropout_block, x, w, tracker, forward_masks, use_reentrant=MODES[mode], tracker=tracker
+    )
+    first = list(forward_masks)
+    forward_masks.clear()  # the recompute appends its masks here
+    made.clear()
+    out.sum().backward()
+    assert made == []
+    tracker.set_states(tracker.get_states())  # the converting path: the spies see it
+    assert made
+    assert len(forward_masks) == len(first) == 4
+    for a, b in zip(first, forward_masks, strict=True):
+        assert torch.equal(a, b)

@@ -636,6 +636,29 @@ def test_manual_seed_takes_megatron_positional_order_and_arithmetic():
     assert plan.stream_seeds == expected and tracker.seeds_ == set(expected.values())
 
 
+def test_manual_seed_plans_its_seeds_once(monkeypatch: pytest.MonkeyPatch):
+    """model_parallel_cuda_manual_seed derives Megatron's seeds once and applies that plan: the
+    seed derivation runs a single time per call (it ran twice, once to check and once more
+    inside model_parallel_seed), and the streams hold the planned seeds."""
+    import rng_tracker._seeds as seeds_module
+
+    real = seeds_module.plan_seeds
+    calls = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("scheme"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(seeds_module, "plan_seeds", counting)
+    monkeypatch.setattr(megatron, "plan_seeds", counting)
+    plan = model_parallel_cuda_manual_seed(21, tp_rank=1, ep_rank=1, etp_rank=0)
+    assert calls == ["megatron"]
+    states = get_cuda_rng_tracker().get_states()
+    assert list(states) == list(plan.stream_seeds)
+    for name, seed in plan.stream_seeds.items():
+        assert torch.equal(states[name], seeded_state(seed)), name
+
+
 def test_use_cudagraphable_rng_picks_the_state_form_and_force_reset_rng_applies_it():
     """Megatron creates its tracker once: later flags apply only with force_reset_rng.
     use_cudagraphable_rng=False keeps uint8 tensors, True torch.Generator objects; both
