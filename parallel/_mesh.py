@@ -4,7 +4,7 @@ Ranks are laid out as Megatron-LM's ``parallel_state`` lays them out for the sam
 (default "tp-cp-ep-dp-pp": tp fastest, pp slowest): the dense mesh has axes (pp, dp, cp, tp);
 the expert mesh refactors the same ranks as (pp, edp, ep, etp) with etp = tp, so ep must
 divide dp * cp. Every rank gets Megatron's coordinates and groups for every order Megatron
-accepts (tests/test_megatron_parallel_state.py checks them against Megatron's own).
+accepts (tests/test_megatron_state.py checks them against Megatron's own).
 """
 
 from __future__ import annotations

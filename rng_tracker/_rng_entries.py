@@ -6,6 +6,9 @@ order. The checksum is BLAKE2b-256 over the entry's key (``shared``, ``rank3``) 
 after the checksum, so every single-bit flip anywhere (magic, checksum, header, blob) and an
 entry filed under another key are refused. Nothing is unpickled: the header is JSON and the
 states are bytes.
+
+The header schemas are checked here too (a checksum proves integrity, not that a writer
+followed the format), and a format-1 save is read into format 2's parts.
 """
 
 from __future__ import annotations
@@ -13,11 +16,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
+from collections.abc import Mapping
 from typing import Any
 
+from rng_tracker._collective import as_bytes
 from rng_tracker.errors import StateDictError
 
+FORMAT = 2  # 1: one blob of every rank's states, gathered to every rank (rng_tracker <= da7a863)
 MAGIC = b"rng_tracker RNG state, format 2\n"
+_RANK_KEY = re.compile(r"rank(0|[1-9][0-9]{0,8})")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_PART_NAME = re.compile(r"cpu|device|stream/.+", re.DOTALL)
 _CHECKSUM_BYTES = 32
 _PERSON = b"rng_tracker.ckpt"
 
@@ -88,3 +99,137 @@ def split_blob(key: str, blob: bytes, sizes: list[int]) -> list[bytes]:
         pieces.append(blob[start : start + size])
         start += size
     return pieces
+
+
+def is_rank_key(key: object) -> bool:
+    """Whether ``key`` names a per-rank entry (``rank0``, ``rank12``, ...)."""
+    return isinstance(key, str) and _RANK_KEY.fullmatch(key) is not None
+
+
+def format1_parts(saved: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
+    """One rank's states in a format-1 save, as format 2's parts: name -> (bytes, seed)."""
+    parts = {"cpu": (as_bytes(saved["cpu"]), None)}
+    if "device" in saved:
+        parts["device"] = (as_bytes(saved["device"]), None)
+    for name, entry in sorted(saved["tracker"]["streams"].items()):
+        parts[f"stream/{name}"] = (as_bytes(entry["state"]), entry["seed"])
+    return parts
+
+
+# --- header schemas (a checksum proves integrity, not that a writer followed the format) -------
+
+
+def _malformed(what: str) -> StateDictError:
+    return StateDictError(
+        f"the RNG state's {what} is malformed: it was not written by this rng_tracker's "
+        "RNGStateful; resume from another checkpoint"
+    )
+
+
+def _is_int(value: object, low: int = 0, high: int | None = None) -> bool:
+    return (
+        type(value) is int and value >= low and (high is None or value <= high)  # no bools
+    )
+
+
+def check_shared_header(header: dict[str, Any]) -> dict[str, Any]:
+    """``header`` of the ``shared`` entry, if it follows the format, else :class:`StateDictError`."""
+    keys = {
+        "kind",
+        "format",
+        "nonce",
+        "world",
+        "layout",
+        "run_seed",
+        "step",
+        "trainer_step",
+        "keyed",
+        "tracker",
+        "parts",
+    }
+    if set(header) != keys or header["kind"] != "shared":
+        raise _malformed("shared entry")
+    if header["format"] != FORMAT:
+        raise StateDictError(
+            f"RNG state of format {header['format']!r}; this rng_tracker reads formats 1 and "
+            f"{FORMAT}: load it with the version that wrote it"
+        )
+    tracker = header["tracker"]
+    if not (
+        isinstance(header["nonce"], str)
+        and _HEX32.fullmatch(header["nonce"])
+        and _is_int(header["world"], 1)
+        and isinstance(header["layout"], str)
+        and _is_int(header["run_seed"], 0, 2**64 - 1)
+        and (header["step"] is None or _is_int(header["step"]))
+        and (header["trainer_step"] is None or _is_int(header["trainer_step"]))
+        and (header["keyed"] is None or isinstance(header["keyed"], dict))
+        and isinstance(tracker, dict)
+        and set(tracker) == {"version", "device_type"}
+        and isinstance(header["parts"], list)
+    ):
+        raise _malformed("shared entry's header")
+    names = []
+    for part in header["parts"]:
+        if not (
+            isinstance(part, dict)
+            and set(part) == {"name", "replicated", "nbytes", "seed", "axes"}
+            and isinstance(part["name"], str)
+            and _PART_NAME.fullmatch(part["name"])
+            and type(part["replicated"]) is bool
+            and _is_int(part["nbytes"])
+            and (part["seed"] is None or _is_int(part["seed"], 0, 2**64 - 1))
+            and isinstance(part["axes"], list)
+            and all(isinstance(a, str) and a for a in part["axes"])
+            and (part["replicated"] or (part["axes"] and part["nbytes"] == 0))
+        ):
+            raise _malformed("shared entry's list of states")
+        names.append(part["name"])
+    if len(set(names)) != len(names) or "cpu" not in names:
+        raise _malformed("shared entry's list of states")
+    return header
+
+
+def check_rank_entry(
+    key: str,
+    data: object,
+    shared: dict[str, Any],
+    shared_sum: str,
+    per_rank: list[str],
+) -> dict[str, tuple[bytes, int | None]]:
+    """The parts of entry ``key`` (name -> (bytes, seed)), checked against the format and against
+    the save its ``shared`` entry (checksum ``shared_sum``) records; else :class:`StateDictError`."""
+    header, blob, _ = decode_entry(key, data)
+    if set(header) != {"kind", "format", "rank", "world", "nonce", "shared", "parts"} or not (
+        header["kind"] == "rank"
+        and header["format"] == FORMAT
+        and _is_int(header["rank"])
+        and f"rank{header['rank']}" == key
+        and isinstance(header["shared"], str)
+        and _HEX64.fullmatch(header["shared"])
+        and isinstance(header["parts"], list)
+    ):
+        raise _malformed(f"entry {key!r}")
+    if (header["world"], header["nonce"], header["shared"]) != (
+        shared["world"],
+        shared["nonce"],
+        shared_sum,
+    ) or header["rank"] >= shared["world"]:
+        raise StateDictError(
+            f"the RNG state's entry {key!r} belongs to another save than its 'shared' entry: "
+            "the checkpoint mixes saves; resume from another one"
+        )
+    parts = header["parts"]
+    if (
+        not all(
+            isinstance(p, dict)
+            and set(p) == {"name", "nbytes", "seed"}
+            and _is_int(p["nbytes"])
+            and (p["seed"] is None or _is_int(p["seed"], 0, 2**64 - 1))
+            for p in parts
+        )
+        or [p["name"] for p in parts] != per_rank
+    ):
+        raise _malformed(f"entry {key!r}'s list of states")
+    pieces = split_blob(key, blob, [p["nbytes"] for p in parts])
+    return {p["name"]: (piece, p["seed"]) for p, piece in zip(parts, pieces, strict=True)}

@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,7 +44,17 @@ from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
 from rng_tracker._device_rng import default_device, default_generator, device_rng
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng
 from rng_tracker._layout import process_layout
-from rng_tracker._rng_entries import canonical, decode_entry, encode_entry, split_blob
+from rng_tracker._rng_entries import (
+    FORMAT,
+    canonical,
+    check_rank_entry,
+    check_shared_header,
+    decode_entry,
+    encode_entry,
+    format1_parts,
+    is_rank_key,
+    split_blob,
+)
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
@@ -59,13 +68,8 @@ from rng_tracker.errors import (
 
 __all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 
-FORMAT = 2  # 1: one blob of every rank's states, gathered to every rank (rng_tracker <= da7a863)
 SavedBy = Literal["auto", "each_rank", "main_process"]
 _SAVED_BY = ("auto", "each_rank", "main_process")
-_RANK_KEY = re.compile(r"rank(0|[1-9][0-9]{0,8})")
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_PART_NAME = re.compile(r"cpu|device|stream/.+", re.DOTALL)
 _AXES = ("tp", "cp", "dp", "pp", "ep", "etp")  # a ParallelState's axes, in a fixed order
 _WORD = (1 << 62) - 1  # digest words are 62-bit, so -word fits an int64 (MAX gives min and max)
 
@@ -476,7 +480,7 @@ class RNGStateful:
         keys = saved_keys(call, self)
         rank, world = (0, 1) if call.no_dist else _world(call.process_group)
         if "shared" in keys:
-            saved_world = sum(1 for key in keys if _RANK_KEY.fullmatch(key))
+            saved_world = sum(1 for key in keys if is_rank_key(key))
             own = f"rank{rank}"
             wanted = ["shared"] + ([own] if saved_world == world and own in keys else [])
             return dict.fromkeys(wanted, b"")
@@ -536,14 +540,14 @@ class RNGStateful:
             )
         if "blob" in state_dict:
             return self._plan_format1(state_dict, rank, world)
-        unknown = [k for k in state_dict if k != "shared" and not _is_rank_key(k)]
+        unknown = [k for k in state_dict if k != "shared" and not is_rank_key(k)]
         if unknown or "shared" not in state_dict:
             raise StateDictError(
                 f"an RNG state has the entries 'shared' and 'rank<r>'; got {sorted(map(str, state_dict))[:8]}"
                 ": it was not written by RNGStateful.state_dict()"
             )
         header, blob, _ = decode_entry("shared", state_dict["shared"])
-        shared = _check_shared(header)
+        shared = check_shared_header(header)
         shared_sum = hashlib.blake2b(state_dict["shared"], digest_size=32).hexdigest()
         pieces = split_blob(
             "shared", blob, [p["nbytes"] for p in shared["parts"] if p["replicated"]]
@@ -558,7 +562,7 @@ class RNGStateful:
         entries = {}
         for key in state_dict:
             if key != "shared" and (key == own_key or int(key[4:]) % world == rank):
-                entries[key] = _check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
+                entries[key] = check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
         layout = self._layout_key()
         same = shared["world"] == world and shared["layout"] == layout
         rederived: list[str] = []
@@ -696,7 +700,7 @@ class RNGStateful:
             payload = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
             ranks = payload["ranks"]
             saved = [ranks[r] for r in sorted(ranks)]
-            parts_of = [_format1_parts(s) for s in saved]
+            parts_of = [format1_parts(s) for s in saved]
             same = payload["world"] == world and payload["layout"] == self.layout
             names = list(parts_of[0])
             keyed = payload["keyed"]
@@ -728,132 +732,3 @@ class RNGStateful:
                     "To convert: load it on the saved layout and save again (format 2)"
                 )
         return self._checked_plan(states, tracker_info, keyed, [])
-
-
-def _is_rank_key(key: object) -> bool:
-    return isinstance(key, str) and _RANK_KEY.fullmatch(key) is not None
-
-
-def _format1_parts(saved: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
-    parts = {"cpu": (as_bytes(saved["cpu"]), None)}
-    if "device" in saved:
-        parts["device"] = (as_bytes(saved["device"]), None)
-    for name, entry in sorted(saved["tracker"]["streams"].items()):
-        parts[f"stream/{name}"] = (as_bytes(entry["state"]), entry["seed"])
-    return parts
-
-
-# --- header schemas (a checksum proves integrity, not that a writer followed the format) -------
-
-
-def _malformed(what: str) -> StateDictError:
-    return StateDictError(
-        f"the RNG state's {what} is malformed: it was not written by this rng_tracker's "
-        "RNGStateful; resume from another checkpoint"
-    )
-
-
-def _is_int(value: object, low: int = 0, high: int | None = None) -> bool:
-    return (
-        type(value) is int and value >= low and (high is None or value <= high)  # no bools
-    )
-
-
-def _check_shared(header: dict[str, Any]) -> dict[str, Any]:
-    keys = {
-        "kind",
-        "format",
-        "nonce",
-        "world",
-        "layout",
-        "run_seed",
-        "step",
-        "trainer_step",
-        "keyed",
-        "tracker",
-        "parts",
-    }
-    if set(header) != keys or header["kind"] != "shared":
-        raise _malformed("shared entry")
-    if header["format"] != FORMAT:
-        raise StateDictError(
-            f"RNG state of format {header['format']!r}; this rng_tracker reads formats 1 and "
-            f"{FORMAT}: load it with the version that wrote it"
-        )
-    tracker = header["tracker"]
-    if not (
-        isinstance(header["nonce"], str)
-        and _HEX32.fullmatch(header["nonce"])
-        and _is_int(header["world"], 1)
-        and isinstance(header["layout"], str)
-        and _is_int(header["run_seed"], 0, 2**64 - 1)
-        and (header["step"] is None or _is_int(header["step"]))
-        and (header["trainer_step"] is None or _is_int(header["trainer_step"]))
-        and (header["keyed"] is None or isinstance(header["keyed"], dict))
-        and isinstance(tracker, dict)
-        and set(tracker) == {"version", "device_type"}
-        and isinstance(header["parts"], list)
-    ):
-        raise _malformed("shared entry's header")
-    names = []
-    for part in header["parts"]:
-        if not (
-            isinstance(part, dict)
-            and set(part) == {"name", "replicated", "nbytes", "seed", "axes"}
-            and isinstance(part["name"], str)
-            and _PART_NAME.fullmatch(part["name"])
-            and type(part["replicated"]) is bool
-            and _is_int(part["nbytes"])
-            and (part["seed"] is None or _is_int(part["seed"], 0, 2**64 - 1))
-            and isinstance(part["axes"], list)
-            and all(isinstance(a, str) and a for a in part["axes"])
-            and (part["replicated"] or (part["axes"] and part["nbytes"] == 0))
-        ):
-            raise _malformed("shared entry's list of states")
-        names.append(part["name"])
-    if len(set(names)) != len(names) or "cpu" not in names:
-        raise _malformed("shared entry's list of states")
-    return header
-
-
-def _check_rank_entry(
-    key: str,
-    data: object,
-    shared: dict[str, Any],
-    shared_sum: str,
-    per_rank: list[str],
-) -> dict[str, tuple[bytes, int | None]]:
-    header, blob, _ = decode_entry(key, data)
-    if set(header) != {"kind", "format", "rank", "world", "nonce", "shared", "parts"} or not (
-        header["kind"] == "rank"
-        and header["format"] == FORMAT
-        and _is_int(header["rank"])
-        and f"rank{header['rank']}" == key
-        and isinstance(header["shared"], str)
-        and _HEX64.fullmatch(header["shared"])
-        and isinstance(header["parts"], list)
-    ):
-        raise _malformed(f"entry {key!r}")
-    if (header["world"], header["nonce"], header["shared"]) != (
-        shared["world"],
-        shared["nonce"],
-        shared_sum,
-    ) or header["rank"] >= shared["world"]:
-        raise StateDictError(
-            f"the RNG state's entry {key!r} belongs to another save than its 'shared' entry: "
-            "the checkpoint mixes saves; resume from another one"
-        )
-    parts = header["parts"]
-    if (
-        not all(
-            isinstance(p, dict)
-            and set(p) == {"name", "nbytes", "seed"}
-            and _is_int(p["nbytes"])
-            and (p["seed"] is None or _is_int(p["seed"], 0, 2**64 - 1))
-            for p in parts
-        )
-        or [p["name"] for p in parts] != per_rank
-    ):
-        raise _malformed(f"entry {key!r}'s list of states")
-    pieces = split_blob(key, blob, [p["nbytes"] for p in parts])
-    return {p["name"]: (piece, p["seed"]) for p, piece in zip(parts, pieces, strict=True)}

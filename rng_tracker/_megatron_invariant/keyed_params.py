@@ -43,11 +43,6 @@ def set_active(active: bool) -> None:
     _STATE["active"] = bool(active)
 
 
-def deferred_count() -> int:
-    """How many parameters still wait for their values (alive ones)."""
-    return sum(1 for ref, _ in list(_DEFERRED.values()) if ref() is not None)
-
-
 def _forget(key: int) -> None:
     with _LOCK:
         _DEFERRED.pop(key, None)
