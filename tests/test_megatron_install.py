@@ -258,3 +258,34 @@ def test_a_fork_during_install_in_another_thread_leaves_the_child_a_whole_instal
         [sys.executable, "-c", _FORK_SCRIPT], env=_ENV, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and "child exit 0" in out.stdout, out.stdout + out.stderr
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at module level or inside a function."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_install_code_does_not_import_the_facade_back():
+    """rng_tracker.megatron imports _megatron_install (and, through it, _megatron_invariant);
+    none of those imports rng_tracker.megatron, even lazily: the facade hands install() its
+    replacements, so the arrows run one way and there is no import cycle."""
+    package = Path(rng_tracker.megatron.__file__).parent
+    paths = [
+        package / "_megatron_install.py",
+        *sorted((package / "_megatron_invariant").glob("*.py")),
+    ]
+    back = {
+        f"{path.relative_to(package.parent)}: {module}"
+        for path in paths
+        for module in _imported_modules(path)
+        if module == "rng_tracker.megatron"
+    }
+    assert not back, sorted(back)
