@@ -29,7 +29,7 @@ from rng_tracker import (
 )
 from rng_tracker import _seeds as seeds_module
 from rng_tracker import megatron as mg
-from rng_tracker._seeds import AXES
+from rng_tracker._streams import AXES
 from rng_tracker.errors import (
     InvalidSeedError,
     RankError,
