@@ -55,7 +55,7 @@ def test_unknown_name_is_still_an_attribute_error() -> None:
         ("rng_tracker", "CPURNGChangedWarning", "rng_tracker._tracker"),
         ("rng_tracker.parallel", "TinyGPT", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "GPTConfig", "rng_tracker.parallel.transformer"),
-        ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.transformer"),
+        ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.sites"),
         ("rng_tracker.parallel", "get_parallel_state_or_none", "rng_tracker.parallel._mesh"),
     ],
 )
