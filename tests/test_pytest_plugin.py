@@ -116,7 +116,7 @@ def test_the_old_plugin_path_still_works(pytester: pytest.Pytester) -> None:
             """
         )
     )
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest_inprocess(
         *("-p", "no:cacheprovider", "-p", "no:rng_tracker_distributed", "--strict-markers"),
         *("-p", "rng_tracker.parallel.testing.pytest_plugin"),
     )
