@@ -5,7 +5,7 @@ Claims: the marker runs the body on every rank with the rank fixtures set per ra
 failure fails the test with its traceback; the entry point pytest loads in every session imports
 neither torch nor rng_tracker (so registering the marker costs no torch import), and the harness
 loads with the first distributed test; the 0.1 path ``-p rng_tracker.parallel.testing.pytest_plugin``
-still works, warning.
+still works, warning (and silently where it is a pre-0.2 install's own entry point).
 """
 
 from __future__ import annotations
@@ -122,3 +122,35 @@ def test_the_old_plugin_path_still_works(pytester: pytest.Pytester) -> None:
     )
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*pytest_plugin is deprecated and will be removed in 0.3*"])
+
+
+def test_a_pre_0_2_install_still_runs_silently(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An environment installed before 0.2 (not reinstalled) has the 0.1 module as its entry
+    point: pytest loads it under the entry point's name, the marker works, and nothing warns -
+    even where this suite turns deprecations into errors (it runs inside this suite's filters)."""
+    stale = pytester.path / "site" / "stale_install-0.1.0.dist-info"
+    stale.mkdir(parents=True)
+    (stale / "METADATA").write_text("Metadata-Version: 2.1\nName: stale_install\nVersion: 0.1.0\n")
+    (stale / "entry_points.txt").write_text(
+        "[pytest11]\nrng_tracker_distributed = rng_tracker.parallel.testing.pytest_plugin\n"
+    )
+    monkeypatch.syspath_prepend(stale.parent)  # found before the real install's entry point
+    pytester.makepyfile(
+        test_stale=textwrap.dedent(
+            """
+            import pytest
+
+            def test_the_entry_point_is_the_old_module(pytestconfig):
+                plugin = pytestconfig.pluginmanager.get_plugin("rng_tracker_distributed")
+                assert plugin.__name__ == "rng_tracker.parallel.testing.pytest_plugin"
+
+            @pytest.mark.distributed(world_size=1, timeout=60)
+            def test_one_rank(rank):
+                assert rank == 0
+            """
+        )
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--strict-markers")
+    result.assert_outcomes(passed=2, warnings=0)
