@@ -32,7 +32,7 @@ _IMPLS = ("auto", "triton", "cpu", "torch")
 Words = tuple[int, int, int, int]
 
 
-def _check_p(p: object) -> float:
+def check_p(p: object) -> float:
     if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
         return p
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
@@ -228,7 +228,7 @@ def dropout(
     tensor itself: modify it in place before backward and autograd reports it.
     """
     _check_tensor("x", x)
-    p = _check_p(p)
+    p = check_p(p)
     index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
@@ -261,7 +261,7 @@ def bias_dropout_add(
             raise KernelInputError(
                 f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"
             )
-    p = _check_p(p)
+    p = check_p(p)
     index_map = index_map_of(x.shape, shard)
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:

@@ -1,12 +1,14 @@
 """rng_tracker.parallel: the process mesh, tensor-parallel layers and collectives, and the
 cross-rank RNG verifier.
 
-Beside this API: :mod:`rng_tracker.parallel.dtensor` (layout-invariant random ops on DTensors
-and ``invariant_random()``), :mod:`rng_tracker.parallel.keyed_init` (init keyed by parameter
-name and element index), :mod:`rng_tracker.parallel.testing` (the distributed test harness)
-and :mod:`rng_tracker.parallel.transformer` (the reference model, ``TinyGPT``, which the tests,
-docs and the training example in ``examples/gpt_training/`` build on). None of this module imports
-:mod:`rng_tracker.kernels` (and so Triton); the transformer does.
+Beside this API: :mod:`rng_tracker.parallel.sites` (which randomness a dropout site draws, for
+TinyGPT and users' models alike), :mod:`rng_tracker.parallel.dtensor` (layout-invariant random
+ops on DTensors), :mod:`rng_tracker.parallel.invariant` (``invariant_random()``: torch's own
+dropout and init calls routed to them), :mod:`rng_tracker.parallel.keyed_init` (init keyed by
+parameter name and element index), :mod:`rng_tracker.parallel.testing` (the distributed test
+harness) and :mod:`rng_tracker.parallel.transformer` (the reference model, ``TinyGPT``, which the
+tests, docs and the training example in ``examples/gpt_training/`` build on). None of this
+module imports :mod:`rng_tracker.kernels` (and so Triton); the others do.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ __getattr__ = deprecated_names(
         "GPTConfig": "rng_tracker.parallel.transformer:GPTConfig",
         "ParallelTransformerLayer": "rng_tracker.parallel.transformer:ParallelTransformerLayer",
         "TinyGPT": "rng_tracker.parallel.transformer:TinyGPT",
-        "record_masks": "rng_tracker.parallel.transformer:record_masks",
+        "record_masks": "rng_tracker.parallel.sites:record_masks",
         "get_parallel_state_or_none": "rng_tracker.parallel._mesh:get_parallel_state_or_none",
     },
 )

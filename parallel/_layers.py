@@ -25,12 +25,8 @@ from rng_tracker.parallel._tp_mappings import (
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sp,
+    tp_rank_and_size,
 )
-
-
-def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) of this process in the TP group ``group`` (None: no TP, so (0, 1))."""
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def shard_param(
@@ -49,7 +45,7 @@ def shard_param(
     if sp is not None:
         warn_deprecated("shard_param(sp=...)", "sequence_parallel=...")
         sequence_parallel = sp
-    rank, size = _tp(group)
+    rank, size = tp_rank_and_size(group)
     if dim is not None and full.shape[dim] % size:
         raise ParallelConfigError(
             f"dim {dim} of size {full.shape[dim]} does not divide by the TP size {size}"
@@ -158,7 +154,7 @@ class VocabParallelEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.group = group
-        rank, size = _tp(group)
+        rank, size = tp_rank_and_size(group)
         if vocab % size:
             raise ParallelConfigError(f"vocab {vocab} does not divide by the TP size {size}")
         self.start, self.end = rank * vocab // size, (rank + 1) * vocab // size

@@ -64,10 +64,6 @@ class ParallelState:
         """The process group of the ranks that differ from this one only on ``axis``."""
         return self._mesh_of(axis).get_group(axis)
 
-    def mesh_for(self, axis: str) -> DeviceMesh:
-        """The one-dimensional sub-mesh along ``axis``."""
-        return self._mesh_of(axis)[axis]
-
     @property
     def world_size(self) -> int:
         """Total number of ranks."""

@@ -8,21 +8,26 @@ empty); ``_StridedShard(dim, split_factor=s)`` (FSDP2 + TP) first chunks the pie
 every part. Mesh axes apply left to right, unless the spec carries an explicit
 ``shard_order``. The lists are then cut into contiguous runs: a box of the logical
 tensor per combination of runs (one box in the common case).
+
+Also the DTensor mechanics every random op on a DTensor shares: refusing a plain tensor,
+reducing Partial axes before a nonlinear op, wrapping a local result back, and which rank of a
+Partial placement holds an init's values.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from rng_tracker._torch_private import strided_shard_type
-from rng_tracker.errors import DTensorPlacementError
+from rng_tracker.errors import DTensorInputTypeError, DTensorPlacementError
 from rng_tracker.kernels._index_map import Region, chunk_bounds
 
 _StridedShard = strided_shard_type()
@@ -177,3 +182,78 @@ def local_index_of(x: DTensor) -> LocalIndex:
             "shape?), so its place in the logical tensor is unknown"
         )
     return found
+
+
+def require_dtensor(name: str, x: object) -> DTensor:
+    """``x`` itself if it is a DTensor, else :class:`DTensorInputTypeError` naming ``name``."""
+    if not isinstance(x, DTensor):
+        raise DTensorInputTypeError(
+            f"{name} must be a DTensor, got {type(x).__name__}; for a plain local shard use "
+            "rng_tracker.kernels.dropout(x, p, shard=Region(...))"
+        )
+    return x
+
+
+def without_partial(x: DTensor) -> DTensor:
+    """x with every Partial axis reduced (dropout is not linear: reduce, then drop)."""
+    if not any(isinstance(p, Partial) for p in x.placements):
+        return x
+    placements = [Replicate() if isinstance(p, Partial) else p for p in x.placements]
+    return x.redistribute(x.device_mesh, placements)
+
+
+def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as this rank's part of a DTensor of ``like``'s mesh, placements, shape, stride."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def holds_values(t: DTensor) -> bool:
+    """Whether this rank holds the values (True) or zeros (False) of an init of ``t``.
+
+    A ``Partial("sum")`` axis keeps the values on its coordinate 0 (the others add zero);
+    ``Partial("max"/"min")`` on every coordinate; other reductions cannot be initialised exactly.
+    """
+    holds = True
+    coordinate = t.device_mesh.get_coordinate()
+    for axis, placement in enumerate(t.placements):
+        if not isinstance(placement, Partial):
+            continue
+        if type(placement) is not Partial or placement.reduce_op not in ("sum", "max", "min"):
+            raise DTensorPlacementError(
+                f"cannot initialise a DTensor with placement {placement!r} exactly; "
+                "Partial('sum'|'max'|'min') and Shard/Replicate are supported - "
+                "initialise a Replicate() or Shard() DTensor instead"
+            )
+        if placement.reduce_op == "sum" and coordinate[axis] != 0:
+            holds = False  # the values live on coordinate 0 of the axis; the rest add zero
+    return holds
+
+
+def fill_from_full(t: object, draw: Callable[[torch.Tensor], Any]) -> DTensor:
+    """Fill the DTensor ``t`` in place with its part of ``draw(full)``, a draw on the whole
+    logical tensor (every rank draws all of it: torch's CPU and CUDA draws depend on the full
+    tensor's size and order), so the generator ends where the full draw leaves it."""
+    t = require_dtensor("tensor", t)
+    index = local_index_of(t)
+    holds = holds_values(t)
+    with torch.no_grad():
+        local = t.to_local()  # (local shape of t), the DTensor's own storage
+        full = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+        draw(full)
+        piece = full
+        for dim, idx in enumerate(index.indices):
+            if idx != tuple(range(full.shape[dim])):
+                keep = torch.tensor(idx, dtype=torch.int64, device=full.device)
+                piece = piece.index_select(dim, keep)
+        if holds:
+            local.copy_(piece)
+        else:
+            local.zero_()
+    return t

@@ -23,6 +23,12 @@ import torch.distributed as dist
 from rng_tracker._collective import all_gather_cat
 from rng_tracker.errors import ParallelConfigError
 
+
+def tp_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in the TP group ``group`` (None: no TP, so (0, 1))."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
 # Every collective below has the signature (tensor, group, dim) -> tensor.
 
 

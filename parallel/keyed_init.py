@@ -5,11 +5,12 @@ Each rank computes only its local shard with the compiled kernel of
 nothing drawn from any generator. So a parameter's full tensor is the same for any TP, FSDP
 or PP layout (and on one device), whether it was built on the meta device and materialised
 later, and whatever order the modules were built or initialised in: only the seed and the
-parameter's name count. ``invariant_random(model)`` (keyed is its default init; without
-``model=`` a tensor is named by its place among the block's draws) routes ``nn.init`` and
-``Tensor.uniform_``/``normal_`` here, and ``nn.init.trunc_normal_`` to one inverse-CDF draw per
-element (torch resamples out-of-range values in a data-dependent loop); the values differ from
-torch's own draws (use ``init="full"`` for those). See docs/dtensor.md.
+parameter's name count. ``invariant_random(model)`` of :mod:`rng_tracker.parallel.invariant`
+(keyed is its default init; without ``model=`` a tensor is named by its place among the block's
+draws) routes ``nn.init`` and ``Tensor.uniform_``/``normal_`` here, and ``nn.init.trunc_normal_``
+to one inverse-CDF draw per element (torch resamples out-of-range values in a data-dependent
+loop); the values differ from torch's own draws (use ``init="full"`` for those). See
+docs/dtensor.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import InvariantRandomConfigError
 from rng_tracker.kernels import _keyed_fill as _kernel
-from rng_tracker.parallel._placement import local_index_of
+from rng_tracker.parallel._placement import holds_values, local_index_of
 
 __all__ = [
     "KeyedInit",
@@ -45,10 +46,8 @@ def _fill(
     t: torch.Tensor, draw: Callable[..., torch.Tensor], *params: float, name: str, seed: int
 ) -> None:
     if isinstance(t, DTensor):
-        from rng_tracker.parallel.dtensor import _partial_fill  # (dtensor imports this module)
-
         index = local_index_of(t)
-        holds = _partial_fill(t)
+        holds = holds_values(t)
         local = t.to_local()  # (local shape of t)
         indices: Sequence[Sequence[int]] | None = index.indices
         global_shape: Sequence[int] = tuple(t.shape)

@@ -1,66 +1,52 @@
 """A tensor-parallel transformer layer and a small GPT, every dropout site in its RNG region.
 
 Sites (``embedding``; per layer i of the whole model ``layer.i.attention``,
-``layer.i.attention_output``, ``layer.i.mlp_output``) and their regions:
-
-| site | activation | rng_mode="megatron" | rng_mode="invariant" | rng_mode="keyed" |
-| --- | --- | --- | --- | --- |
-| attention probs | sharded by heads (dim 1) | fork ``model-parallel-rng`` | default stream, ``Chunk(1, tp_rank, tp)`` | keyed site, ``Region`` of (batch, heads, s, s) |
-| hidden (after row-parallel), embedding | replicated | default stream | default stream | keyed site, ``Region`` of (s, batch, h) |
-| … under sequence parallelism | sharded by sequence (dim 0) | fork ``model-parallel-rng`` | default stream, ``Chunk(0, tp_rank, tp)`` | keyed site, ``Region`` of (s, batch, h) |
-
-In invariant mode every site draws from the replicated default stream with global
-indices, so the masks do not depend on the TP or SP degree. In keyed mode every site
-draws from :func:`rng_tracker.get_keyed_rng` with the box its activation holds in the
-site's logical tensor over the *whole global batch* (TP/SP shard and the microbatch's
-place, set by :func:`batch_position`), so the masks depend on neither TP, SP, DP, PP,
-microbatches nor recompute; recompute then needs no RNG snapshot at all.
+``layer.i.attention_output``, ``layer.i.mlp_output``) run through
+:func:`rng_tracker.parallel.sites.site_dropout`, which draws what each activation's layout and
+``GPTConfig.rng_mode`` call for: attention probabilities are sharded by heads (dim 1), the
+hidden states after a row-parallel layer and the embedding are replicated, or sharded by
+sequence (dim 0) under sequence parallelism. The model reads the microbatch's place
+(:func:`~rng_tracker.parallel.sites.batch_position`) at forward time and carries it into
+recompute.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
-from rng_tracker._device_rng import default_generator
+from rng_tracker._deprecation import deprecated_names
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._tracker import MODEL_PARALLEL_RNG, get_rng_tracker
 from rng_tracker._validate import checked_int
 from rng_tracker.activation_checkpoint import checkpoint
-from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
-from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
+from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    _tp,
     shard_param,
 )
-from rng_tracker.parallel._tp_mappings import scatter_to_tp
+from rng_tracker.parallel._tp_mappings import scatter_to_tp, tp_rank_and_size
+from rng_tracker.parallel.sites import (
+    BatchPosition,
+    RNGMode,
+    current_batch_position,
+    site_dropout,
+)
 
 __all__ = [
-    "BatchPosition",
     "GPTConfig",
-    "MaskRecord",
     "ParallelTransformerLayer",
-    "RNGMode",
     "Recompute",
     "TinyGPT",
-    "batch_position",
-    "place_masks",
-    "record_masks",
 ]
 
-RNGMode = Literal["megatron", "invariant", "keyed"]
-_RNG_MODES = ("megatron", "invariant", "keyed")
 Recompute = Literal["none", "full", "selective"]
 
 
@@ -83,223 +69,14 @@ class GPTConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.rng_mode not in _RNG_MODES:
+        if self.rng_mode not in get_args(RNGMode):
             raise ParallelConfigError(
                 f"rng_mode must be 'megatron', 'invariant' or 'keyed', got {self.rng_mode!r}"
             )
-        if self.recompute not in ("none", "full", "selective"):
+        if self.recompute not in get_args(Recompute):
             raise ParallelConfigError(
                 f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPosition:
-    """A microbatch holds samples [sample_offset, sample_offset + b) of a global batch."""
-
-    sample_offset: int
-    global_batch: int
-
-
-_POSITION: BatchPosition | None = None
-
-
-@contextlib.contextmanager
-def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosition]:
-    """Run the body's forward as the microbatch at ``sample_offset`` of a ``global_batch``.
-
-    The trainer enters it around each microbatch's forward on each data-parallel rank:
-    keyed dropout sites then draw the masks of those samples of the whole global batch.
-    Without it a forward's local batch is taken to be the whole global batch. Recompute
-    does not need it: layers capture the position at forward time.
-    """
-    global _POSITION
-    position = BatchPosition(
-        checked_int(sample_offset, "sample_offset", type_error=ParallelConfigError, minimum=0),
-        checked_int(global_batch, "global_batch", type_error=ParallelConfigError, minimum=1),
-    )
-    if position.sample_offset >= position.global_batch:
-        raise ParallelConfigError(
-            f"sample_offset {position.sample_offset} must be below global_batch {position.global_batch}"
-        )
-    previous, _POSITION = _POSITION, position
-    try:
-        yield position
-    finally:
-        _POSITION = previous
-
-
-def _position(batch: int) -> BatchPosition:
-    """The position of a local batch of ``batch`` samples (the context's, else the whole batch)."""
-    position = _POSITION if _POSITION is not None else BatchPosition(0, batch)
-    if position.sample_offset + batch > position.global_batch:
-        raise ParallelConfigError(
-            f"a microbatch of {batch} samples at offset {position.sample_offset} does not fit a "
-            f"global batch of {position.global_batch}; fix batch_position(...)"
-        )
-    return position
-
-
-class MaskRecord(tuple):
-    """(site, local keep mask, TP ``Chunk`` or None) of one dropout call.
-
-    ``region`` places the mask in the site's logical tensor over the whole global batch
-    (TP/SP shard and batch position), in every rng mode, so masks can be gathered per
-    sample across layouts; ``batch_dim`` is that tensor's sample dim.
-    """
-
-    region: Region
-    batch_dim: int
-
-    @property
-    def site(self) -> str:
-        return self[0]
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self[1]
-
-    @property
-    def shard(self) -> Chunk | None:
-        return self[2]
-
-
-_PROBE: list[MaskRecord] | None = None
-
-
-@contextlib.contextmanager
-def record_masks() -> Iterator[list[MaskRecord]]:
-    """Record a :class:`MaskRecord` of every dropout site run in the body (recompute included).
-
-    The probe redraws each mask through the same kernel, from a copy of the generator the
-    site is about to use (or, in keyed mode, from the site's seed words), so it sees
-    exactly the site's mask without changing it.
-    """
-    global _PROBE
-    previous, _PROBE = _PROBE, []
-    try:
-        yield _PROBE
-    finally:
-        _PROBE = previous
-
-
-def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
-    """Each site's recorded masks placed in its logical tensor over the whole global batch.
-
-    Returns int8 CPU tensors: 1 kept, 0 dropped, -1 where no record covers the element.
-    Records of one site that overlap (TP replicas, recompute) must agree, else
-    :class:`RNGConsistencyError`. Gather the records of all ranks first to see the whole batch.
-    """
-    placed: dict[str, torch.Tensor] = {}
-    for record in records:
-        region = record.region
-        logical = placed.get(record.site)
-        if logical is None:
-            logical = placed[record.site] = torch.full(region.global_shape, -1, dtype=torch.int8)
-        box = logical[
-            tuple(slice(o, o + n) for o, n in zip(region.offset, record.mask.shape, strict=True))
-        ]
-        mask = record.mask.to(device="cpu", dtype=torch.int8)
-        if bool(((box != -1) & (box != mask)).any()):
-            raise RNGConsistencyError(
-                f"two records of site {record.site!r} draw different masks for the same elements "
-                f"(box at {region.offset})"
-            )
-        box.copy_(mask)
-    return placed
-
-
-def _region(
-    shape: torch.Size, shard: Chunk | None, batch_dim: int, position: BatchPosition
-) -> Region:
-    """The box a local activation of ``shape`` holds in its site's logical tensor."""
-    global_shape, offset = list(shape), [0] * len(shape)
-    if shard is not None:
-        global_shape[shard.dim] *= shard.count
-        offset[shard.dim] = shard.index * shape[shard.dim]
-    global_shape[batch_dim], offset[batch_dim] = position.global_batch, position.sample_offset
-    return Region(tuple(global_shape), tuple(offset))
-
-
-def _site(
-    name: str,
-    x: torch.Tensor,
-    p: float,
-    *,
-    sharded_dim: int | None,
-    group: dist.ProcessGroup | None,
-    rng_mode: RNGMode,
-    training: bool,
-    batch_dim: int = 1,
-    position: BatchPosition | None = None,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One dropout site, run in the RNG region its sharding and ``rng_mode`` call for.
-
-    ``batch_dim`` is x's batch dim; ``position`` the microbatch's place in the global batch
-    (default: the current :func:`batch_position`).
-    """
-    if position is None:
-        position = _position(x.shape[batch_dim])
-    tp_rank, tp = _tp(group)
-    placement = None  # the TP/SP shard of x (an even split)
-    if sharded_dim is not None and tp > 1:
-        placement = Chunk(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
-    if rng_mode == "keyed" and training and p > 0:
-        return _keyed_site(name, x, p, placement, batch_dim, position, training, bias, residual)
-    region, shard = contextlib.nullcontext(), placement
-    if placement is not None and rng_mode == "megatron":
-        region = get_rng_tracker(x.device).fork(MODEL_PARALLEL_RNG)
-        shard = None  # megatron mode draws local indices from a per-rank stream
-    with region:
-        if _PROBE is not None and training and p > 0:
-            twin = torch.Generator(device=x.device)
-            twin.set_state(default_generator(x.device).get_state())
-            region = _region(x.shape, placement, batch_dim, position)
-            _probe(name, x, p, shard, region, batch_dim, shard=shard, generator=twin)
-        if residual is None:
-            return dropout(x, p, training=training, shard=shard)
-        return bias_dropout_add(x, bias, residual, p, training=training, shard=shard)
-
-
-def _probe(
-    name: str,
-    x: torch.Tensor,
-    p: float,
-    placement: Chunk | None,
-    region: Region,
-    batch_dim: int,
-    **draw: object,
-) -> None:
-    """Record the mask the site is about to draw (``draw``: the kernel's shard and randomness)."""
-    record = MaskRecord((name, dropout(torch.ones_like(x), p, **draw) != 0, placement))
-    record.region, record.batch_dim = region, batch_dim
-    _PROBE.append(record)
-
-
-def _keyed_site(
-    name: str,
-    x: torch.Tensor,
-    p: float,
-    shard: Chunk | None,
-    batch_dim: int,
-    position: BatchPosition,
-    training: bool,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> torch.Tensor:
-    """A keyed site (training, p > 0): no generator is read or written, the mask is
-    (seed, step, site, box)'s."""
-    rng = get_keyed_rng(x.device)
-    rng.register(name)
-    seed = rng.seed_tensor(name)  # (4,) [key, 0, site id, step]
-    region = _region(x.shape, shard, batch_dim, position)
-    if _PROBE is not None:
-        _probe(name, x, p, shard, region, batch_dim, shard=region, seed=seed)
-    if residual is None:
-        return dropout(x, p, shard=region, seed=seed)
-    return bias_dropout_add(x, bias, residual, p, shard=region, seed=seed)
 
 
 class _LayerNorm(torch.nn.LayerNorm):
@@ -339,7 +116,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        _, tp = _tp(group)
+        _, tp = tp_rank_and_size(group)
         if config.heads % tp or config.hidden % config.heads:
             raise ParallelConfigError(
                 f"heads={config.heads} must divide by tp={tp} and divide hidden={config.hidden}"
@@ -368,7 +145,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.fc2 = RowParallelLinear(config.ffn, h, skip_bias_add=True, **parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        position = _position(x.shape[1])  # read now: a recompute runs outside batch_position
+        position = current_batch_position(x.shape[1])  # now: recompute runs outside it
         if self.config.recompute == "full" and self.training:
             return _checkpoint(self.config.rng_mode, self._forward, x, position)
         return self._forward(x, position)
@@ -383,7 +160,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         position: BatchPosition,
         **kw: torch.Tensor | None,
     ) -> torch.Tensor:
-        return _site(
+        return site_dropout(
             name,
             x,
             p,
@@ -478,13 +255,13 @@ class TinyGPT(torch.nn.Module):
         sequence_parallel = self.config.sequence_parallel and self.group is not None
         if sequence_parallel:
             x = scatter_to_tp(x, self.group, 0)  # (s/tp, b, h)
-        return _site(
+        return site_dropout(
             "embedding",
             x,
             self.config.embedding_dropout,
             sharded_dim=0 if sequence_parallel else None,
             batch_dim=1,
-            position=_position(x.shape[1]),
+            position=current_batch_position(x.shape[1]),
             group=self.group,
             rng_mode=self.config.rng_mode,
             training=self.training,
@@ -508,3 +285,14 @@ class TinyGPT(torch.nn.Module):
         return F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), targets.t().reshape(-1)
         )
+
+
+# Names of 0.1 that live in rng_tracker.parallel.sites now (the dropout-site policy that users'
+# models call too); they resolve, with a warning, until 0.3.
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        name: f"rng_tracker.parallel.sites:{name}"
+        for name in ("MaskRecord", "batch_position", "place_masks", "record_masks")
+    },
+)

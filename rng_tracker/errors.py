@@ -6,6 +6,8 @@ callers can catch either the library's family or the ordinary Python category.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "CheckpointConfigError",
     "CheckpointRNGMismatchError",
@@ -302,7 +304,7 @@ class RNGStateRederivedWarning(UserWarning):
 __all__ += ["RNGStateConfigError", "RNGStateRederivedWarning", "RNGStateSaveError"]
 
 
-# -- core (issue 24): the stragglers that lived beside their raisers, and the keyword renames --
+# A warning of the tracker, and deprecated keyword aliases given beside their new names.
 class CPURNGChangedWarning(UserWarning):
     """The CPU generator advanced inside a fork of a device stream (it is not forked), so those
     CPU draws are not part of the stream."""
@@ -314,3 +316,19 @@ class ArgumentConflictError(RNGTrackerError, TypeError):
 
 
 __all__ += ["ArgumentConflictError", "CPURNGChangedWarning"]
+
+
+# The distributed test harness's (rng_tracker.parallel.testing exports them too).
+class DistributedTestError(RNGTrackerError, RuntimeError):
+    """One or more ranks failed; ``failures`` maps each failed rank to its report."""
+
+    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
+        super().__init__(message)
+        self.failures = dict(failures)
+
+
+class HarnessUsageError(RNGTrackerError, TypeError):
+    """``run_distributed`` was given a function the rank processes cannot import."""
+
+
+__all__ += ["DistributedTestError", "HarnessUsageError"]

@@ -78,7 +78,7 @@ def _init(model: torch.nn.Module) -> None:
 def _measure(layout: str, layers: int, dim: int, vocab: int, repeats: int) -> dict[str, tuple]:
     import torch.distributed as dist
 
-    from rng_tracker.parallel.dtensor import invariant_random
+    from rng_tracker.parallel.invariant import invariant_random
 
     torch.set_num_threads(1)
     model = _model(layout, _shapes(layers, dim, vocab))

@@ -4,7 +4,7 @@ The model is plain torch (nn.Linear, nn.Dropout, nn.init on meta-device paramete
 parallelism is applied from outside with ``parallelize_module`` and the activations stay
 DTensors (``use_local_output=False``), so every dropout site and every init sees a DTensor.
 Each layout trains 20 steps on CPU gloo twice: with torch's own DTensor randomness and under
-``rng_tracker.parallel.dtensor.invariant_random()``. Reported per layout: the dropout sites
+``rng_tracker.parallel.invariant.invariant_random()``. Reported per layout: the dropout sites
 of the first step whose logical (gathered) mask equals the TP=1 mask bitwise, whether the
 initial parameters equal TP=1's, and the largest loss gap to TP=1 over the run.
 
@@ -164,7 +164,7 @@ def train_run(cfg: Config, tp: int, sp: bool, invariant: bool, steps: int) -> di
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from rng_tracker.parallel.dtensor import invariant_random
+    from rng_tracker.parallel.invariant import invariant_random
 
     warnings.filterwarnings("ignore")  # DTensor warns that its random ops are incomplete on CPU
     mesh = init_device_mesh("cpu", (tp,))

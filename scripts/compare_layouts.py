@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._keyed import get_keyed_rng
+from rng_tracker.parallel.sites import place_masks
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.transformer import GPTConfig, place_masks
+from rng_tracker.parallel.transformer import GPTConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _examples_path  # noqa: F401  (examples/ onto sys.path: the job is not installed)

@@ -23,7 +23,7 @@ from rng_tracker.parallel.testing._harness import run_distributed
 def _one(tp: int, dp_shard: int, parallel: bool, ours: bool) -> tuple[dict, list]:
     import test_torchtitan as titan
 
-    from rng_tracker.parallel.dtensor import disable_invariant_random, enable_invariant_random
+    from rng_tracker.parallel.invariant import disable_invariant_random, enable_invariant_random
 
     model = titan._build(tp, dp_shard, parallel=parallel)
     torch.manual_seed(0)

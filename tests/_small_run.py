@@ -7,7 +7,8 @@ from typing import Any
 
 from gpt_training.trainer import TrainConfig
 
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode
+from rng_tracker.parallel.sites import RNGMode
+from rng_tracker.parallel.transformer import GPTConfig, Recompute
 
 SMALL = GPTConfig(hidden=32, heads=4, ffn=64, seq_len=16, layers=2)
 

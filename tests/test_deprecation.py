@@ -56,7 +56,7 @@ def test_unknown_name_is_still_an_attribute_error() -> None:
         ("rng_tracker", "CPURNGChangedWarning", "rng_tracker.errors"),
         ("rng_tracker.parallel", "TinyGPT", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "GPTConfig", "rng_tracker.parallel.transformer"),
-        ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.transformer"),
+        ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.sites"),
     ],
 )
 def test_names_that_left_a_package_namespace_still_resolve(

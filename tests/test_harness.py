@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import textwrap
 import time
 from pathlib import Path
 
@@ -113,37 +112,6 @@ def test_a_local_function_is_refused():
 
     with pytest.raises(TypeError, match="module level"):
         run_distributed(local, world_size=1)
-
-
-@pytest.mark.distributed(world_size=2, timeout=60)
-def test_the_marker_runs_the_body_on_every_rank(rank, world_size, tmp_path):
-    """The plugin runs this body on 2 ranks, with the rank fixtures set per rank."""
-    assert dist.is_initialized() and world_size == dist.get_world_size() == 2
-    assert rank == dist.get_rank()
-    (tmp_path / f"ran-{rank}").write_text("yes")
-    dist.barrier()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ran-0", "ran-1"]
-
-
-def test_the_plugin_reports_a_failing_rank_to_pytest(pytester):
-    """A distributed test failing on one rank fails in pytest with that rank's traceback."""
-    pytester.makepyfile(
-        test_failing=textwrap.dedent(
-            """
-            import pytest
-            import torch.distributed as dist
-
-            @pytest.mark.distributed(world_size=2, timeout=60)
-            def test_fails_on_rank_1(rank):
-                if rank == 1:
-                    raise AssertionError("only rank one says this")
-                dist.barrier()
-            """
-        )
-    )
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*rank 1 raised*", "*AssertionError: only rank one says this*"])
 
 
 def _return_early_on_rank_1(pid_dir: str) -> str:

@@ -29,14 +29,9 @@ from rng_tracker.errors import (
 )
 from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+from rng_tracker.parallel.sites import batch_position, place_masks, record_masks
 from rng_tracker.parallel.testing import run_distributed
-from rng_tracker.parallel.transformer import (
-    GPTConfig,
-    TinyGPT,
-    batch_position,
-    place_masks,
-    record_masks,
-)
+from rng_tracker.parallel.transformer import GPTConfig, TinyGPT
 
 # Two names whose BLAKE2b-derived 32-bit ids collide (found by a birthday search; the test
 # below first checks that they really do).

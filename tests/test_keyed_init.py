@@ -4,18 +4,25 @@ Claims: the compiled kernel's uniform values are bitwise the plain-torch Philox 
 shard (index lists) is bitwise the slice of the full tensor, for uniform and normal; the
 values do not depend on the generator, on meta-device materialisation, on module
 construction order or on which other modules a (pipeline) stage holds; nothing is drawn
-from the generator. The multi-rank TP, TP x FSDP and torchtitan cases are in
-tests/test_invariant_plain.py and tests/test_torchtitan.py.
+from the generator; keyed ``trunc_normal_`` values follow the truncated normal. The multi-rank
+TP, TP x FSDP and torchtitan cases are in tests/test_invariant.py and tests/test_torchtitan.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from rng_tracker.errors import InvariantRandomConfigError, KernelInputError, RNGTrackerError
-from rng_tracker.kernels._keyed_fill import keyed_normal_, keyed_uniform_, keyed_uniform_reference
-from rng_tracker.parallel.dtensor import invariant_random
+from rng_tracker.kernels._keyed_fill import (
+    keyed_normal_,
+    keyed_trunc_normal_,
+    keyed_uniform_,
+    keyed_uniform_reference,
+)
+from rng_tracker.parallel.invariant import invariant_random
 from rng_tracker.parallel.keyed_init import KeyedInit, stable_name
 
 
@@ -102,3 +109,28 @@ def test_names_are_stable_and_errors_typed() -> None:
     with pytest.raises(InvariantRandomConfigError) as info:
         KeyedInit(model, 2**64)
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+
+
+def _truncated_moments(mean: float, std: float, a: float, b: float) -> tuple[float, float]:
+    alpha, beta = (a - mean) / std, (b - mean) / std
+    pdf = lambda x: math.exp(-x * x / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    mass = 0.5 * (math.erf(beta / math.sqrt(2)) - math.erf(alpha / math.sqrt(2)))
+    shift = (pdf(alpha) - pdf(beta)) / mass
+    var = 1 + (alpha * pdf(alpha) - beta * pdf(beta)) / mass - shift**2
+    return mean + std * shift, std * math.sqrt(var)
+
+
+@pytest.mark.parametrize(
+    "mean, std, a, b", [(0.0, 0.02, -0.06, 0.06), (1.0, 2.0, 0.5, 9.0), (0.0, 1.0, -2.0, 2.0)]
+)
+def test_values_follow_the_truncated_normal(mean: float, std: float, a: float, b: float) -> None:
+    """Keyed trunc_normal_ (one inverse-CDF draw per element) stays in [a, b] and has the
+    truncated normal's mean and std."""
+    values = keyed_trunc_normal_(torch.empty(1 << 20), mean, std, a, b, seed=3, name="w")
+    assert values.min().item() >= a and values.max().item() <= b
+    expected_mean, expected_std = _truncated_moments(mean, std, a, b)
+    # 2**20 samples: the standard error of the mean is std / 1024
+    assert abs(values.double().mean().item() - expected_mean) < 5 * expected_std / 1024
+    assert abs(values.double().std().item() / expected_std - 1) < 5e-3
+    with pytest.raises(KernelInputError, match="std > 0"):
+        keyed_trunc_normal_(torch.empty(4), mean, 0.0, a, b, seed=3, name="w")

@@ -23,8 +23,9 @@ JOB_MODULES = {"trainer", "corpus", "pipeline", "dcp_checkpoint", "lowering", "_
 
 _IMPORT_CHECK = r"""
 import importlib.util, sys
-import rng_tracker, rng_tracker.kernels, rng_tracker.parallel
+import rng_tracker, rng_tracker.kernels, rng_tracker.parallel, rng_tracker_pytest
 assert rng_tracker.__file__.startswith(sys.argv[1]), rng_tracker.__file__
+assert rng_tracker_pytest.__file__.startswith(sys.argv[1]), rng_tracker_pytest.__file__
 absent = ["rng_tracker.parallel.demo", "rng_tracker.kernels.lowering", "gpt_training"]
 found = [name for name in absent if importlib.util.find_spec(name) is not None]
 assert not found, found
@@ -62,6 +63,11 @@ def test_the_wheel_holds_the_library_but_not_the_job_or_the_lowering_tool(tmp_pa
         archive.extractall(tmp_path / "site")
     modules = [n for n in names if n.endswith(".py")]
     assert "rng_tracker/parallel/transformer.py" in modules  # the library is there
+    # the pytest plugin's entry point: a top-level module, so registering the marker needs no torch
+    assert "rng_tracker_pytest.py" in modules and not [n for n in modules if "_entry_point" in n]
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    entry_text = (tmp_path / "site" / entry_points).read_text(encoding="utf-8")
+    assert "rng_tracker_distributed = rng_tracker_pytest" in entry_text
     assert "rng_tracker/kernels/_triton_kernel.py" in modules
     # the C kernels build from the installed files: their sources and the headers they include
     for kernel_file in ("cpu_dropout.c", "keyed_fill.c", "philox4x32.h", "f32_bits.h"):

@@ -105,7 +105,7 @@ def _run(
     tp: int, dp_shard: int, *, parallel: bool = True, steps: int = 2
 ) -> tuple[dict, list[torch.Tensor], torch.Tensor]:
     """Params after torchtitan's init, each step's masks, the generator state after step 1."""
-    from rng_tracker.parallel.dtensor import disable_invariant_random, enable_invariant_random
+    from rng_tracker.parallel.invariant import disable_invariant_random, enable_invariant_random
 
     model = _build(tp, dp_shard, parallel=parallel)
     torch.manual_seed(0)  # the same on every rank, after the build (which may draw per rank)
@@ -152,7 +152,7 @@ def test_tp4_and_tp2_fsdp2_and_a_dcp_resume_across_layouts(rank: int, tmp_path) 
     import torch.distributed.checkpoint as dcp
 
     from rng_tracker.dcp import RNGStateful
-    from rng_tracker.parallel.dtensor import disable_invariant_random, enable_invariant_random
+    from rng_tracker.parallel.invariant import disable_invariant_random, enable_invariant_random
 
     single = _run(1, 1, parallel=False)
     _assert_equal_to_single_device(_run(4, 1), single, "TP=4")

@@ -140,7 +140,7 @@ class _Run:
             self.model.init_weights(buffer_device=None)
 
     def open(self) -> None:
-        from rng_tracker.parallel.dtensor import enable_invariant_random
+        from rng_tracker.parallel.invariant import enable_invariant_random
 
         enable_invariant_random()
         self.invariant = True
@@ -178,7 +178,7 @@ class _Run:
         )
 
     def close(self) -> None:
-        from rng_tracker.parallel.dtensor import disable_invariant_random
+        from rng_tracker.parallel.invariant import disable_invariant_random
 
         if self.invariant:
             disable_invariant_random()

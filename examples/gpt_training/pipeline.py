@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rng_tracker.errors import ParallelConfigError
-from rng_tracker.parallel.transformer import TinyGPT, batch_position
+from rng_tracker.parallel.sites import batch_position
+from rng_tracker.parallel.transformer import TinyGPT
 
 __all__ = ["GPTStage", "Schedule", "SingleStage", "build_schedule", "split_layers"]
 

@@ -27,7 +27,8 @@ from rng_tracker._seeds import SeedPlan, model_parallel_seed
 from rng_tracker._tracker import STATE_DICT_VERSION, get_rng_tracker
 from rng_tracker.parallel._mesh import ParallelState, destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel._verify import RNGReport, verify_rng_consistency
-from rng_tracker.parallel.transformer import GPTConfig, Recompute, RNGMode, TinyGPT, record_masks
+from rng_tracker.parallel.sites import RNGMode, record_masks
+from rng_tracker.parallel.transformer import GPTConfig, Recompute, TinyGPT
 
 from .corpus import Corpus
 from .dcp_checkpoint import (

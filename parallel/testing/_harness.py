@@ -25,23 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from rng_tracker.errors import ParallelConfigError, RNGTrackerError
+from rng_tracker.errors import DistributedTestError, HarnessUsageError, ParallelConfigError
 
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0
-
-
-class DistributedTestError(RNGTrackerError, RuntimeError):
-    """One or more ranks failed; ``failures`` maps each failed rank to its report."""
-
-    def __init__(self, message: str, failures: Mapping[int, str]) -> None:
-        super().__init__(message)
-        self.failures = dict(failures)
-
-
-class HarnessUsageError(RNGTrackerError, TypeError):
-    """``run_distributed`` was given a function the rank processes cannot import."""
 
 
 _CONTEXT: multiprocessing.context.BaseContext | None = None

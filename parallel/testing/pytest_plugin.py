@@ -1,71 +1,35 @@
-"""pytest plugin: ``@pytest.mark.distributed(world_size=N, timeout=S)`` runs a test on N ranks.
+"""The pytest plugin's 0.1 path, for ``-p rng_tracker.parallel.testing.pytest_plugin``: it works,
+warning at configure time, until 0.3. The plugin is the top-level module ``rng_tracker_pytest``
+now (the ``pytest11`` entry point pytest loads by itself), which imports no torch.
 
-The test body runs in every rank process with torch.distributed initialised; the
-``rank`` and ``world_size`` fixtures hold that rank's values there. Other fixture
-values are computed once in the pytest process and sent to the ranks (they must be
-picklable; ``tmp_path`` is shared by all ranks).
+Importing this module does not warn (the library's module walk imports it); naming it with
+``-p`` does, once per session. An environment installed before 0.2 still has it as its entry
+point (until reinstalled): that works, silently.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
 
 import pytest
+import rng_tracker_pytest
+from rng_tracker_pytest import pytest_pyfunc_call, rank, world_size
 
-from rng_tracker.parallel.testing._harness import run_distributed
+from rng_tracker._deprecation import REMOVED_IN
 
-_DEFAULT_WORLD_SIZE = 2
-_DEFAULT_TIMEOUT_S = 120.0
+__all__ = ["pytest_configure", "pytest_pyfunc_call", "rank", "world_size"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "distributed(world_size=2, timeout=120): run the test body on world_size real "
-        "torch.distributed ranks (gloo on CPU)",
+    """Register the marker (as the entry point does) and say that this path is on its way out."""
+    rng_tracker_pytest.pytest_configure(config)
+    if config.pluginmanager.get_name(sys.modules[__name__]) == "rng_tracker_distributed":
+        return  # the entry point of an install from before 0.2: not the user's choice, so silent
+    config.issue_config_time_warning(
+        DeprecationWarning(
+            f"module rng_tracker.parallel.testing.pytest_plugin is deprecated and will be removed "
+            f"in {REMOVED_IN}: use the pytest11 entry point rng_tracker_pytest, which pytest loads "
+            "by itself (-p rng_tracker_pytest where entry points are disabled)"
+        ),
+        stacklevel=2,
     )
-
-
-def _marker_options(item: pytest.Item) -> tuple[int, float]:
-    marker = item.get_closest_marker("distributed")
-    assert marker is not None
-    world_size = marker.kwargs.get(
-        "world_size", marker.args[0] if marker.args else _DEFAULT_WORLD_SIZE
-    )
-    return int(world_size), float(marker.kwargs.get("timeout", _DEFAULT_TIMEOUT_S))
-
-
-def _run_test_on_rank(test: Any, kwargs: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
-    if "rank" in kwargs:
-        kwargs["rank"] = dist.get_rank()
-    if "world_size" in kwargs:
-        kwargs["world_size"] = dist.get_world_size()
-    test(**kwargs)
-
-
-@pytest.fixture
-def rank() -> int:
-    """This rank's index (0 in the pytest process, which only dispatches)."""
-    return 0
-
-
-@pytest.fixture
-def world_size(request: pytest.FixtureRequest) -> int:
-    """The world size of a ``distributed`` test (1 for other tests)."""
-    if request.node.get_closest_marker("distributed") is None:
-        return 1
-    return _marker_options(request.node)[0]
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if pyfuncitem.get_closest_marker("distributed") is None:
-        return None
-    world_size, timeout = _marker_options(pyfuncitem)
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    run_distributed(
-        _run_test_on_rank, world_size=world_size, args=(pyfuncitem.obj, kwargs), timeout=timeout
-    )
-    return True

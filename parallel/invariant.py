@@ -1,0 +1,507 @@
+"""``invariant_random()``: torch's own dropout and init calls drawing the same values on one
+device and on any mesh, with no edit to the model.
+
+A torch function mode routes ``F.dropout`` (so ``nn.Dropout``) and its variants and
+``nn.init``/``Tensor.uniform_``/``normal_`` on plain tensors and DTensors alike to the
+layout-invariant ops of :mod:`rng_tracker.parallel.dtensor` and the same kernels, so a
+single-device run draws what any mesh draws, and a model parallelized with
+``parallelize_module`` (or torchtitan) gets them without an edit. ``init="keyed"`` (the default)
+computes each rank's shard of a parameter from (seed, name, index) alone
+(:mod:`rng_tracker.parallel.keyed_init`), and swaps torch's ``trunc_normal_`` for one keyed draw
+per element while a keyed block is open. See docs/dtensor.md for the routed calls and the torch
+internals this relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.overrides import TorchFunctionMode
+
+from rng_tracker._torch_private import (
+    correct_fan,
+    is_innermost_function_mode,
+    set_trunc_normal_impl,
+    trunc_normal_impl,
+)
+from rng_tracker.errors import (
+    InvariantRandomConfigError,
+    InvariantRandomModeError,
+    InvariantRandomUnsupportedError,
+)
+from rng_tracker.kernels import dropout as _kernel_dropout
+from rng_tracker.kernels._fused_dropout import check_p
+from rng_tracker.kernels.reference import keep_scale
+from rng_tracker.parallel._placement import (
+    fill_from_full,
+    local_index_of,
+    without_partial,
+    wrap_local,
+)
+from rng_tracker.parallel.dtensor import dropout
+from rng_tracker.parallel.keyed_init import (
+    KeyedInit,
+    keyed_normal_,
+    keyed_trunc_normal_,
+    keyed_uniform_,
+)
+
+__all__ = [
+    "InitMode",
+    "disable_invariant_random",
+    "enable_invariant_random",
+    "invariant_random",
+]
+
+InitMode = Literal["full", "keyed"]
+_INIT_MODES = ("full", "keyed")
+
+
+def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout of a DTensor or a plain tensor: the same kernel, so one device equals any mesh."""
+    if isinstance(x, DTensor):
+        return dropout(x, p, training=training)
+    return _kernel_dropout(x, p, training=training)
+
+
+def _keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The keep mask (bool, x's shape and placements) dropout(x, p) would draw."""
+    if isinstance(x, DTensor):
+        x = without_partial(x)
+        ones = wrap_local(torch.ones(x.to_local().shape, device=x.device), x)
+        return dropout(ones, p) != 0
+    return _kernel_dropout(torch.ones(x.shape, device=x.device), p) != 0
+
+
+def _inplace(input: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if inplace and out is not input:
+        return input.copy_(out)
+    return out
+
+
+def _f_dropout(
+    ctx: _InvariantRandomMode,
+    input: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+) -> torch.Tensor:
+    return _inplace(input, _drop(input, p, training), inplace)
+
+
+def _torch_dropout(
+    ctx: _InvariantRandomMode, input: torch.Tensor, p: float, train: bool
+) -> torch.Tensor:
+    return _drop(input, p, train)
+
+
+_ALPHA = 1.7580993408473766  # SELU's alpha: alpha dropout keeps mean 0 and variance 1
+
+
+def _alpha(input: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """torch's alpha-dropout arithmetic on our keep mask."""
+    a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1) * (1 - p))
+    noise = keep.to(input.dtype)
+    bias = (noise - 1) * (_ALPHA * a) + _ALPHA * a * p
+    return input * (noise * a) + bias
+
+
+# F.dropout1d/2d/3d and feature_alpha_dropout: inputs of more dims than this carry a batch dim.
+_FEATURE_UNBATCHED_DIMS: dict[Any, int] = {
+    F.dropout1d: 2,
+    F.dropout2d: 2,  # torch treats a 3-D input to dropout2d as batched (N, C, L)
+    F.dropout3d: 4,
+    F.feature_alpha_dropout: 1,
+}
+
+
+def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
+    """The per-(sample, channel) keep mask of a feature dropout, broadcastable to ``input``.
+
+    Drawn on the logical (N, C) tensor by every rank alike, then cut to this rank's part.
+    """
+    batched = input.dim() > _FEATURE_UNBATCHED_DIMS.get(func, 0)
+    features = 2 if batched else 1
+    shape = tuple(input.shape[:features])
+    keep = _kernel_dropout(torch.ones(shape, device=input.device), p) != 0  # (N, C) or (C,)
+    if isinstance(input, DTensor):
+        index = local_index_of(input)
+        for dim in range(features):
+            if index.indices[dim] != tuple(range(shape[dim])):
+                rows = torch.tensor(index.indices[dim], dtype=torch.int64, device=keep.device)
+                keep = keep.index_select(dim, rows)
+    return keep.reshape(keep.shape + (1,) * (input.dim() - features))
+
+
+def _local_keep(x: torch.Tensor, p: float) -> torch.Tensor:
+    """This rank's part of the element keep mask ``dropout(x, p)`` would draw."""
+    keep = _keep(x, p)
+    return keep.to_local() if isinstance(keep, DTensor) else keep
+
+
+def _mask_route(
+    alpha: bool, keep_of: Callable[[torch.Tensor, float], torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The route of a dropout that applies its keep mask here (alpha and feature dropouts):
+    ``keep_of(x, p)`` is this rank's part of the mask, broadcastable to x's local tensor."""
+
+    def route(
+        ctx: _InvariantRandomMode,
+        input: torch.Tensor,
+        p: float = 0.5,
+        training: bool = not alpha,  # torch's defaults: alpha dropouts are off unless asked
+        inplace: bool = False,
+    ) -> torch.Tensor:
+        p = check_p(p)
+        if not training or p == 0.0:
+            return input
+        if alpha and p == 1.0:
+            return _inplace(input, input.mul(0.0), inplace)
+        x = without_partial(input) if isinstance(input, DTensor) else input
+        local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
+        keep = keep_of(x, p)
+        out = _alpha(local, keep, p) if alpha else local * (keep.to(local.dtype) * keep_scale(p))
+        return _inplace(input, wrap_local(out, x) if isinstance(x, DTensor) else out, inplace)
+
+    return route
+
+
+def _bernoulli_(
+    ctx: _InvariantRandomMode,
+    self: torch.Tensor,
+    p: float | torch.Tensor = 0.5,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    if isinstance(p, torch.Tensor) or generator is not None:
+        raise InvariantRandomUnsupportedError(
+            "Tensor.bernoulli_ under invariant_random() takes a float p and the default "
+            "generator; a tensor of probabilities or a generator= has no layout-invariant "
+            "draw here - draw it outside the block, or use a float p"
+        )
+    keep = _keep(self, 1.0 - check_p(p))
+    with torch.no_grad():
+        return self.copy_(keep)
+
+
+def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[..., Any]:
+    """A route for uniform_/normal_: keyed by name in keyed mode, else torch's own draw on the
+    full tensor (a DTensor keeps its part; a plain tensor is the full tensor)."""
+
+    def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if ctx.keyed is not None and kwargs.get("generator") is None:
+            name = ctx.keyed.name_of(tensor)
+            values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
+            for i, value in enumerate(args[:2]):
+                values[i] = value
+            for i, key in enumerate(names):
+                values[i] = kwargs.get(key, values[i])
+            fill = keyed_uniform_ if kind == "uniform" else keyed_normal_
+            return fill(tensor, float(values[0]), float(values[1]), name=name, seed=ctx.keyed.seed)
+        if isinstance(tensor, DTensor):
+            return fill_from_full(tensor, lambda full: torch_func(full, *args, **kwargs))
+        return torch_func(tensor, *args, **kwargs)
+
+    return route
+
+
+def _init_kaiming_uniform(
+    ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    # kaiming_uniform_ dispatches as itself, so its inner Tensor.uniform_ would run with the
+    # mode off: compute its bound from the global shape here and draw through the routes.
+    if ctx.keyed is not None and kwargs.get("generator") is None:
+        bound = _kaiming_bound(tensor, *args, **kwargs)
+        return _ROUTES[torch.Tensor.uniform_](ctx, tensor, -bound, bound)
+    if isinstance(tensor, DTensor):
+        return fill_from_full(
+            tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs)
+        )
+    return torch.nn.init.kaiming_uniform_(tensor, *args, **kwargs)
+
+
+def _kaiming_bound(
+    tensor: torch.Tensor,
+    a: float = 0.0,
+    mode: str = "fan_in",
+    nonlinearity: str = "leaky_relu",
+    generator: torch.Generator | None = None,
+) -> float:
+    if 0 in tensor.shape:
+        return 0.0
+    fan = correct_fan(tensor, mode)
+    gain = torch.nn.init.calculate_gain(nonlinearity, a)  # type: ignore[arg-type]
+    return math.sqrt(3.0) * gain / math.sqrt(fan)
+
+
+def _refuse_on_dtensor(name: str) -> Callable[..., Any]:
+    def route(ctx: _InvariantRandomMode, *args: Any, **kwargs: Any) -> Any:
+        raise InvariantRandomUnsupportedError(
+            f"{name} on a DTensor under invariant_random() has no layout-invariant draw (each "
+            "shard would draw from the same generator state on its own); draw it on a plain "
+            "tensor and distribute it, or leave the block"
+        )
+
+    return route
+
+
+_ROUTES: dict[Any, Callable[..., Any]] = {
+    F.dropout: _f_dropout,
+    torch.dropout: _torch_dropout,
+    F.dropout1d: _mask_route(False, functools.partial(_feature_keep, F.dropout1d)),
+    F.dropout2d: _mask_route(False, functools.partial(_feature_keep, F.dropout2d)),
+    F.dropout3d: _mask_route(False, functools.partial(_feature_keep, F.dropout3d)),
+    F.alpha_dropout: _mask_route(True, _local_keep),
+    F.feature_alpha_dropout: _mask_route(
+        True, functools.partial(_feature_keep, F.feature_alpha_dropout)
+    ),
+    torch.Tensor.bernoulli_: _bernoulli_,
+    torch.nn.init.uniform_: _init_route(torch.nn.init.uniform_, "uniform", ("a", "b")),
+    torch.nn.init.normal_: _init_route(torch.nn.init.normal_, "normal", ("mean", "std")),
+    torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
+    torch.Tensor.uniform_: _init_route(torch.Tensor.uniform_, "uniform", ("from", "to")),
+    torch.Tensor.normal_: _init_route(torch.Tensor.normal_, "normal", ("mean", "std")),
+}
+
+# Random ops with no invariant route: refused on a DTensor; on a plain tensor they run
+# torch's own code (a documented pass-through: a tensor that is plain on every layout).
+_REFUSED_ON_DTENSOR: dict[Any, str] = {
+    torch.Tensor.random_: "Tensor.random_",
+    torch.Tensor.exponential_: "Tensor.exponential_",
+    torch.Tensor.cauchy_: "Tensor.cauchy_",
+    torch.Tensor.log_normal_: "Tensor.log_normal_",
+    torch.Tensor.geometric_: "Tensor.geometric_",
+    torch.Tensor.bernoulli: "Tensor.bernoulli",
+    torch.bernoulli: "torch.bernoulli",
+    torch.normal: "torch.normal",
+    torch.poisson: "torch.poisson",
+    torch.multinomial: "torch.multinomial",
+    torch.rand_like: "torch.rand_like",
+    torch.randn_like: "torch.randn_like",
+    torch.randint_like: "torch.randint_like",
+    F.rrelu: "F.rrelu",
+    torch.rrelu: "torch.rrelu",
+}
+
+
+def _global_any(x: DTensor) -> DTensor:
+    """``x.any()`` over the whole logical tensor, Replicate on every rank.
+
+    torch's ``trunc_normal_`` resamples while ``mask.any()``; on a DTensor that is the local
+    shard's answer, so ranks would take different branches and draw different amounts.
+    """
+    mesh = x.device_mesh
+    if any(isinstance(p, Partial) for p in x.placements):
+        flag = x.full_tensor().any()
+    else:
+        count = x.to_local().any().to(torch.int64).reshape(1)
+        if mesh.size() == dist.get_world_size():  # one collective over the world
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        else:
+            for axis in range(mesh.ndim):
+                dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        flag = count[0].bool()
+    return DTensor.from_local(flag, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+# Whole-tensor reductions made global on a DTensor, so data-dependent init loops agree.
+_GLOBAL_REDUCTIONS = frozenset({torch.Tensor.any, torch.any})
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> object:
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
+# Keyed blocks open in this thread (innermost last); nn.init.trunc_normal_ is routed while any
+# thread has one open, and the route draws keyed only for the thread that has.
+_KEYED_BLOCKS = threading.local()
+_TRUNC_ROUTE_LOCK = threading.Lock()
+_TRUNC_ROUTE: dict[str, Any] = {"users": 0, "torch": None}
+
+
+def _keyed_blocks() -> list[_InvariantRandomMode]:
+    if not hasattr(_KEYED_BLOCKS, "modes"):
+        _KEYED_BLOCKS.modes = []
+    return _KEYED_BLOCKS.modes
+
+
+def _keyed_trunc_normal(
+    tensor: torch.Tensor,
+    mean: float,
+    std: float,
+    a: float,
+    b: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """torch's ``_no_grad_trunc_normal_`` inside a keyed block: one keyed inverse-CDF draw per
+    element (keyed by the parameter's name, or by its place among the block's draws); a
+    ``generator=`` call or invalid bounds run torch's own."""
+    blocks = _keyed_blocks()
+    keyed = blocks[-1].keyed if blocks else None
+    valid = math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b
+    if keyed is None or generator is not None or not valid:
+        return _TRUNC_ROUTE["torch"](tensor, mean, std, a, b, generator=generator)
+    name = keyed.name_of(tensor)
+    return keyed_trunc_normal_(tensor, mean, std, a, b, name=name, seed=keyed.seed)
+
+
+def _open_keyed_block(mode: _InvariantRandomMode) -> None:
+    with _TRUNC_ROUTE_LOCK:
+        if _TRUNC_ROUTE["users"] == 0:
+            torch_impl = trunc_normal_impl()
+            if torch_impl is not None:
+                _TRUNC_ROUTE["torch"] = torch_impl
+                set_trunc_normal_impl(_keyed_trunc_normal)
+        _TRUNC_ROUTE["users"] += 1
+    _keyed_blocks().append(mode)
+
+
+def _close_keyed_block(mode: _InvariantRandomMode) -> None:
+    blocks = _keyed_blocks()
+    if mode in blocks:
+        blocks.reverse()
+        blocks.remove(mode)  # the innermost entry of this mode
+        blocks.reverse()
+    with _TRUNC_ROUTE_LOCK:
+        _TRUNC_ROUTE["users"] -= 1
+        if _TRUNC_ROUTE["users"] == 0 and _TRUNC_ROUTE["torch"] is not None:
+            if trunc_normal_impl() is _keyed_trunc_normal:
+                set_trunc_normal_impl(_TRUNC_ROUTE["torch"])
+            _TRUNC_ROUTE["torch"] = None
+
+
+class _InvariantRandomMode(TorchFunctionMode):
+    """Sends the random ops of _ROUTES, on plain tensors and DTensors alike, to the invariant
+    ops; refuses the random ops that have none on a DTensor."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        *,
+        init: InitMode = "keyed",
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if init not in _INIT_MODES:
+            raise InvariantRandomConfigError(
+                f"init must be 'keyed' (values keyed by name, computed per shard; the default) or "
+                f"'full' (torch's values on the full tensor), got {init!r}"
+            )
+        if init == "full" and seed is not None:
+            raise InvariantRandomConfigError(
+                "seed= keys init='keyed' only; init='full' draws from the default generator "
+                "(seed it with torch.manual_seed on every rank)"
+            )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise InvariantRandomConfigError(
+                f"model must be an nn.Module or None, got {type(model).__name__}"
+            )
+        self.init = init
+        self.keyed: KeyedInit | None = None
+        if init == "keyed":
+            self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
+
+    def __enter__(self) -> _InvariantRandomMode:
+        if self.keyed is not None:
+            _open_keyed_block(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            if self.keyed is not None:
+                _close_keyed_block(self)
+            raise
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            if self.keyed is not None:
+                _close_keyed_block(self)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        route = _ROUTES.get(func)
+        if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
+            return route(self, *args, **kwargs)
+        whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
+        if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):
+            return _global_any(args[0])
+        if func in _REFUSED_ON_DTENSOR and any(
+            isinstance(a, DTensor) for a in (*args, *kwargs.values())
+        ):
+            return _refuse_on_dtensor(_REFUSED_ON_DTENSOR[func])(self)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def invariant_random(
+    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
+) -> Iterator[None]:
+    """Within the block, dropout and init draw the same values on one device and on any mesh.
+
+    Routes, on plain tensors and DTensors alike: ``F.dropout`` (so ``nn.Dropout``),
+    ``torch.dropout``, ``F.dropout1d/2d/3d``, ``F.alpha_dropout``, ``F.feature_alpha_dropout``
+    and ``Tensor.bernoulli_`` to the layout-invariant kernel; ``nn.init.uniform_``/``normal_``/
+    ``kaiming_uniform_`` and ``Tensor.uniform_``/``normal_`` (so ``xavier_*``,
+    ``kaiming_normal_`` and ``trunc_normal_`` too) to the init of ``init``:
+
+    - ``"keyed"`` (default): values a pure function of (``seed``, a name, the element's global
+      index); each rank computes only its shard, with no full-size buffer and no collective,
+      and nothing is drawn from a generator. The name is the tensor's name in ``model`` when
+      given (then also invariant to pipeline splits, init order and meta-device
+      materialisation), else its place among the block's init draws (every rank of a mesh
+      runs the same init in the same order). ``trunc_normal_`` is one inverse-CDF draw per
+      element (torch's resampling loop would need every rank's answer). ``seed`` defaults to
+      ``torch.initial_seed()`` when the block is entered: seed first. Not torch's values.
+    - ``"full"``: torch's own draw on the full tensor (bitwise a plain single-device torch
+      init from the same generator state; each rank draws the whole tensor and holds a
+      full-size buffer: for small models that must equal a plain torch run).
+
+    Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
+    and run torch's own code on a plain tensor. Per thread (torch function modes are).
+    """
+    with _InvariantRandomMode(model, init=init, seed=seed):
+        yield
+
+
+# The mode enable_invariant_random() entered, per thread: torch's function-mode stack is per
+# thread, so each thread turns the mode on and off on its own stack.
+_ENABLED = threading.local()
+
+
+def enable_invariant_random(
+    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
+) -> None:
+    """Turn ``invariant_random(...)`` on in this thread until ``disable_invariant_random()``
+    (idempotent: a second call while on changes nothing)."""
+    if getattr(_ENABLED, "mode", None) is not None:
+        return
+    mode = _InvariantRandomMode(model, init=init, seed=seed)
+    mode.__enter__()
+    _ENABLED.mode = mode
+
+
+def disable_invariant_random() -> None:
+    """Turn off what ``enable_invariant_random()`` turned on in this thread (a no-op if off)."""
+    mode = getattr(_ENABLED, "mode", None)
+    if mode is None:
+        return
+    if not is_innermost_function_mode(mode):
+        raise InvariantRandomModeError(
+            "another torch function mode was entered after enable_invariant_random() and is "
+            "still active; exit it first (modes form a stack)"
+        )
+    _ENABLED.mode = None
+    mode.__exit__(None, None, None)

@@ -1,0 +1,308 @@
+"""Dropout sites: which randomness a model's dropout call draws, given how its activation is laid
+out over tensor parallelism.
+
+A *site* is a named dropout call (``"layer.3.attention"``). :func:`site_dropout` runs one in the
+region its layout and the run's ``rng_mode`` call for, so the reference transformer
+(:class:`~rng_tracker.parallel.transformer.TinyGPT`) and a user's own model place their sites by
+one rule:
+
+| activation | rng_mode="megatron" | rng_mode="invariant" | rng_mode="keyed" |
+| --- | --- | --- | --- |
+| sharded over TP along ``sharded_dim`` (attention heads; sequence under SP) | fork ``model-parallel-rng`` (differs per TP rank) | default stream, ``Chunk(sharded_dim, tp_rank, tp)`` | keyed site, ``Region`` of the logical tensor |
+| replicated over TP (``sharded_dim=None``: after a row-parallel all-reduce, the embedding) | default stream | default stream | keyed site, ``Region`` of the logical tensor |
+
+In invariant mode every site draws from the replicated default stream with global indices, so
+the masks do not depend on the TP or SP degree. In keyed mode every site draws from
+:func:`rng_tracker.get_keyed_rng` with the box its activation holds in the site's logical tensor
+over the *whole global batch* (TP/SP shard and the microbatch's place, set by
+:func:`batch_position`), so the masks depend on neither TP, SP, DP, PP, microbatches nor
+recompute; recompute then needs no RNG snapshot at all. :func:`record_masks` probes every site's
+mask and :func:`place_masks` assembles the records in the logical tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from rng_tracker._device_rng import default_generator
+from rng_tracker._keyed import get_keyed_rng
+from rng_tracker._tracker import MODEL_PARALLEL_RNG, get_rng_tracker
+from rng_tracker._validate import checked_int
+from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
+from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
+from rng_tracker.parallel._tp_mappings import tp_rank_and_size
+
+__all__ = [
+    "BatchPosition",
+    "MaskRecord",
+    "RNGMode",
+    "batch_position",
+    "current_batch_position",
+    "place_masks",
+    "record_masks",
+    "site_dropout",
+]
+
+RNGMode = Literal["megatron", "invariant", "keyed"]
+_RNG_MODES = get_args(RNGMode)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPosition:
+    """A microbatch holds samples [sample_offset, sample_offset + b) of a global batch."""
+
+    sample_offset: int
+    global_batch: int
+
+
+# Per thread: a forward runs in the thread that entered batch_position, and a recompute (which
+# autograd may run in another thread) uses the position its layer captured at forward time.
+_POSITION = threading.local()
+
+
+@contextlib.contextmanager
+def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosition]:
+    """Run the body's forward as the microbatch at ``sample_offset`` of a ``global_batch``.
+
+    The trainer enters it around each microbatch's forward on each data-parallel rank:
+    keyed dropout sites then draw the masks of those samples of the whole global batch.
+    Without it a forward's local batch is taken to be the whole global batch. Recompute
+    does not need it: capture :func:`current_batch_position` at forward time and pass it on.
+    """
+    position = BatchPosition(
+        checked_int(sample_offset, "sample_offset", type_error=ParallelConfigError, minimum=0),
+        checked_int(global_batch, "global_batch", type_error=ParallelConfigError, minimum=1),
+    )
+    if position.sample_offset >= position.global_batch:
+        raise ParallelConfigError(
+            f"sample_offset {position.sample_offset} must be below global_batch {position.global_batch}"
+        )
+    previous = getattr(_POSITION, "value", None)
+    _POSITION.value = position
+    try:
+        yield position
+    finally:
+        _POSITION.value = previous
+
+
+def current_batch_position(local_batch: int) -> BatchPosition:
+    """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
+    else the whole batch. Read it in a layer's forward and pass it to :func:`site_dropout`
+    through a checkpointed function, whose recompute runs outside ``batch_position``."""
+    position = getattr(_POSITION, "value", None) or BatchPosition(0, local_batch)
+    if position.sample_offset + local_batch > position.global_batch:
+        raise ParallelConfigError(
+            f"a microbatch of {local_batch} samples at offset {position.sample_offset} does not "
+            f"fit a global batch of {position.global_batch}; fix batch_position(...)"
+        )
+    return position
+
+
+class MaskRecord(tuple):
+    """(site, local keep mask, TP ``Chunk`` or None) of one dropout call.
+
+    ``region`` places the mask in the site's logical tensor over the whole global batch
+    (TP/SP shard and batch position), in every rng mode, so masks can be gathered per
+    sample across layouts; ``batch_dim`` is that tensor's sample dim.
+    """
+
+    region: Region
+    batch_dim: int
+
+    @property
+    def site(self) -> str:
+        return self[0]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self[1]
+
+    @property
+    def shard(self) -> Chunk | None:
+        return self[2]
+
+
+# Process-wide, not per thread: a recompute may run in autograd's device thread (CUDA), and
+# the probe must record its masks too.
+_PROBE: list[MaskRecord] | None = None
+
+
+@contextlib.contextmanager
+def record_masks() -> Iterator[list[MaskRecord]]:
+    """Record a :class:`MaskRecord` of every dropout site run in the body (recompute included).
+
+    The probe redraws each mask through the same kernel, from a copy of the generator the
+    site is about to use (or, in keyed mode, from the site's seed words), so it sees
+    exactly the site's mask without changing it.
+    """
+    global _PROBE
+    previous, _PROBE = _PROBE, []
+    try:
+        yield _PROBE
+    finally:
+        _PROBE = previous
+
+
+def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
+    """Each site's recorded masks placed in its logical tensor over the whole global batch.
+
+    Returns int8 CPU tensors: 1 kept, 0 dropped, -1 where no record covers the element.
+    Records of one site that overlap (TP replicas, recompute) must agree, else
+    :class:`RNGConsistencyError`. Gather the records of all ranks first to see the whole batch.
+    """
+    placed: dict[str, torch.Tensor] = {}
+    for record in records:
+        region = record.region
+        logical = placed.get(record.site)
+        if logical is None:
+            logical = placed[record.site] = torch.full(region.global_shape, -1, dtype=torch.int8)
+        box = logical[
+            tuple(slice(o, o + n) for o, n in zip(region.offset, record.mask.shape, strict=True))
+        ]
+        mask = record.mask.to(device="cpu", dtype=torch.int8)
+        if bool(((box != -1) & (box != mask)).any()):
+            raise RNGConsistencyError(
+                f"two records of site {record.site!r} draw different masks for the same elements "
+                f"(box at {region.offset})"
+            )
+        box.copy_(mask)
+    return placed
+
+
+def _region(
+    shape: torch.Size, shard: Chunk | None, batch_dim: int, position: BatchPosition
+) -> Region:
+    """The box a local activation of ``shape`` holds in its site's logical tensor."""
+    global_shape, offset = list(shape), [0] * len(shape)
+    if shard is not None:
+        global_shape[shard.dim] *= shard.count
+        offset[shard.dim] = shard.index * shape[shard.dim]
+    global_shape[batch_dim], offset[batch_dim] = position.global_batch, position.sample_offset
+    return Region(tuple(global_shape), tuple(offset))
+
+
+def _check_site_options(
+    x: torch.Tensor,
+    rng_mode: object,
+    sharded_dim: int | None,
+    batch_dim: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    if rng_mode not in _RNG_MODES:
+        raise ParallelConfigError(
+            f"rng_mode must be 'megatron', 'invariant' or 'keyed', got {rng_mode!r}"
+        )
+    for name, dim in (("sharded_dim", sharded_dim), ("batch_dim", batch_dim)):
+        if dim is not None and not -x.dim() <= dim < x.dim():
+            raise ParallelConfigError(
+                f"{name}={dim} is not a dim of x, which has shape {tuple(x.shape)}"
+            )
+    if bias is not None and residual is None:
+        raise ParallelConfigError(
+            "bias= is added by the fused bias-dropout-add, which needs residual= too; add the "
+            "bias to x yourself for a plain dropout"
+        )
+
+
+def site_dropout(
+    site: str,
+    x: torch.Tensor,
+    p: float,
+    *,
+    rng_mode: RNGMode,
+    sharded_dim: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    batch_dim: int = 1,
+    position: BatchPosition | None = None,
+    training: bool = True,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dropout at the site named ``site``, drawing what its layout and ``rng_mode`` call for.
+
+    ``x`` is this rank's activation: sharded over the TP group ``group`` along ``sharded_dim``
+    (an even split), or replicated over it (``sharded_dim=None``, or ``group=None``: no TP).
+    ``batch_dim`` is x's sample dim; ``position`` the microbatch's place in the global batch
+    (default: :func:`current_batch_position`). With ``residual`` (and ``bias``) the site is the
+    fused ``residual + dropout(x + bias)``. Keyed mode registers ``site`` with
+    ``get_keyed_rng(x.device)`` (a name that collides with another site's id raises there).
+    The table of the module docstring says what each mode draws. Example, attention
+    probabilities (batch, heads/tp, s, s) sharded by heads and an MLP output replicated::
+
+        probs = site_dropout(
+            "layer.3.attention", probs, 0.1, rng_mode="keyed", sharded_dim=1, batch_dim=0,
+            group=tp_group, position=position, training=self.training,
+        )
+        out = site_dropout(
+            "layer.3.mlp_output", out, 0.1, rng_mode="keyed", group=tp_group,
+            position=position, training=self.training, bias=bias, residual=x,
+        )
+    """
+    _check_site_options(x, rng_mode, sharded_dim, batch_dim, bias, residual)
+    if position is None:
+        position = current_batch_position(x.shape[batch_dim])
+    tp_rank, tp = tp_rank_and_size(group)
+    placement = None  # the TP/SP shard of x (an even split)
+    if sharded_dim is not None and tp > 1:
+        placement = Chunk(sharded_dim, tp_rank, tp, extent=x.shape[sharded_dim] * tp)
+    if rng_mode == "keyed" and training and p > 0:
+        return _keyed_site(site, x, p, placement, batch_dim, position, bias, residual)
+    region, shard = contextlib.nullcontext(), placement
+    if placement is not None and rng_mode == "megatron":
+        region = get_rng_tracker(x.device).fork(MODEL_PARALLEL_RNG)
+        shard = None  # megatron mode draws local indices from a per-rank stream
+    with region:
+        if _PROBE is not None and training and p > 0:
+            twin = torch.Generator(device=x.device)
+            twin.set_state(default_generator(x.device).get_state())
+            box = _region(x.shape, placement, batch_dim, position)
+            _probe(site, x, p, shard, box, batch_dim, shard=shard, generator=twin)
+        if residual is None:
+            return dropout(x, p, training=training, shard=shard)
+        return bias_dropout_add(x, bias, residual, p, training=training, shard=shard)
+
+
+def _probe(
+    site: str,
+    x: torch.Tensor,
+    p: float,
+    placement: Chunk | None,
+    region: Region,
+    batch_dim: int,
+    **draw: object,
+) -> None:
+    """Record the mask the site is about to draw (``draw``: the kernel's shard and randomness)."""
+    record = MaskRecord((site, dropout(torch.ones_like(x), p, **draw) != 0, placement))
+    record.region, record.batch_dim = region, batch_dim
+    _PROBE.append(record)
+
+
+def _keyed_site(
+    site: str,
+    x: torch.Tensor,
+    p: float,
+    shard: Chunk | None,
+    batch_dim: int,
+    position: BatchPosition,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """A keyed site (training, p > 0): no generator is read or written, the mask is
+    (seed, step, site, box)'s."""
+    rng = get_keyed_rng(x.device)
+    rng.register(site)
+    seed = rng.seed_tensor(site)  # (4,) [key, 0, site id, step]
+    region = _region(x.shape, shard, batch_dim, position)
+    if _PROBE is not None:
+        _probe(site, x, p, shard, region, batch_dim, shard=region, seed=seed)
+    if residual is None:
+        return dropout(x, p, shard=region, seed=seed)
+    return bias_dropout_add(x, bias, residual, p, shard=region, seed=seed)

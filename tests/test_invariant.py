@@ -1,0 +1,565 @@
+"""``invariant_random()`` (rng_tracker.parallel.invariant): torch's own dropout and init calls,
+routed, draw the same values on one device and on any mesh.
+
+Claims: every routed function still reaches the mode; enable/disable keep torch's mode stack,
+per thread; under the mode every routed dropout and init op on a plain tensor gives bitwise the
+full tensor the same op gives on a DTensor of any placements (1-D and 2-D meshes, FSDP-style
+strided shards), from the same generator state, and leaves the generator in the same state - in
+the default init mode (keyed: O(local shard), nothing drawn) and in the opt-in full-tensor mode
+(torch's values); a ``parallelize_module`` block inits and drops as the unsharded one; keyed
+``trunc_normal_`` is one keyed draw per element, so a rank initialises its shard alone; ops
+without an invariant route are a typed error on a DTensor; the 0.1 names in
+``rng_tracker.parallel.dtensor`` still resolve, warning.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rng_tracker._torch_private import trunc_normal_impl
+from rng_tracker.errors import (
+    InvariantRandomConfigError,
+    InvariantRandomUnsupportedError,
+    RNGTrackerError,
+)
+from rng_tracker.kernels import dropout as kernel_dropout
+from rng_tracker.kernels._keyed_fill import keyed_trunc_normal_
+from rng_tracker.parallel import invariant
+from rng_tracker.parallel.invariant import (
+    disable_invariant_random,
+    enable_invariant_random,
+    invariant_random,
+)
+
+_P = 0.3
+
+
+# --- the mode itself -------------------------------------------------------------------
+
+
+def test_mode_sees_every_routed_function() -> None:
+    """Guard against torch changes: each routed function still reaches a torch function mode.
+    On plain tensors the init routes (init="full") run torch's own op (same values, same
+    generator state); the dropout routes run the layout-invariant kernel
+    (test_one_device_equals_any_mesh checks their values)."""
+    import torch.nn.functional as F
+
+    from rng_tracker.parallel.invariant import _ROUTES, _InvariantRandomMode
+
+    seen = []
+
+    class Recording(_InvariantRandomMode):
+        def __init__(self) -> None:
+            super().__init__(init="full")  # the opt-in mode whose init is torch's own
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    def inits() -> list[torch.Tensor]:
+        return [
+            torch.nn.init.uniform_(torch.empty(64), -1.0, 1.0),
+            torch.nn.init.normal_(torch.empty(64), 0.0, 2.0),
+            torch.nn.init.kaiming_uniform_(torch.empty(8, 8), a=0.5),
+            torch.empty(64).uniform_(-1.0, 1.0),
+            torch.empty(64).normal_(0.0, 2.0),
+        ]
+
+    def drops() -> None:
+        x = torch.ones(4, 8, 6)
+        F.dropout(x, 0.5)
+        torch.nn.Dropout(0.5)(x)
+        torch.dropout(x, 0.5, True)
+        F.dropout1d(x, 0.5)
+        F.dropout2d(x.unsqueeze(-1), 0.5)
+        F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), 0.5)
+        F.alpha_dropout(x, 0.5, training=True)
+        F.feature_alpha_dropout(x, 0.5, training=True)
+        torch.empty(8).bernoulli_(0.5)
+
+    torch.manual_seed(3)
+    expected = inits()
+    state = torch.get_rng_state()
+    torch.manual_seed(3)
+    with Recording():
+        got = inits()
+        assert torch.equal(torch.get_rng_state(), state)
+        drops()
+    assert set(_ROUTES) <= set(seen), set(_ROUTES) - set(seen)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_enable_disable_pair_keeps_the_mode_stack() -> None:
+    """enable/disable push and pop exactly one mode, idempotently, and refuse to pop another mode."""
+    from torch.overrides import TorchFunctionMode, _len_torch_function_stack
+
+    from rng_tracker.errors import InvariantRandomModeError
+
+    base = _len_torch_function_stack()
+    enable_invariant_random()
+    enable_invariant_random()
+    assert _len_torch_function_stack() == base + 1
+    with TorchFunctionMode(), pytest.raises(InvariantRandomModeError, match="exit it first"):
+        disable_invariant_random()
+    disable_invariant_random()
+    disable_invariant_random()
+    assert _len_torch_function_stack() == base
+    with pytest.raises(ZeroDivisionError), invariant_random():
+        assert _len_torch_function_stack() == base + 1
+        _ = 1 / 0
+    assert _len_torch_function_stack() == base
+
+
+def test_enable_is_per_thread() -> None:
+    """enable_invariant_random() turns the mode on in the calling thread only (torch's
+    function-mode stack is per thread): another thread enables and disables its own, and the
+    first thread's mode stays on until that thread disables it."""
+    from torch.overrides import _len_torch_function_stack
+
+    x = torch.ones(64, 32)
+    base = _len_torch_function_stack()
+    seen: dict[str, object] = {}
+
+    def other_thread() -> None:
+        seen["stack before"] = _len_torch_function_stack()  # the mode is not on here
+        enable_invariant_random()
+        torch.manual_seed(5)
+        seen["routed"] = F.dropout(x, 0.3)
+        disable_invariant_random()
+        seen["stack after"] = _len_torch_function_stack()
+
+    enable_invariant_random()
+    try:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert _len_torch_function_stack() == base + 1  # still on in this thread
+    finally:
+        disable_invariant_random()
+    assert _len_torch_function_stack() == base
+    assert seen["stack before"] == seen["stack after"] == 0
+    torch.manual_seed(5)
+    assert torch.equal(seen["routed"], kernel_dropout(x, 0.3))  # the thread's call was routed
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["invariant_random", "enable_invariant_random", "disable_invariant_random", "InitMode"],
+)
+def test_the_old_dtensor_names_resolve_with_a_warning(name: str) -> None:
+    """The mode's names moved from rng_tracker.parallel.dtensor (0.1) to its own module; the
+    old path resolves to the same object until 0.3, warning with the new path."""
+    from rng_tracker.parallel import dtensor
+
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"dtensor\.{name} is deprecated.*rng_tracker\.parallel\.invariant\.{name}",
+    ):
+        got = getattr(dtensor, name)
+    assert got is getattr(invariant, name)
+    assert name not in dtensor.__all__ and name in invariant.__all__
+    with pytest.warns(DeprecationWarning):
+        from rng_tracker.parallel.dtensor import invariant_random as old  # noqa: F401
+
+
+# --- plain tensors: one device draws what any mesh draws --------------------------
+
+
+def _ops() -> dict[str, object]:
+    """name -> op(x) for each routed random op; x is (4, 6, 8), float32."""
+    return {
+        "F.dropout": lambda x: F.dropout(x, 0.3),
+        "nn.Dropout": lambda x: torch.nn.Dropout(0.4)(x),
+        "torch.dropout": lambda x: torch.dropout(x, 0.5, True),
+        "dropout1d": lambda x: F.dropout1d(x, 0.5),
+        "dropout2d": lambda x: F.dropout2d(x.unsqueeze(-1), 0.5).squeeze(-1),
+        "dropout3d": lambda x: F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), 0.5).flatten(2),
+        "alpha_dropout": lambda x: F.alpha_dropout(x, 0.2, training=True),
+        "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x, 0.2, training=True),
+        "bernoulli_": lambda x: torch.empty_like(x).bernoulli_(0.7),
+        "uniform_": lambda x: torch.nn.init.uniform_(torch.empty_like(x), -2.0, 3.0),
+        "normal_": lambda x: torch.nn.init.normal_(torch.empty_like(x), 0.5, 2.0),
+        "trunc_normal_": lambda x: torch.nn.init.trunc_normal_(torch.empty_like(x), std=0.02),
+        # torch's rejection samplers: resample while mask.any() (made global on a DTensor)
+        "trunc_normal_ resampled": lambda x: torch.nn.init.trunc_normal_(
+            torch.empty_like(x), a=-1.0, b=1.0
+        ),
+        "trunc_normal_ narrow": lambda x: torch.nn.init.trunc_normal_(
+            torch.empty_like(x), a=-0.2, b=0.2
+        ),
+        "kaiming_uniform_": lambda x: torch.nn.init.kaiming_uniform_(torch.empty_like(x), a=1.0),
+        "kaiming_normal_": lambda x: torch.nn.init.kaiming_normal_(torch.empty_like(x)),
+        "xavier_uniform_": lambda x: torch.nn.init.xavier_uniform_(torch.empty_like(x)),
+        "xavier_normal_": lambda x: torch.nn.init.xavier_normal_(torch.empty_like(x)),
+        "Tensor.uniform_": lambda x: torch.empty_like(x).uniform_(-1.0, 1.0),
+        "Tensor.normal_": lambda x: torch.empty_like(x).normal_(1.0, 0.5),
+    }
+
+
+_INIT_OPS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "trunc_normal_ resampled",
+        "trunc_normal_ narrow",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "Tensor.uniform_",
+        "Tensor.normal_",
+    }
+)
+
+
+def test_plain_dropout_is_the_invariant_kernel_and_init_full_is_torch() -> None:
+    """On a plain tensor, F.dropout draws rng_tracker.kernels.dropout's mask (torch's own
+    F.dropout draws another), and init="full" draws torch's own values."""
+    x = torch.randn(64, 32)
+    torch.manual_seed(5)
+    want = kernel_dropout(x, 0.3)
+    want_state = torch.get_rng_state()
+    torch.manual_seed(5)
+    with invariant_random(init="full"):
+        got = F.dropout(x, 0.3)
+        assert torch.equal(torch.get_rng_state(), want_state)
+        init = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02)
+    torch.manual_seed(5)
+    assert not torch.equal(F.dropout(x, 0.3), got)  # torch's own mask is another one
+    torch.manual_seed(5)
+    kernel_dropout(x, 0.3)
+    assert torch.equal(got, want)
+    assert torch.equal(init, torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02))
+
+
+def test_the_default_init_is_keyed_and_draws_nothing() -> None:
+    """The default init mode is keyed: with no model= it keys each draw by its place among the
+    block's init draws and the seed (torch.initial_seed() by default), computes in place, draws
+    nothing from the generator, and is the same on every call order-alike block (not torch's
+    values)."""
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    with invariant_random():
+        a = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03)
+        b = torch.nn.init.normal_(torch.empty(16, 8))
+        c = torch.nn.init.kaiming_uniform_(torch.empty(16, 8), a=1.0)
+    assert torch.equal(torch.get_rng_state(), state)  # keyed: nothing drawn
+    with invariant_random(init="keyed", seed=5):
+        again = [
+            torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03),
+            torch.nn.init.normal_(torch.empty(16, 8)),
+            torch.nn.init.kaiming_uniform_(torch.empty(16, 8), a=1.0),
+        ]
+    for got, want in zip((a, b, c), again, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(a, b)  # distinct draws, distinct names
+    assert a.abs().max() <= 0.03  # truncated to [a, b]
+    torch.manual_seed(5)
+    torch_values = torch.nn.init.trunc_normal_(torch.empty(16, 8), std=0.02, a=-0.03, b=0.03)
+    assert not torch.equal(a, torch_values)
+
+
+def test_config_and_unsupported_errors_are_typed() -> None:
+    with pytest.raises(InvariantRandomConfigError, match="init must be"):
+        enable_invariant_random(init="sharded")  # type: ignore[arg-type]
+    with pytest.raises(InvariantRandomConfigError, match="model must be an nn"):
+        enable_invariant_random(model="model")  # type: ignore[arg-type]
+    with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
+        enable_invariant_random(torch.nn.Linear(2, 2), init="keyed", seed=-1)
+    with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
+        enable_invariant_random(seed=-1)
+    with pytest.raises(InvariantRandomConfigError, match="seed= keys init='keyed' only"):
+        enable_invariant_random(init="full", seed=3)
+    disable_invariant_random()  # none of them was turned on: a no-op
+    assert issubclass(InvariantRandomConfigError, RNGTrackerError)
+    assert issubclass(InvariantRandomConfigError, ValueError)
+    state = torch.get_rng_state()
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="float p"):
+        torch.empty(4).bernoulli_(torch.full((4,), 0.5))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert issubclass(InvariantRandomUnsupportedError, TypeError)
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_one_device_equals_any_mesh(rank: int) -> None:
+    """Every routed op on a plain tensor == the same op on DTensors over (4,) and (2, 2) meshes
+    (Shard, Replicate, FSDP-style _StridedShard + Shard): gathered bitwise, and the same
+    generator state after; init="keyed" too; unrouted random ops on a DTensor are refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    meshes = {s: init_device_mesh("cpu", s) for s in [(4,), (2, 2)]}
+    layouts = [
+        ((4,), [Shard(0)]),
+        ((4,), [Shard(2)]),
+        ((4,), [Replicate()]),
+        ((2, 2), [Shard(1), Shard(2)]),
+        ((2, 2), [_StridedShard(2, split_factor=2), Shard(2)]),
+    ]
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
+    for name, op in _ops().items():
+        # the init ops in both init modes: keyed (the default) and full; dropout has one
+        for init in ("keyed", "full") if name in _INIT_OPS else ("keyed",):
+            torch.manual_seed(11)
+            with invariant_random(init=init):
+                want = op(base.clone())
+            want_state = torch.get_rng_state()
+            # full: the 2-D mesh layouts only (it has its own DTensor-op tests, tests/test_dtensor.py)
+            for mesh_shape, placements in layouts if init == "keyed" else layouts[3:]:
+                x = distribute_tensor(base.clone(), meshes[mesh_shape], placements)
+                torch.manual_seed(11)
+                with invariant_random(init=init):
+                    got = op(x)
+                assert torch.equal(got.full_tensor(), want), (name, init, mesh_shape, placements)
+                assert torch.equal(torch.get_rng_state(), want_state), (name, init, placements)
+
+    # keyed init: the plain module and its DTensor-sharded twin hold the same values
+    model = torch.nn.Linear(8, 12)
+    with invariant_random(model, init="keyed", seed=7):
+        model.reset_parameters()
+    weight_layouts = [
+        ((4,), [Shard(1)]),
+        ((2, 2), [Shard(0), Shard(1)]),
+        ((2, 2), [_StridedShard(0, split_factor=2), Shard(0)]),
+    ]
+    for mesh_shape, placements in weight_layouts:
+        sharded = torch.nn.Linear(8, 12)
+        sharded.weight = torch.nn.Parameter(
+            distribute_tensor(sharded.weight.detach(), meshes[mesh_shape], placements)
+        )
+        state = torch.get_rng_state()
+        with invariant_random(sharded, init="keyed", seed=7):
+            sharded.reset_parameters()
+        assert torch.equal(torch.get_rng_state(), state)  # keyed: nothing drawn
+        assert torch.equal(sharded.weight.full_tensor(), model.weight)
+        assert torch.equal(sharded.bias, model.bias)
+
+    x = distribute_tensor(base.clone(), meshes[(4,)], [Shard(0)])
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="exponential_"):
+        x.exponential_()
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="rand_like"):
+        torch.rand_like(x)
+
+
+# --- a parallelize_module block -------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm MLP block with dropout on the normed input, the hidden and the output."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 2 * hidden)
+        self.down = torch.nn.Linear(2 * hidden, hidden)
+        self.drop_in = torch.nn.Dropout(_P)
+        self.drop_mid = torch.nn.Dropout(_P)
+        self.drop_out = torch.nn.Dropout(_P)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq, hidden)
+        y = self.drop_in(self.norm(x))
+        y = self.drop_mid(torch.nn.functional.gelu(self.up(y)))  # (batch, seq, 2 hidden)
+        return x + self.drop_out(self.down(y))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.up.reset_parameters()  # nn.init.kaiming_uniform_ and nn.init.uniform_
+        torch.nn.init.xavier_normal_(self.down.weight)  # Tensor.normal_ inside
+        torch.nn.init.trunc_normal_(self.down.bias, std=0.5)  # Tensor.uniform_, then pointwise
+        self.norm.weight.normal_(1.0, 0.1)  # Tensor.normal_ directly
+        torch.nn.init.normal_(self.norm.bias, 0.0, 0.5)
+
+
+class _KernelDropout(torch.nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rng_tracker import kernels
+
+        return kernels.dropout(x, self.p)
+
+
+def _record_masks(model: torch.nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    masks = []
+
+    def hook(module, inputs, output) -> None:
+        full = output.full_tensor() if isinstance(output, DTensor) else output
+        masks.append((full != 0).detach())
+
+    for name, module in model.named_children():
+        if name.startswith("drop"):
+            module.register_forward_hook(hook)
+    return masks
+
+
+@pytest.mark.distributed(world_size=4, timeout=300)
+def test_invariant_random_on_a_parallelized_module(rank: int) -> None:
+    """Under invariant_random() a parallelize_module TP+SP block inits (in the default keyed
+    mode and in the full mode, which is torch's own init) and drops exactly as the unsharded
+    block with the fused kernel; outside it, torch's own DTensor randomness runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.overrides import _len_torch_function_stack
+
+    mesh = init_device_mesh("cpu", (4,))
+    hidden = 8
+    model = _Block(hidden)
+    reference = _Block(hidden)
+    for name in ("drop_in", "drop_mid", "drop_out"):
+        setattr(reference, name, _KernelDropout(_P))
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    parallelize_module(model, mesh, plan)
+    # the default (keyed) init: the unsharded block under the same mode, nothing drawn
+    torch.manual_seed(11)
+    with invariant_random():
+        model.init_weights()
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(11).get_state())
+    with invariant_random():
+        reference.init_weights()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.full_tensor(), theirs), name
+    # init="full": torch's own init of the unsharded block, from the same generator state
+    torch.manual_seed(11)
+    with invariant_random(init="full"):
+        model.init_weights()
+    after_init = torch.get_rng_state()
+    torch.manual_seed(11)
+    reference.init_weights()
+    assert torch.equal(torch.get_rng_state(), after_init)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours.full_tensor(), theirs), name
+
+    x_full = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(5))
+    x = distribute_tensor(x_full, mesh, [Shard(1)])
+    ours_masks, ref_masks = _record_masks(model), _record_masks(reference)
+    torch.manual_seed(12)
+    with invariant_random():
+        out = model(x)
+    after = torch.get_rng_state()
+    torch.manual_seed(12)
+    ref = reference(x_full)
+    assert torch.equal(torch.get_rng_state(), after)
+    assert len(ours_masks) == 3
+    for site, (a, b) in enumerate(zip(ours_masks, ref_masks, strict=True)):
+        assert torch.equal(a, b), site
+    # the row-parallel matmul sums over shards: values agree up to summation order
+    torch.testing.assert_close(out.full_tensor(), ref, rtol=1e-5, atol=1e-5)
+
+    # Outside the mode: torch's DTensor dropout, untouched. On a CPU mesh it runs the
+    # local op on every shard from the same generator state (pytorch#138329).
+    assert _len_torch_function_stack() == 0
+    y = distribute_tensor(torch.ones(4, 8), mesh, [Shard(0)])
+    torch.manual_seed(13)
+    torch_out = torch.nn.functional.dropout(y, _P)
+    torch.manual_seed(13)
+    assert torch.equal(torch_out.to_local(), torch.nn.functional.dropout(torch.ones(1, 8), _P))
+    torch.manual_seed(13)
+    with invariant_random():
+        ours_out = torch.nn.functional.dropout(y, _P)
+    assert not torch.equal(ours_out.full_tensor(), torch_out.full_tensor())
+    torch.manual_seed(13)
+    z = y.clone()
+    with invariant_random():
+        same = torch.nn.functional.dropout(z, _P, inplace=True)
+        state = torch.get_rng_state()
+        assert torch.nn.Dropout(_P).eval()(y) is y  # eval draws nothing, returns x
+        assert torch.equal(torch.get_rng_state(), state)
+    assert same is z
+    assert torch.equal(z.full_tensor(), ours_out.full_tensor())
+
+
+# --- keyed trunc_normal_: one keyed draw per element ----------------------------------
+
+
+def test_trunc_normal_of_a_parameter_is_the_keyed_kernel() -> None:
+    """Inside ``invariant_random(model, init="keyed")``, ``nn.init.trunc_normal_`` on a parameter
+    (also through a ``partial`` bound before the block, as torchtitan binds it) is bitwise the
+    keyed kernel's values, and a shard is bitwise the slice of the full tensor."""
+    model = torch.nn.Linear(300, 200)
+    bound = partial(torch.nn.init.trunc_normal_, std=0.02, a=-0.06, b=0.06)  # as torchtitan
+    state = torch.get_rng_state()
+    with torch.no_grad(), invariant_random(model, init="keyed", seed=11):
+        bound(model.weight)
+        torch.nn.init.trunc_normal_(model.bias, mean=1.0, std=2.0, a=0.5, b=9.0)
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn from the generator
+    weight = keyed_trunc_normal_(
+        torch.empty(200, 300), 0.0, 0.02, -0.06, 0.06, seed=11, name="weight"
+    )
+    bias = keyed_trunc_normal_(torch.empty(200), 1.0, 2.0, 0.5, 9.0, seed=11, name="bias")
+    assert torch.equal(model.weight, weight) and torch.equal(model.bias, bias)
+    rows, cols = [0, 1, 2, 150, 199], [5, 6, 7, 299]
+    part = keyed_trunc_normal_(
+        torch.empty(5, 4), 0.0, 0.02, -0.06, 0.06, seed=11, name="weight", global_shape=(200, 300),
+        indices=[rows, cols],
+    )  # fmt: skip
+    assert torch.equal(part, weight[rows][:, cols])
+
+
+def test_everything_else_runs_torchs_trunc_normal() -> None:
+    """Tensors of no model, ``generator=``, other threads and everything after the block (also
+    one that raised) run torch's own ``trunc_normal_``."""
+    original = trunc_normal_impl()
+    model = torch.nn.Linear(8, 8)
+
+    def torch_values(generator: torch.Generator | None = None) -> torch.Tensor:
+        torch.manual_seed(5)
+        return torch.nn.init.trunc_normal_(
+            torch.empty(64, 64), std=0.5, a=-0.6, b=0.6, generator=generator
+        )
+
+    expected = torch_values()
+    seen: dict[str, torch.Tensor] = {}
+    with invariant_random(model, init="keyed", seed=1):
+        assert trunc_normal_impl() is not original  # routed while the block is open
+        other = threading.Thread(target=lambda: seen.update(thread=torch_values()))
+        other.start()
+        other.join()
+        seen["generator"] = torch_values(torch.Generator().manual_seed(5))
+    assert torch.equal(seen["thread"], expected)  # another thread: torch's own
+    assert torch.equal(seen["generator"], torch_values(torch.Generator().manual_seed(5)))
+    assert trunc_normal_impl() is original
+    with pytest.raises(RuntimeError, match="inside"), invariant_random(model, init="keyed", seed=1):
+        raise RuntimeError("inside")
+    assert trunc_normal_impl() is original  # restored when the block raises too
+    assert torch.equal(torch_values(), expected)
+
+
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_rank_initialises_its_shard_without_the_others(rank: int) -> None:
+    """Rank 0 initialises its shard of a Shard(0) parameter while rank 1 waits in a barrier:
+    with torch's resampling loop the global any() would hang rank 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)]))
+    if rank == 0:
+        with torch.no_grad(), invariant_random(model, init="keyed", seed=4):
+            torch.nn.init.trunc_normal_(model.w, std=0.5, a=-0.6, b=0.6)
+        full = keyed_trunc_normal_(torch.empty(10, 6), 0.0, 0.5, -0.6, 0.6, seed=4, name="w")
+        assert torch.equal(model.w.to_local(), full[:5])
+    dist.barrier()
