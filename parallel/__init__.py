@@ -75,6 +75,12 @@ __getattr__ = deprecated_names(
         "record_masks": "rng_tracker.parallel.sites:record_masks",
         "get_parallel_state_or_none": "rng_tracker.parallel._mesh:get_parallel_state_or_none",
     },
+    instead={
+        "get_parallel_state_or_none": (
+            "rng_tracker.parallel.get_parallel_state(), which raises ParallelStateError "
+            "before init_model_parallel()"
+        )
+    },
 )
 
 # Modules renamed private in 0.2 (their public names are exported above); the old paths import,

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._tracker import MODEL_PARALLEL_RNG, get_rng_tracker
+from rng_tracker._streams import MODEL_PARALLEL_RNG
+from rng_tracker._tracker import get_rng_tracker
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
 from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout

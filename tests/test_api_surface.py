@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import re
 import warnings
@@ -183,6 +184,14 @@ def test_public_modules_are_the_readme_ones_and_only_they_have_an_all() -> None:
     assert not private_with_all, f"private modules that declare an __all__: {private_with_all}"
 
 
+def _is_submodule(package: str, name: str) -> bool:
+    """``from package import name`` names a module (imported yet or not), not an attribute."""
+    try:
+        return importlib.util.find_spec(f"{package}.{name}") is not None
+    except ModuleNotFoundError:  # ``package`` is a module, not a package
+        return False
+
+
 def _imported_private_names(path: Path) -> list[str]:
     import ast
 
@@ -195,8 +204,7 @@ def _imported_private_names(path: Path) -> list[str]:
         for alias in node.names:
             if not alias.name.startswith("_") or alias.name.startswith("__"):
                 continue
-            source = importlib.import_module(node.module)
-            if not isinstance(getattr(source, alias.name, None), ModuleType):
+            if not _is_submodule(node.module, alias.name):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
     return found
 
