@@ -300,3 +300,11 @@ class RNGStateRederivedWarning(UserWarning):
 
 
 __all__ += ["RNGStateConfigError", "RNGStateRederivedWarning", "RNGStateSaveError"]
+
+
+class CompiledKernelFallbackWarning(UserWarning):
+    """The compiled CPU dropout kernel cannot be built here (no C compiler, an empty cache): the
+    plain-torch reference runs instead, with the same masks. Exported by ``rng_tracker.kernels``."""
+
+
+__all__ += ["CompiledKernelFallbackWarning"]
