@@ -52,7 +52,7 @@ from rng_tracker.errors import (
 from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels._fused_dropout import _check_p
+from rng_tracker.kernels._fused_dropout import check_p as _check_p
 from rng_tracker.kernels.reference import keep_scale
 from rng_tracker.parallel._placement import LocalIndex, local_index_of
 from rng_tracker.parallel.keyed_init import (
