@@ -82,21 +82,23 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     GPU where it places the map, else the reference. An impl that cannot run raises
     :class:`KernelUnavailableError` before anything is drawn.
     """
-    if impl not in IMPLS:
-        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
-    on_cpu = x.device.type == "cpu"
-    if impl == "cpu" and not on_cpu:
-        raise KernelUnavailableError(
-            f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
-        )
-    if impl == "cpu" or (impl == "auto" and on_cpu):
-        if not (impl == "cpu" or _AUTO_CPU_COMPILED) or len(index_map.dims) > _cpu_kernel.MAX_DIMS:
+    if impl == "auto" or impl == "cpu":  # the usual calls first: this runs on every call
+        if x.device.type == "cpu":
+            if (
+                (impl == "cpu" or _AUTO_CPU_COMPILED)
+                and len(index_map.dims) <= _cpu_kernel.MAX_DIMS
+                and _compiled_cpu_runs()  # else warned once: the reference runs instead
+            ):
+                return _compiled_route(x)
             return "reference"
-        if not _compiled_cpu_runs():  # warned once: the reference runs instead
-            return "reference"
-        return "cpu_direct" if _nothing_intercepts(x) else "cpu"
-    if impl == "torch":
+        if impl == "cpu":
+            raise KernelUnavailableError(
+                f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
+            )
+    elif impl == "torch":
         return "reference"
+    elif impl != "triton":
+        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
     runs = triton_runs_on(x.device) and "triton" in OPS
     placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
     if (
@@ -115,6 +117,11 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
             f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
         )
     return "triton"
+
+
+def _compiled_route(x: torch.Tensor) -> Route:
+    """How a call on x that runs the compiled CPU kernel reaches it: straight, or through its op."""
+    return "cpu_direct" if _nothing_intercepts(x) else "cpu"
 
 
 def run(
@@ -155,7 +162,8 @@ def _execute(
     ):
         if seed is None:
             seed = host_seed(words)
-        return _DirectCompiledDropout.apply(x, bias, residual, seed, call, words)
+        # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower)
+        return _DirectCompiledDropout.apply(x, bias, residual, seed, call.p, call.index_map, words)
     return _direct(call, words)
 
 
@@ -172,16 +180,16 @@ class _DirectCompiledDropout(torch.autograd.Function):
     """Autograd of the straight call: the op's (seed saved, mask regenerated), without the op."""
 
     @staticmethod
-    def forward(ctx: Any, x, bias, residual, seed, call: DropoutCall, words: Words):
+    def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words: Words):
         save_for_dropout_backward(ctx, bias, seed)
-        ctx.p, ctx.index_map, ctx.words = call.p, call.index_map, words  # no tensor: no reference
-        return _direct(call, words)
+        ctx.p, ctx.index_map, ctx.words = p, index_map, words  # no tensor: no reference
+        return _direct(DropoutCall(x, bias, residual, p, index_map), words)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
             call = DropoutCall(g, None, None, ctx.p, ctx.index_map)
-            return _execute(route(g, "cpu", ctx.index_map), call, seed, ctx.words)
+            return _execute(_compiled_route(g), call, seed, ctx.words)
 
-        return *dropout_backward(ctx, grad, regenerate), None, None, None
+        return *dropout_backward(ctx, grad, regenerate), None, None, None, None

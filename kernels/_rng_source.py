@@ -74,7 +74,9 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
     scratch = getattr(_SCRATCH, "tensor", None)
     if scratch is None:
         scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
-    return _drawn(_generator(x, generator), logical_numel, scratch)
+    # x is on CPU here: the default generator needs no device lookup (a microsecond per call)
+    generator = torch.default_generator if generator is None else _generator(x, generator)
+    return _drawn(generator, logical_numel, scratch)
 
 
 _WORDS = ctypes.c_int64 * 4
