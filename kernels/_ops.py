@@ -11,6 +11,7 @@ thing saved is the 32-byte seed tensor. Which op a call runs is the dispatcher's
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +61,26 @@ def _fake(x: torch.Tensor, *_: object) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+# The one signature of the three ops (torch.library infers their schema from it); the index map
+# goes in as _index_map.to_op_args gives it.
+_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+        for name, annotation in (
+            ("x", torch.Tensor),
+            ("bias", torch.Tensor | None),
+            ("residual", torch.Tensor | None),
+            ("seed", torch.Tensor),
+            ("p", float),
+            ("offset", int),
+            ("dims", list[int]),
+            ("logical_numel", int),
+        )
+    ],
+    return_annotation=torch.Tensor,
+)
+
+
 def _register(
     name: str,
     kernel: Callable[[DropoutCall, torch.Tensor], torch.Tensor],
@@ -68,19 +89,11 @@ def _register(
 ) -> Any:
     """Register ``rng_tracker::<name>`` running ``kernel(call, seed)``, with its fake and autograd."""
 
-    def body(
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-        seed: torch.Tensor,
-        p: float,
-        offset: int,
-        dims: list[int],
-        logical_numel: int,
-    ) -> torch.Tensor:  # the schema, inferred from these annotations
+    def body(x, bias, residual, seed, p, offset, dims, logical_numel):
         index_map = from_op_args(offset, dims, logical_numel)
         return kernel(DropoutCall(x, bias, residual, p, index_map), seed)
 
+    body.__signature__ = _SIGNATURE
     op = register(f"rng_tracker::{name}", body, mutates_args=(), **options)
     if register is torch.library.custom_op:
         op.register_fake(_fake)
