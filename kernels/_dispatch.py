@@ -24,7 +24,7 @@ from rng_tracker._torch_private import (
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import _cpu_kernel
-from rng_tracker.kernels._call import DropoutCall
+from rng_tracker.kernels._call import DropoutCall, dropout_call
 from rng_tracker.kernels._ops import (
     OPS,
     call_op,
@@ -83,7 +83,7 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     :class:`KernelUnavailableError` before anything is drawn.
     """
     if impl == "auto" or impl == "cpu":  # the usual calls first: this runs on every call
-        if x.device.type == "cpu":
+        if x.is_cpu:  # not x.device: it builds a device object (most of a microsecond)
             if (
                 (impl == "cpu" or _AUTO_CPU_COMPILED)
                 and len(index_map.dims) <= _cpu_kernel.MAX_DIMS
@@ -183,13 +183,13 @@ class _DirectCompiledDropout(torch.autograd.Function):
     def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words: Words):
         save_for_dropout_backward(ctx, bias, seed)
         ctx.p, ctx.index_map, ctx.words = p, index_map, words  # no tensor: no reference
-        return _direct(DropoutCall(x, bias, residual, p, index_map), words)
+        return _direct(dropout_call(x, bias, residual, p, index_map), words)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
-            call = DropoutCall(g, None, None, ctx.p, ctx.index_map)
+            call = dropout_call(g, None, None, ctx.p, ctx.index_map)
             return _execute(_compiled_route(g), call, seed, ctx.words)
 
         return *dropout_backward(ctx, grad, regenerate), None, None, None, None

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
-from rng_tracker.kernels._call import DropoutCall
+from rng_tracker.kernels._call import dropout_call
 from rng_tracker.kernels._dispatch import Impl, run
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
 from rng_tracker.kernels._rng_source import Words
@@ -111,7 +111,7 @@ def dropout(
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return run(DropoutCall(x, None, None, p, index_map), impl, generator, seed, words)
+    return run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
 
 
 def bias_dropout_add(
@@ -144,4 +144,4 @@ def bias_dropout_add(
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return run(DropoutCall(x, bias, residual, p, index_map), impl, generator, seed, words)
+    return run(dropout_call(x, bias, residual, p, index_map), impl, generator, seed, words)

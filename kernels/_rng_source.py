@@ -49,9 +49,13 @@ def _drawn(
         offset = generator.get_offset()
         generator.set_offset(advanced_offset(offset, logical_numel))
         return signed64(generator.initial_seed()), offset // 4, 0, 0
-    draw = torch.empty((), dtype=torch.int64) if scratch is None else scratch
-    draw.random_(-(2**63), 2**63 - 1, generator=generator)
-    return int(draw), 0, 0, 0
+    return _host_draw(generator, torch.empty((), dtype=torch.int64) if scratch is None else scratch)
+
+
+def _host_draw(generator: torch.Generator, scratch: torch.Tensor) -> Words:
+    """A non-CUDA generator's words: key = one 64-bit draw (into ``scratch``), base = 0."""
+    scratch.random_(-(2**63), 2**63 - 1, generator=generator)
+    return int(scratch), 0, 0, 0
 
 
 def _generator(x: torch.Tensor, generator: object) -> torch.Generator:
@@ -74,9 +78,9 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
     scratch = getattr(_SCRATCH, "tensor", None)
     if scratch is None:
         scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
-    # x is on CPU here: the default generator needs no device lookup (a microsecond per call)
-    generator = torch.default_generator if generator is None else _generator(x, generator)
-    return _drawn(generator, logical_numel, scratch)
+    if generator is None:  # x is on CPU here: its default generator, without a device lookup
+        return _host_draw(torch.default_generator, scratch)
+    return _drawn(_generator(x, generator), logical_numel, scratch)
 
 
 _WORDS = ctypes.c_int64 * 4
