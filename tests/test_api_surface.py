@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import re
 import warnings
@@ -194,10 +195,20 @@ def _imported_private_names(path: Path) -> list[str]:
         for alias in node.names:
             if not alias.name.startswith("_") or alias.name.startswith("__"):
                 continue
-            source = importlib.import_module(node.module)
-            if not isinstance(getattr(source, alias.name, None), ModuleType):
+            if not _is_module(node.module, alias.name):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
     return found
+
+
+def _is_module(package: str, name: str) -> bool:
+    """Whether ``package.name`` is a module, imported yet or not (this test must not depend on
+    which modules earlier tests happened to import)."""
+    if isinstance(getattr(importlib.import_module(package), name, None), ModuleType):
+        return True
+    try:
+        return importlib.util.find_spec(f"{package}.{name}") is not None
+    except ModuleNotFoundError:  # package is a module, not a package: name is not a module
+        return False
 
 
 def test_no_module_imports_another_modules_private_name() -> None:
