@@ -35,7 +35,6 @@ from rng_tracker.kernels._rng_source import Words, draw_seed, draw_words, host_s
 from rng_tracker.kernels._triton_kernel import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
-IMPLS = ("auto", "triton", "cpu", "torch")
 # "cpu_direct": the compiled CPU kernel called straight from Python; "cpu": through its op
 Route = Literal["triton", "cpu", "cpu_direct", "reference"]
 
