@@ -12,13 +12,14 @@ from __future__ import annotations
 from rng_tracker._deprecation import deprecated_names, moved_modules
 
 # ops
-from rng_tracker.kernels._fused_dropout import Impl, bias_dropout_add, dropout
+from rng_tracker.kernels._dispatch import Impl
+from rng_tracker.kernels._fused_dropout import bias_dropout_add, dropout
 
 # where the local tensor sits in the logical one
 from rng_tracker.kernels._index_map import MAX_LOGICAL_NUMEL, Chunk, IndexMap, Region
 
 # which paths run here
-from rng_tracker.kernels._cpu_kernel import CompiledKernelFallbackWarning  # isort: skip
+from rng_tracker.errors import CompiledKernelFallbackWarning  # isort: skip
 from rng_tracker.kernels._triton_kernel import HAS_TRITON  # isort: skip
 
 __all__ = [

@@ -30,6 +30,19 @@ from pathlib import Path
 HEADERS = ("f32_bits.h", "philox4x32.h")
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+# The flags every kernel library compiles with (a library may add its own after them).
+FLAGS = (
+    # -O2 plus the vectoriser: as fast here as -O3, and builds in a third of the time.
+    "-O2",
+    "-ftree-vectorize",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    # Bit-exactness: no fused multiply-add, no reassociation or other unsafe math.
+    "-ffp-contract=off",
+    "-fno-fast-math",
+)
 
 
 def _read(name: str) -> bytes:

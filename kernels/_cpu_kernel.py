@@ -10,58 +10,33 @@ threads; outputs beyond the caches are streamed out with non-temporal stores.
 It is built once per machine with the system C compiler (``CC``, else cc, gcc or clang;
 about 1 s), cached on disk, and loaded with ctypes: no torch headers, no tracing, a few
 microseconds per call. Why not Inductor or AOTInductor: docs/decisions.md. Where it cannot
-be built (no C compiler) the reference runs instead, after one
-:class:`CompiledKernelFallbackWarning`.
+be built (no C compiler), :func:`available` says so after one
+:class:`~rng_tracker.errors.CompiledKernelFallbackWarning`, and the dispatcher runs the
+reference instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import struct
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from rng_tracker._torch_private import (
-    dispatch_mode_depth,
-    functorch_transforms_active,
-    profiler_enabled,
-)
-from rng_tracker.errors import KernelInputError, KernelUnavailableError
-from rng_tracker.kernels._c_build import CSource, load_once
+from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
+from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
-from rng_tracker.kernels._ops import (
-    _fake,
-    _index_map,
-    _make_backward,
-    _setup_context,
-    dropout_backward,
-    save_for_dropout_backward,
-)
-from rng_tracker.kernels.reference import fused_dropout_reference, keep_scale, keep_threshold
+from rng_tracker.kernels.reference import keep_scale, keep_threshold
 
-_MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c
+MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c: the merged dims of an index map it places
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_FLAGS = (
-    # -O2 plus the vectoriser: as fast here as -O3, and builds in a third of the time.
-    "-O2",
-    "-ftree-vectorize",
-    "-std=c11",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-    # Bit-exactness: no fused multiply-add, no reassociation or other unsafe math.
-    "-ffp-contract=off",
-    "-fno-fast-math",
-)
 _SOURCE = CSource(
     "cpu_dropout.c",
-    _FLAGS,
+    FLAGS,
     libraries=(),
     abi_function="rt_abi_version",
     abi_version=2,  # RT_ABI_VERSION of cpu_dropout.c
@@ -73,22 +48,8 @@ ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
 # loaded machine a wait for it to be scheduled) than it saves.
 _MIN_NUMEL_PER_THREAD = 2**17
 
-
-class CompiledKernelFallbackWarning(UserWarning):
-    """The compiled CPU dropout kernel cannot be built here; the plain-torch reference runs."""
-
-
 _lock = threading.Lock()
 _state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF, "isa": 0}
-
-
-def kernel_library_path() -> Path:
-    """Where the compiled kernel for this source (and its headers) and platform lives (or will).
-
-    The compiler is not part of the key: the library is plain C with a fixed ABI, so one
-    built elsewhere (a shared cache) runs here without a compiler.
-    """
-    return _SOURCE.library_path()
 
 
 def _load() -> ctypes.CDLL:
@@ -118,8 +79,9 @@ def _bf16_nan_bits() -> int:
     return torch.tensor([float("nan")] * 16).to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
 
 
-def _library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None (after one warning) where it cannot be."""
+def available() -> bool:
+    """Whether the compiled kernel runs here: built (or loaded from the cache) on the first call;
+    where it cannot be, False after one :class:`CompiledKernelFallbackWarning`."""
     error = load_once(_state, _lock, _load)
     if error is not None:
         warnings.warn(
@@ -129,38 +91,14 @@ def _library() -> ctypes.CDLL | None:
             "compiler (cc, gcc or clang, or set CC) to use the compiled kernel, or pass "
             "impl='torch' to silence this.",
             CompiledKernelFallbackWarning,
-            stacklevel=4,
+            stacklevel=6,  # the caller of dropout / bias_dropout_add, through the dispatcher
         )
-    return _state["library"]  # type: ignore[return-value]
+    return _state["library"] is not None
 
 
-CPU_KERNEL_ENV = "RNG_TRACKER_CPU_KERNEL"
-
-
-def _cpu_kernel_choice() -> str:
-    choice = os.environ.get(CPU_KERNEL_ENV, "compiled")
-    if choice not in ("compiled", "reference"):
-        raise KernelInputError(
-            f"{CPU_KERNEL_ENV}={choice!r}; set it to 'compiled' (the default) or 'reference'"
-        )
-    return choice
-
-
-_AUTO_CHOICE = _cpu_kernel_choice()  # read once, at import
-
-
-def auto_uses_compiled() -> bool:
-    """Whether impl="auto" on CPU runs the compiled kernel: where it builds, unless
-    ``RNG_TRACKER_CPU_KERNEL=reference`` was set when rng_tracker.kernels was imported (a
-    process-wide opt-out: debugging, timing against the reference)."""
-    if _AUTO_CHOICE == "reference":
-        return False
-    return torch.compiler.is_compiling() or compiled_cpu_available()
-
-
-def compiled_cpu_available() -> bool:
-    """Whether the compiled kernel runs here (builds it on first call; False after a failure)."""
-    return _library() is not None
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None where it cannot be."""
+    return _state["library"] if available() else None  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,24 +147,21 @@ def _arguments(
     return type(template).from_buffer_copy(template)
 
 
-def run_compiled(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    words: tuple[int, int, int, int],
-    p: float,
-    index_map: IndexMap,
-) -> torch.Tensor | None:
-    """The compiled kernel's output for the seed ``words`` (key, base, c2, c3 as int64 values),
-    or None where it cannot run this call (no library, an index map of more than 64 dims, a
-    bias without a residual): then the caller runs the reference."""
+def fused_dropout_compiled(call: DropoutCall, words: tuple[int, int, int, int]) -> torch.Tensor:
+    """``fused_dropout_reference``'s result from the compiled kernel, for the seed ``words``
+    (key, base, c2, c3 as int64 values). The dispatcher sends only calls it runs (CPU tensors,
+    an index map of at most :data:`MAX_DIMS` merged dims, a bias only with a residual); others,
+    and a kernel that cannot be built, raise :class:`KernelUnavailableError`."""
     library = _state["library"]
     if library is None:
         library = _library()
         if library is None:
-            return None
-    if len(index_map.dims) > _MAX_DIMS or (bias is not None and residual is None):
-        return None
+            raise KernelUnavailableError(
+                f"the compiled CPU dropout kernel cannot be built here ({_state['failed']}); "
+                "run rng_tracker.kernels.dropout (impl='auto' runs the reference then) or "
+                "torch.ops.rng_tracker.fused_dropout"
+            )
+    x, bias, residual, p, index_map = call
     x = x.contiguous()
     if bias is not None:
         bias = bias.contiguous()
@@ -249,143 +184,7 @@ def run_compiled(
     if status != 0:
         raise KernelUnavailableError(
             f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "
-            f"{numel} elements, {len(index_map.dims)} dims); use impl='torch'"
+            f"{numel} elements, {len(index_map.dims)} dims, bias {bias is not None}, residual "
+            f"{residual is not None}); use impl='torch'"
         )
     return out
-
-
-def fused_dropout_compiled(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    index_map: IndexMap,
-) -> torch.Tensor:
-    """``fused_dropout_reference``'s result from the compiled kernel (CPU tensors)."""
-    out = run_compiled(x, bias, residual, tuple(seed.tolist()), p, index_map)
-    if out is None:
-        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
-    return out
-
-
-@torch.library.custom_op("rng_tracker::fused_dropout_cpu", mutates_args=(), device_types="cpu")
-def fused_dropout_cpu_op(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    offset: int,
-    dims: list[int],
-    logical_numel: int,
-) -> torch.Tensor:
-    """Fused dropout, compiled CPU kernel (the reference where no C compiler runs)."""
-    return fused_dropout_compiled(
-        x, bias, residual, seed, p, _index_map(offset, dims, logical_numel)
-    )
-
-
-fused_dropout_cpu_op.register_fake(_fake)
-fused_dropout_cpu_op.register_autograd(
-    _make_backward(fused_dropout_cpu_op), setup_context=_setup_context
-)
-
-
-def may_skip_dispatch(x: torch.Tensor) -> bool:
-    """Whether an eager call may run the kernel without the op dispatcher (about 50 us less per
-    call): nothing traces or intercepts ops (torch.compile, export, make_fx, torch.jit.trace,
-    fake tensors, dispatch modes, functorch transforms), so the op would only forward to the
-    kernel."""
-    return (
-        type(x) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and dispatch_mode_depth() == 0
-        and functorch_transforms_active() is False
-    )
-
-
-def _run(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    words: tuple[int, int, int, int],
-    p: float,
-    index_map: IndexMap,
-) -> torch.Tensor:
-    """``run_compiled``, or the reference where it cannot run; named as the op it stands in for
-    in a profiler's trace (only while a profiler runs: the name costs microseconds)."""
-    if profiler_enabled():
-        with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
-            out = run_compiled(x, bias, residual, words, p, index_map)
-    else:
-        out = run_compiled(x, bias, residual, words, p, index_map)
-    if out is None:
-        if seed is None:
-            seed = _seed_of(words)
-        return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
-    return out
-
-
-class _CompiledCpuDropout(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-        seed: torch.Tensor,
-        params: tuple[tuple[int, int, int, int], float, IndexMap],
-    ) -> torch.Tensor:
-        save_for_dropout_backward(ctx, bias, seed)
-        ctx.params = params
-        return _run(x, bias, residual, seed, *params)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        words, p, index_map = ctx.params
-
-        def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-            # ctx.saved_tensors (read by dropout_backward) has checked that the seed is unchanged
-            if may_skip_dispatch(g):
-                return _run(g, None, None, seed, words, p, index_map)
-            return fused_dropout_cpu_op(
-                g, None, None, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
-            )
-
-        return *dropout_backward(ctx, grad, regenerate), None, None
-
-
-_WORDS = ctypes.c_int64 * 4
-
-
-def _seed_of(words: tuple[int, int, int, int]) -> torch.Tensor:
-    """The seed tensor [key, base, c2, c3] of ``words`` (a memcpy: faster than torch.tensor)."""
-    seed = torch.empty(4, dtype=torch.int64)
-    ctypes.memmove(seed.data_ptr(), _WORDS(*words), 32)
-    return seed
-
-
-def compiled_cpu_dropout(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    words: tuple[int, int, int, int],
-    p: float,
-    index_map: IndexMap,
-) -> torch.Tensor:
-    """``fused_dropout_cpu_op``'s result and gradients for eager callers ``may_skip_dispatch``
-    allows, from the seed ``words`` (and the seed tensor they came from, if any). Without
-    autograd (no input needs a gradient) it is one kernel call, and no seed tensor is made."""
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or (bias is not None and bias.requires_grad)
-        or (residual is not None and residual.requires_grad)
-    ):
-        if seed is None:
-            seed = _seed_of(words)
-        return _CompiledCpuDropout.apply(x, bias, residual, seed, (words, p, index_map))
-    return _run(x, bias, residual, seed, words, p, index_map)

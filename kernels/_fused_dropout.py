@@ -9,30 +9,20 @@ explicit ``seed`` tensor [key, base, c2, c3] (keyed randomness), and nothing is 
 from __future__ import annotations
 
 import numbers
-from typing import Literal
 
 import torch
 
-from rng_tracker._device_rng import default_generator
-from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels._cpu_kernel import (
-    auto_uses_compiled,
-    compiled_cpu_dropout,
-    fused_dropout_cpu_op,
-    may_skip_dispatch,
-)
-from rng_tracker.kernels._index_map import IndexMap, ShardArg, index_map_of
-from rng_tracker.kernels._ops import fused_dropout_op, fused_dropout_triton_op
-from rng_tracker.kernels._rng_source import drawn_seed, drawn_words, seed_tensor
-from rng_tracker.kernels._triton_kernel import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
+from rng_tracker.errors import KernelInputError, KernelInputTypeError
+from rng_tracker.kernels._call import dropout_call
+from rng_tracker.kernels._dispatch import Impl, run
+from rng_tracker.kernels._index_map import ShardArg, index_map_of
+from rng_tracker.kernels._rng_source import Words
 
-Impl = Literal["auto", "triton", "cpu", "torch"]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_IMPLS = ("auto", "triton", "cpu", "torch")
-Words = tuple[int, int, int, int]
 
 
 def check_p(p: object) -> float:
+    """``p`` as a float in [0, 1], or a typed error (shared with the DTensor ops)."""
     if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
         return p
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
@@ -56,48 +46,6 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
             "move/cast it to match x"
         )
     return t
-
-
-def _path(x: torch.Tensor, impl: object, index_map: IndexMap) -> str:
-    """The one decision of which kernel runs a call: "triton", "cpu" (the compiled C kernel;
-    its op warns once and runs the reference where it cannot be built) or "reference"."""
-    if impl not in _IMPLS:
-        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
-    on_cpu = x.device.type == "cpu"
-    if impl == "cpu":
-        if not on_cpu:
-            raise KernelUnavailableError(
-                f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
-            )
-        return "cpu"
-    if impl == "torch":
-        return "reference"
-    if impl == "auto" and on_cpu:  # Triton runs CPU tensors only when asked (the interpreter)
-        return "cpu" if auto_uses_compiled() else "reference"
-    runs = triton_runs_on(x.device) and fused_dropout_triton_op is not None
-    if impl == "triton" and not runs:
-        why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
-        raise KernelUnavailableError(
-            f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
-            "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
-        )
-    placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
-    if impl == "triton":
-        if not placeable:
-            raise KernelUnavailableError(
-                f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
-                f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
-            )
-        return "triton"
-    # auto off CPU: Triton on a GPU, the reference elsewhere (and for maps it cannot place).
-    return "triton" if runs and x.device.type == "cuda" and placeable else "reference"
-
-
-_OPS = {
-    "triton": fused_dropout_triton_op,
-    "cpu": fused_dropout_cpu_op,
-    "reference": fused_dropout_op,
-}
 
 
 def _check_seed(
@@ -132,76 +80,6 @@ def _check_seed(
     return seed, words
 
 
-def _fused(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    p: float,
-    index_map: IndexMap,
-    generator: torch.Generator | None,
-    seed: torch.Tensor | None,
-    words: Words | None,
-    impl: Impl,
-) -> torch.Tensor:
-    path = _path(x, impl, index_map)
-    if path == "cpu" and may_skip_dispatch(x):
-        # eager on CPU: straight to the kernel, with the seed words as ints (converted once)
-        if seed is None:
-            words = _drawn_words(x, p, index_map, generator)
-        elif words is None:  # a seed on another device: brought here and read once
-            seed = seed.to(x.device)
-            words = tuple(seed.tolist())
-        return compiled_cpu_dropout(x, bias, residual, seed, words, p, index_map)
-    if seed is not None:  # keyed: nothing is drawn, so a CUDA graph may capture the call
-        seed = seed.to(x.device, non_blocking=True)
-    else:
-        seed = _draw_seed(x, p, index_map, generator, path == "triton")
-    return _OPS[path](
-        x, bias, residual, seed, p, index_map.offset, index_map.flat(), index_map.logical_numel
-    )
-
-
-def _draw_seed(
-    x: torch.Tensor,
-    p: float,
-    index_map: IndexMap,
-    generator: torch.Generator | None,
-    use_triton: bool,
-) -> torch.Tensor:
-    """The seed words of one generator-driven call, taken from ``generator`` (or x's device's)."""
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise KernelUnavailableError(
-            "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
-            "are read from the generator on the host, so every replay would reuse the captured "
-            "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
-            "tensor to each replay)"
-        )
-    device = x.device if use_triton else torch.device("cpu")
-    if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
-        return seed_tensor(0, 0, device)
-    generator = generator if generator is not None else default_generator(x.device)
-    if not isinstance(generator, torch.Generator):
-        raise KernelInputTypeError(
-            f"generator must be a torch.Generator, got {type(generator).__name__}"
-        )
-    return drawn_seed(generator, index_map.logical_numel, device)
-
-
-def _drawn_words(
-    x: torch.Tensor, p: float, index_map: IndexMap, generator: torch.Generator | None
-) -> Words:
-    """``_draw_seed``'s words as ints, for an eager call on CPU (no tensor made)."""
-    if p == 1.0:  # nothing is kept: no randomness is needed, the generator stays put
-        return (0, 0, 0, 0)
-    if generator is None:
-        generator = torch.default_generator
-    elif not isinstance(generator, torch.Generator):
-        raise KernelInputTypeError(
-            f"generator must be a torch.Generator, got {type(generator).__name__}"
-        )
-    return drawn_words(generator, index_map.logical_numel)
-
-
 def dropout(
     x: torch.Tensor,
     p: float,
@@ -233,7 +111,7 @@ def dropout(
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return x
-    return _fused(x, None, None, p, index_map, generator, seed, words, impl)
+    return run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
 
 
 def bias_dropout_add(
@@ -266,4 +144,4 @@ def bias_dropout_add(
     seed, words = _check_seed(seed, generator, x)
     if not training or p == 0.0:
         return residual + (x if bias is None else x + bias)
-    return _fused(x, bias, residual, p, index_map, generator, seed, words, impl)
+    return run(dropout_call(x, bias, residual, p, index_map), impl, generator, seed, words)

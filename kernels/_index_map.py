@@ -262,6 +262,19 @@ def _merge(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 ShardArg = Chunk | Region | IndexMap
 
 
+def to_op_args(index_map: IndexMap) -> tuple[int, list[int], int]:
+    """(offset, dims as [extent0, stride0, extent1, ...], logical numel): the index map as the
+    registered ops take it (torch.library has no IndexMap type); :func:`from_op_args` inverts it."""
+    return index_map.offset, index_map.flat(), index_map.logical_numel
+
+
+def from_op_args(offset: int, dims: Sequence[int], logical_numel: int) -> IndexMap:
+    """The index map of :func:`to_op_args`'s values (validated again: an op may be called directly)."""
+    return IndexMap(
+        offset=offset, dims=tuple(zip(dims[::2], dims[1::2])), logical_numel=logical_numel
+    )
+
+
 def _row_major_strides(shape: Sequence[int]) -> list[int]:
     strides, step = [], 1
     for extent in reversed(shape):

@@ -21,23 +21,22 @@ import hashlib
 import math
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from rng_tracker._bits import MASK64, mix_key
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels._c_build import CSource, load_once
-from rng_tracker.kernels._cpu_kernel import _FLAGS
-from rng_tracker.kernels.philox import philox4x32
+from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
 
 _SOURCE = CSource(
     "keyed_fill.c",
-    (*_FLAGS, "-O3", "-fno-math-errno"),
+    (*FLAGS, "-O3", "-fno-math-errno"),
     libraries=("-lm",),
     abi_function="rt_keyed_abi_version",
     abi_version=3,  # RT_KEYED_ABI of keyed_fill.c
 )
-_MASK64 = 2**64 - 1
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _lock = threading.Lock()
@@ -45,19 +44,16 @@ _state: dict[str, object] = {"library": None, "failed": None}
 
 
 def init_key(seed: int) -> int:
-    """The 64-bit Philox key of ``seed`` for init (a bijection: splitmix64's finaliser)."""
+    """The 64-bit Philox key of ``seed`` for init (a bijection, in its own domain)."""
     seed = checked_int(
         seed,
         "seed",
         type_error=KernelInputTypeError,
         value_error=KernelInputError,
         minimum=0,
-        maximum=_MASK64,
+        maximum=MASK64,
     )
-    z = (seed ^ _INIT_DOMAIN) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    return mix_key(seed, _INIT_DOMAIN)
 
 
 def name_hash(name: str) -> int:
@@ -117,12 +113,18 @@ def _fill(
     local: torch.Tensor,
     kind: int,
     params: Sequence[float],
+    *,
     seed: int,
     name: str,
-    global_shape: Sequence[int] | None,
-    indices: Sequence[Sequence[int]] | None,
+    global_shape: Sequence[int] | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """Write the keyed values of ``kind`` into ``local`` (in place, outside autograd)."""
+    """Write the keyed values of ``kind`` into ``local`` (in place, outside autograd).
+
+    The values of parameter ``name`` under ``seed``; ``local`` holds the elements ``indices``
+    (per dim, the global indices it holds; None: all) of a ``global_shape`` tensor (None:
+    local's own shape). The public fills take these four keywords as ``**target``.
+    """
     if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
         raise KernelInputError(
             "keyed init runs on CPU tensors (materialise on CPU, then move); got "
@@ -155,34 +157,20 @@ def _fill(
 
 
 def keyed_uniform_(
-    local: torch.Tensor,
-    a: float = 0.0,
-    b: float = 1.0,
-    *,
-    seed: int,
-    name: str,
-    global_shape: Sequence[int] | None = None,
-    indices: Sequence[Sequence[int]] | None = None,
+    local: torch.Tensor, a: float = 0.0, b: float = 1.0, **target: Any
 ) -> torch.Tensor:
-    """Fill ``local`` (the elements ``indices`` of a ``global_shape`` tensor) from U[a, b), keyed.
+    """Fill ``local`` from U[a, b), keyed (``target``: seed, name, global_shape, indices).
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
-    return _fill(local, _UNIFORM, (b - a, a), seed, name, global_shape, indices)
+    return _fill(local, _UNIFORM, (b - a, a), **target)
 
 
 def keyed_normal_(
-    local: torch.Tensor,
-    mean: float = 0.0,
-    std: float = 1.0,
-    *,
-    seed: int,
-    name: str,
-    global_shape: Sequence[int] | None = None,
-    indices: Sequence[Sequence[int]] | None = None,
+    local: torch.Tensor, mean: float = 0.0, std: float = 1.0, **target: Any
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
-    return _fill(local, _NORMAL, (std, mean), seed, name, global_shape, indices)
+    return _fill(local, _NORMAL, (std, mean), **target)
 
 
 def _normal_cdf(x: float) -> float:
@@ -195,11 +183,7 @@ def keyed_trunc_normal_(
     std: float = 1.0,
     a: float = -2.0,
     b: float = 2.0,
-    *,
-    seed: int,
-    name: str,
-    global_shape: Sequence[int] | None = None,
-    indices: Sequence[Sequence[int]] | None = None,
+    **target: Any,
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²) truncated to [a, b], keyed, by inverse-CDF sampling.
 
@@ -213,29 +197,4 @@ def keyed_trunc_normal_(
         )
     lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
     params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
-    return _fill(local, _TRUNCATED_NORMAL, params, seed, name, global_shape, indices)
-
-
-def keyed_uniform_reference(
-    global_shape: Sequence[int], a: float = 0.0, b: float = 1.0, *, seed: int, name: str
-) -> torch.Tensor:
-    """The full tensor :func:`keyed_uniform_` defines, in plain torch (for tests)."""
-    numel = 1
-    for n in global_shape:
-        numel *= n
-    key, hashed = init_key(seed), name_hash(name)
-    blocks = torch.arange((numel + 3) // 4, dtype=torch.int64)
-    counters = torch.stack(
-        [
-            blocks & 0xFFFFFFFF,
-            blocks >> 32,
-            torch.full_like(blocks, hashed & 0xFFFFFFFF),
-            torch.full_like(blocks, hashed >> 32),
-        ],
-        dim=-1,
-    )
-    words = philox4x32((key & 0xFFFFFFFF, key >> 32), counters).reshape(-1)[:numel]
-    u = (words >> 8).to(torch.float32) * 2.0**-24
-    scale = torch.tensor(b - a, dtype=torch.float32)
-    shift = torch.tensor(a, dtype=torch.float32)
-    return (u * scale + shift).reshape(tuple(global_shape))
+    return _fill(local, _TRUNCATED_NORMAL, params, **target)

@@ -1,86 +1,27 @@
-"""torch.library registration of fused dropout: reference and Triton ops, fakes, autograd.
+"""Every torch.library registration of fused dropout: the reference, Triton and compiled CPU
+ops, their fake kernels and their autograd.
 
-Both ops compute ``residual + keep * (x + bias) / (1 - p)`` (bias and residual optional)
-with the mask of the seed tensor [key, base, c2, c3] and the index map (offset, dims flattened as
-[extent0, stride0, ...], logical numel) of ``shard.IndexMap``. Backward applies the same op to the
-incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the
-only thing saved is the 32-byte seed tensor.
+The three ops share one schema (one function's annotations) and compute ``residual + keep * (x + bias) / (1 - p)`` (bias and
+residual optional) with the mask of the seed tensor [key, base, c2, c3] and the index map as
+:func:`~rng_tracker.kernels._index_map.to_op_args` passes it. Backward applies the same op to
+the incoming gradient (same seed, no bias, no residual): the mask is regenerated, and the only
+thing saved is the 32-byte seed tensor. Which op a call runs is the dispatcher's decision
+(``_dispatch.route``); an op runs its kernel or raises.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from rng_tracker.kernels._index_map import IndexMap
+from rng_tracker.kernels._call import DropoutCall
+from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
+from rng_tracker.kernels._index_map import from_op_args, to_op_args
 from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
 from rng_tracker.kernels.reference import fused_dropout_reference
-
-
-def _index_map(offset: int, dims: list[int], logical_numel: int) -> IndexMap:
-    return IndexMap(
-        offset=offset, dims=tuple(zip(dims[::2], dims[1::2])), logical_numel=logical_numel
-    )
-
-
-@torch.library.custom_op("rng_tracker::fused_dropout", mutates_args=())
-def fused_dropout_op(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    offset: int,
-    dims: list[int],
-    logical_numel: int,
-) -> torch.Tensor:
-    """Fused dropout, reference path (plain torch, any device)."""
-    return fused_dropout_reference(
-        x.contiguous(), bias, residual, seed, p, _index_map(offset, dims, logical_numel)
-    )
-
-
-def _fake(x: torch.Tensor, *_: object) -> torch.Tensor:
-    # Output metadata depends on x alone; the op's schema comes from the registered function.
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-fused_dropout_op.register_fake(_fake)
-
-if HAS_TRITON:
-
-    @torch.library.triton_op("rng_tracker::fused_dropout_triton", mutates_args=())
-    def fused_dropout_triton_op(
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        residual: torch.Tensor | None,
-        seed: torch.Tensor,
-        p: float,
-        offset: int,
-        dims: list[int],
-        logical_numel: int,
-    ) -> torch.Tensor:
-        """Fused dropout, Triton kernel (traceable by torch.compile through wrap_triton)."""
-        return fused_dropout_triton(
-            x,
-            bias,
-            residual,
-            seed,
-            p,
-            _index_map(offset, dims, logical_numel),
-            launch=torch.library.wrap_triton,
-        )
-
-else:  # pragma: no cover - exercised only where triton is absent
-    fused_dropout_triton_op = None
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    _x, bias, _residual, seed, p, offset, dims, logical_numel = inputs
-    save_for_dropout_backward(ctx, bias, seed)
-    ctx.params = (p, offset, dims, logical_numel)
 
 
 def save_for_dropout_backward(ctx: Any, bias: torch.Tensor | None, seed: torch.Tensor) -> None:
@@ -95,7 +36,7 @@ def dropout_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of (x, bias, residual); ``regenerate(grad, seed)`` applies the forward's mask.
 
-    ``ctx`` holds the seed (saved), ``bias_dtype`` and ``bias_numel`` (``_setup_context``).
+    ``ctx`` holds the seed (saved), ``bias_dtype`` and ``bias_numel`` (``save_for_dropout_backward``).
     """
     (seed,) = ctx.saved_tensors
     needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
@@ -109,16 +50,86 @@ def dropout_backward(
     return grad_x, grad_bias, grad if needs_residual else None
 
 
-def _make_backward(op: Any):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    _x, bias, _residual, seed, p, offset, dims, logical_numel = inputs
+    save_for_dropout_backward(ctx, bias, seed)
+    ctx.params = (p, offset, dims, logical_numel)
+
+
+def _fake(x: torch.Tensor, *_: object) -> torch.Tensor:
+    # Output metadata depends on x alone.
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# The one signature of the three ops (torch.library infers their schema from it); the index map
+# goes in as _index_map.to_op_args gives it.
+_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+        for name, annotation in (
+            ("x", torch.Tensor),
+            ("bias", torch.Tensor | None),
+            ("residual", torch.Tensor | None),
+            ("seed", torch.Tensor),
+            ("p", float),
+            ("offset", int),
+            ("dims", list[int]),
+            ("logical_numel", int),
+        )
+    ],
+    return_annotation=torch.Tensor,
+)
+
+
+def _register(
+    name: str,
+    kernel: Callable[[DropoutCall, torch.Tensor], torch.Tensor],
+    register: Callable[..., Any] = torch.library.custom_op,
+    **options: Any,
+) -> Any:
+    """Register ``rng_tracker::<name>`` running ``kernel(call, seed)``, with its fake and autograd."""
+
+    def body(x, bias, residual, seed, p, offset, dims, logical_numel):
+        index_map = from_op_args(offset, dims, logical_numel)
+        return kernel(DropoutCall(x, bias, residual, p, index_map), seed)
+
+    body.__signature__ = _SIGNATURE
+    op = register(f"rng_tracker::{name}", body, mutates_args=(), **options)
+    if register is torch.library.custom_op:
+        op.register_fake(_fake)
+
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grads = dropout_backward(ctx, grad, lambda g, seed: op(g, None, None, seed, *ctx.params))
         return *grads, None, None, None, None, None
 
-    return backward
+    op.register_autograd(backward, setup_context=_setup_context)
+    return op
 
 
-fused_dropout_op.register_autograd(_make_backward(fused_dropout_op), setup_context=_setup_context)
-if fused_dropout_triton_op is not None:
-    fused_dropout_triton_op.register_autograd(
-        _make_backward(fused_dropout_triton_op), setup_context=_setup_context
-    )
+def _reference(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    x, bias, residual, p, index_map = call
+    return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
+
+
+def _compiled(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    return fused_dropout_compiled(call, tuple(seed.tolist()))
+
+
+def _triton(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    # traceable by torch.compile: the launch goes through wrap_triton
+    return fused_dropout_triton(call, seed, launch=torch.library.wrap_triton)
+
+
+# route name (``_dispatch.route``) -> the op that runs it
+OPS = {
+    "reference": _register("fused_dropout", _reference),
+    "cpu": _register("fused_dropout_cpu", _compiled, device_types="cpu"),
+}
+if HAS_TRITON:
+    OPS["triton"] = _register("fused_dropout_triton", _triton, torch.library.triton_op)
+
+
+def call_op(route: str, call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    """``call`` through the op of ``route`` (the index map goes in as the op's int arguments)."""
+    x, bias, residual, p, index_map = call
+    return OPS[route](x, bias, residual, seed, p, *to_op_args(index_map))

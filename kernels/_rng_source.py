@@ -1,20 +1,25 @@
-"""The Philox key and counter base of one dropout call, taken from a torch generator.
+"""The seed words of one dropout call, drawn from a torch generator.
 
 CUDA generators: key = the seed, counter base = philox offset // 4, and the offset
 advances by 4 * ceil(N / 4) for the logical element count N, so no later torch op
-reuses these counters. Other generators: key = one 64-bit draw, base = 0. The seed tensor
-of a call is [key, base, c2, c3]: counter words 2 and 3 are 0 here.
+reuses these counters. Other generators: key = one 64-bit draw, base = 0. A call's seed is
+the four int64 words [key, base, c2, c3], c2 = c3 = 0 here: Python ints for the eager CPU
+kernel (:func:`draw_words`), an int64 tensor for the registered ops (:func:`draw_seed`).
+With p == 1 nothing is kept, so nothing is drawn: the generator stays put.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import torch
 
-from rng_tracker.errors import KernelInputError
+from rng_tracker._bits import MASK64, signed64
+from rng_tracker._device_rng import default_generator
+from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 
-_MAX_OFFSET = 2**64 - 1  # a CUDA generator's Philox offset is a uint64
+Words = tuple[int, int, int, int]  # [key, base, c2, c3] as int64 values
 
 
 def advanced_offset(offset: int, logical_numel: int) -> int:
@@ -24,7 +29,7 @@ def advanced_offset(offset: int, logical_numel: int) -> int:
     the offset would wrap and later calls would reuse earlier counters, so earlier masks.
     """
     advanced = offset + 4 * (-(-logical_numel // 4))
-    if advanced > _MAX_OFFSET:
+    if advanced > MASK64:  # a CUDA generator's Philox offset is a uint64
         raise KernelInputError(
             f"the generator's Philox offset {offset} cannot advance by {advanced - offset} for "
             f"{logical_numel} logical elements: it would pass 2**64 - 1 and wrap, reusing "
@@ -36,51 +41,86 @@ def advanced_offset(offset: int, logical_numel: int) -> int:
 _SCRATCH = threading.local()  # per thread: a 0-dim int64 tensor the eager draws reuse
 
 
-def _key_and_base(
+def _drawn(
     generator: torch.Generator, logical_numel: int, scratch: torch.Tensor | None = None
-) -> tuple[int, int]:
+) -> Words:
+    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
     if generator.device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(advanced_offset(offset, logical_numel))
-        return generator.initial_seed(), offset // 4
-    draw = torch.empty((), dtype=torch.int64) if scratch is None else scratch
-    draw.random_(-(2**63), 2**63 - 1, generator=generator)
-    return int(draw) & (2**64 - 1), 0
+        return signed64(generator.initial_seed()), offset // 4, 0, 0
+    return _host_draw(generator, torch.empty((), dtype=torch.int64) if scratch is None else scratch)
 
 
-@torch.compiler.disable
-def draw_key_and_base(generator: torch.Generator, logical_numel: int) -> tuple[int, int]:
-    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
-    return _key_and_base(generator, logical_numel)
+def _host_draw(generator: torch.Generator, scratch: torch.Tensor) -> Words:
+    """A non-CUDA generator's words: key = one 64-bit draw (into ``scratch``), base = 0."""
+    scratch.random_(-(2**63), 2**63 - 1, generator=generator)
+    return int(scratch), 0, 0, 0
 
 
-def drawn_words(generator: torch.Generator, logical_numel: int) -> tuple[int, int, int, int]:
-    """The seed words [key, base, 0, 0] (int64 values) of one eager call, drawn as
-    :func:`drawn_seed` draws them, with no tensor made (eager callers outside any trace or
-    dispatch mode only: the draw reuses a per-thread scratch tensor)."""
+def _generator(x: torch.Tensor, generator: object) -> torch.Generator:
+    """``generator``, or the default generator of x's device where it is None."""
+    if generator is None:
+        return torch.default_generator if x.device.type == "cpu" else default_generator(x.device)
+    if not isinstance(generator, torch.Generator):
+        raise KernelInputTypeError(
+            f"generator must be a torch.Generator, got {type(generator).__name__}"
+        )
+    return generator
+
+
+def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object) -> Words:
+    """The seed words of one eager call on x, from ``generator`` (or x's device's), with no
+    tensor made (eager callers outside any trace or dispatch mode only: the draw reuses a
+    per-thread scratch tensor)."""
+    if p == 1.0:
+        return 0, 0, 0, 0
     scratch = getattr(_SCRATCH, "tensor", None)
     if scratch is None:
         scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
-    key, base = _key_and_base(generator, logical_numel, scratch)
-    return (key - 2**64 if key >= 2**63 else key, base, 0, 0)
+    if generator is None:  # x is on CPU here: its default generator, without a device lookup
+        return _host_draw(torch.default_generator, scratch)
+    return _drawn(_generator(x, generator), logical_numel, scratch)
 
 
-def seed_tensor(key: int, base: int, device: torch.device) -> torch.Tensor:
-    """[key, base, 0, 0] as an int64 tensor: an op argument, never a constant baked into a graph.
+_WORDS = ctypes.c_int64 * 4
 
-    Counter words 2 and 3 are 0 for generator draws; keyed callers pass their own seed tensor.
-    """
-    signed_key = key - 2**64 if key >= 2**63 else key
-    return torch.tensor([signed_key, base, 0, 0], dtype=torch.int64).to(device, non_blocking=True)
+
+def host_seed(words: Words) -> torch.Tensor:
+    """``words`` as a CPU int64 tensor, by one memcpy (eager callers only: faster than
+    :func:`seed_tensor`, which any trace or mode can follow)."""
+    seed = torch.empty(4, dtype=torch.int64)
+    ctypes.memmove(seed.data_ptr(), _WORDS(*words), 32)
+    return seed
+
+
+def seed_tensor(words: Words, device: torch.device) -> torch.Tensor:
+    """``words`` as an int64 tensor on ``device``: an op argument, never a constant baked into a
+    graph."""
+    return torch.tensor(words, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def draw_seed(
+    x: torch.Tensor, p: float, logical_numel: int, generator: object, device: torch.device
+) -> torch.Tensor:
+    """:func:`draw_words`'s words as a seed tensor on ``device``, for the registered ops."""
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KernelUnavailableError(
+            "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
+            "are read from the generator on the host, so every replay would reuse the captured "
+            "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
+            "tensor to each replay)"
+        )
+    if p == 1.0:
+        return torch.zeros(4, dtype=torch.int64, device=device)
+    return drawn_seed(_generator(x, generator), logical_numel, device)
 
 
 @torch.compiler.disable
 def drawn_seed(
     generator: torch.Generator, logical_numel: int, device: torch.device
 ) -> torch.Tensor:
-    """``draw_key_and_base`` then ``seed_tensor``, as one step that torch.compile does not trace.
-
-    The key never becomes a traced Python int (a 64-bit constant Inductor cannot print, and
-    a value guard that would recompile every step): the seed enters the graph as a tensor.
-    """
-    return seed_tensor(*_key_and_base(generator, logical_numel), device)
+    """The draw and its seed tensor as one step that torch.compile does not trace: the key never
+    becomes a traced Python int (a 64-bit constant Inductor cannot print, and a value guard that
+    would recompile every step), the seed enters the graph as a tensor."""
+    return seed_tensor(_drawn(generator, logical_numel), device)

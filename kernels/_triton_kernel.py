@@ -17,7 +17,7 @@ import os
 import torch
 
 from rng_tracker.errors import KernelUnavailableError
-from rng_tracker.kernels._index_map import IndexMap
+from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels.reference import keep_scale, keep_threshold
 
 TRITON_IMPORT_ERROR: str | None = None
@@ -145,16 +145,9 @@ if HAS_TRITON:
             tl.store(out_ptr + local, value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def fused_dropout_triton(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    index_map: IndexMap,
-    launch=None,
-) -> torch.Tensor:
+def fused_dropout_triton(call: DropoutCall, seed: torch.Tensor, *, launch=None) -> torch.Tensor:
     """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
+    x, bias, residual, p, index_map = call
     last_stride, terms = index_map.divisions()
     if len(terms) > MAX_DIVISIONS:
         raise KernelUnavailableError(

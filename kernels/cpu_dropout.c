@@ -123,7 +123,6 @@ static void philox_block_portable(int m, const uint32_t *restrict lo, const uint
                                   uint32_t *restrict words) {
     for (int start = 0; start < m; start += LANES) {
         uint32_t x0[LANES], x1[LANES], x2[LANES], x3[LANES];
-        uint32_t r0 = k0, r1 = k1;
         if (lo) {
             for (int i = 0; i < LANES; i++) {
                 x0[i] = lo[start + i];
@@ -139,18 +138,8 @@ static void philox_block_portable(int m, const uint32_t *restrict lo, const uint
             x2[i] = c2;
             x3[i] = c3;
         }
-        for (int round = 0; round < PHILOX_ROUNDS; round++) {
-            for (int i = 0; i < LANES; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], r0, r1);
-            r0 += PHILOX_KEY_STEP0;
-            r1 += PHILOX_KEY_STEP1;
-        }
-        int n = m - start < LANES ? m - start : LANES;
-        for (int i = 0; i < n; i++) {
-            words[4 * (start + i)] = x0[i];
-            words[4 * (start + i) + 1] = x1[i];
-            words[4 * (start + i) + 2] = x2[i];
-            words[4 * (start + i) + 3] = x3[i];
-        }
+        int stored = m - start < LANES ? m - start : LANES;
+        philox4x32_10_lanes(LANES, x0, x1, x2, x3, k0, k1, stored, words + 4 * start);
     }
 }
 

@@ -147,7 +147,7 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
 #define CHUNK 64 /* Philox blocks per batch: 256 elements */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
-   vectorises (philox4x32_10 lane by lane: structure of arrays, rounds outermost). */
+   vectorises (philox4x32_10_lanes: structure of arrays, rounds outermost). */
 static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
                         uint32_t k1, uint32_t *restrict words) {
     uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
@@ -157,17 +157,7 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
         x2[i] = c2;
         x3[i] = c3;
     }
-    for (int round = 0; round < PHILOX_ROUNDS; round++) {
-        for (int i = 0; i < m; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], k0, k1);
-        k0 += PHILOX_KEY_STEP0;
-        k1 += PHILOX_KEY_STEP1;
-    }
-    for (int i = 0; i < m; i++) {
-        words[4 * i] = x0[i];
-        words[4 * i + 1] = x1[i];
-        words[4 * i + 2] = x2[i];
-        words[4 * i + 3] = x3[i];
-    }
+    philox4x32_10_lanes(m, x0, x1, x2, x3, k0, k1, m, words);
 }
 
 /* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch. */

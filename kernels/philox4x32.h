@@ -3,7 +3,7 @@
  * definition, included by cpu_dropout.c and keyed_fill.c (and equal, word for word, to
  * rng_tracker.kernels.philox.philox4x32 and Triton's tl.philox).
  *
- * Both functions are static inline, so each kernel's loops keep them inlined and vectorised.
+ * All functions are static inline, so each kernel's loops keep them inlined and vectorised.
  * The Python loaders copy this header next to the .c file they compile and hash it into the
  * library's cache key.
  */
@@ -41,6 +41,25 @@ static inline void philox4x32_10(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t
     words[1] = x1;
     words[2] = x2;
     words[3] = x3;
+}
+
+/* Philox4x32-10 of n counters at once, held as a structure of arrays (counter i is (x0[i],
+   x1[i], x2[i], x3[i]), overwritten), rounds outermost so that the loop over the counters
+   vectorises; then words[4 * i + j] = word j of counter i for the first `stored` counters. */
+static inline void philox4x32_10_lanes(int n, uint32_t *restrict x0, uint32_t *restrict x1,
+                                       uint32_t *restrict x2, uint32_t *restrict x3, uint32_t k0,
+                                       uint32_t k1, int stored, uint32_t *restrict words) {
+    for (int round = 0; round < PHILOX_ROUNDS; round++) {
+        for (int i = 0; i < n; i++) philox4x32_round(&x0[i], &x1[i], &x2[i], &x3[i], k0, k1);
+        k0 += PHILOX_KEY_STEP0;
+        k1 += PHILOX_KEY_STEP1;
+    }
+    for (int i = 0; i < stored; i++) {
+        words[4 * i] = x0[i];
+        words[4 * i + 1] = x1[i];
+        words[4 * i + 2] = x2[i];
+        words[4 * i + 3] = x3[i];
+    }
 }
 
 #endif /* RT_PHILOX4X32_H */

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._bits import mix_key, signed64
 from rng_tracker._device_rng import normalize_device
 from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
@@ -32,22 +33,13 @@ STEP_LIMIT = 2**32  # the step is Philox counter word 3
 _SITE_LIMIT = 2**32  # the site id is counter word 2; 0 is left to generator-driven calls
 _STATE_DICT_VERSION = 1
 _STATE_KEYS = frozenset({"version", "seed", "step", "sites"})
-_MASK64 = 2**64 - 1
 # Mixed into the seed so a keyed key never equals the seed a torch generator was given.
 _KEY_DOMAIN = 0x6B65796564524E47  # b"keyedRNG"
 
 
 def _philox_key(seed: int) -> int:
-    """The 64-bit Philox key of ``seed``: a bijection (splitmix64's finaliser), so distinct
-    seeds never share a key."""
-    z = (seed ^ _KEY_DOMAIN) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64  # xorshift and odd multiply: invertible
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _signed64(value: int) -> int:
-    return value - 2**64 if value >= 2**63 else value
+    """The 64-bit Philox key of ``seed`` (a bijection, so distinct seeds never share a key)."""
+    return mix_key(seed, _KEY_DOMAIN)
 
 
 def site_id_of(name: str) -> int:
@@ -160,7 +152,7 @@ class KeyedRNG:
     def manual_seed(self, seed: int) -> None:
         """Set the seed and go back to step 0 (the state of a fresh run)."""
         seed = validate_seed(seed)
-        words = torch.tensor([_signed64(_philox_key(seed)), 0, 0, 0], dtype=torch.int64)
+        words = torch.tensor([signed64(_philox_key(seed)), 0, 0, 0], dtype=torch.int64)
         self._words.copy_(words)
         self._seed, self._host_step = seed, 0
 

@@ -332,3 +332,11 @@ class HarnessUsageError(RNGTrackerError, TypeError):
 
 
 __all__ += ["DistributedTestError", "HarnessUsageError"]
+
+
+class CompiledKernelFallbackWarning(UserWarning):
+    """The compiled CPU dropout kernel cannot be built here (no C compiler, an empty cache): the
+    plain-torch reference runs instead, with the same masks. Exported by ``rng_tracker.kernels``."""
+
+
+__all__ += ["CompiledKernelFallbackWarning"]

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the fused dropout kernel for a GPU target, on any machine.
 
 No GPU is needed: Triton lowers to PTX and its bundled ptxas assembles the cubin. This is
-how CI checks the lowering (tests/test_kernel_lowering.py) and how scripts/kernel_sass.py
+how CI checks the lowering (tests/test_kernels_triton_kernel.py) and how scripts/kernel_sass.py
 prints the instruction counts in docs/benchmarks.md. Import it with TRITON_INTERPRET unset:
 under the interpreter the kernel is not a compilable function.
 """

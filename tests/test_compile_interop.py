@@ -59,7 +59,7 @@ def _train(compiled: bool, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ...
 def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling():
     # impl="auto" runs the compiled CPU kernel in both runs: eager calls it directly, the
     # compiled graph through the rng_tracker::fused_dropout_cpu op.
-    assert _cpu_kernel.compiled_cpu_available(), _cpu_kernel._state["failed"]
+    assert _cpu_kernel.available(), _cpu_kernel._state["failed"]
     eager, _ = _train(compiled=False)
     compiled, graphs = _train(compiled=True)
     for step_eager, step_compiled in zip(eager, compiled, strict=True):

@@ -27,7 +27,7 @@ from rng_tracker.errors import (
     StepRangeError,
     UnknownSiteError,
 )
-from rng_tracker.kernels import dropout as kernel_dropout
+from rng_tracker.kernels import _rng_source
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel.sites import batch_position, place_masks, record_masks
 from rng_tracker.parallel.testing import run_distributed
@@ -393,7 +393,7 @@ def _count_rng_access(monkeypatch) -> list[str]:
         (torch, ("get_rng_state", "set_rng_state")),
         (torch.random, ("get_rng_state", "set_rng_state")),
         (torch.utils.checkpoint, ("get_device_states", "set_device_states")),
-        (kernel_dropout, ("draw_key_and_base", "default_generator")),
+        (_rng_source, ("_drawn",)),  # where every kernel call draws from a generator
     ):
         for name in names:
             if hasattr(owner, name):

@@ -17,13 +17,38 @@ import torch
 
 from rng_tracker.errors import InvariantRandomConfigError, KernelInputError, RNGTrackerError
 from rng_tracker.kernels._keyed_fill import (
+    init_key,
     keyed_normal_,
     keyed_trunc_normal_,
     keyed_uniform_,
-    keyed_uniform_reference,
+    name_hash,
 )
+from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.parallel.invariant import invariant_random
 from rng_tracker.parallel.keyed_init import KeyedInit, stable_name
+
+
+def keyed_uniform_reference(
+    global_shape: tuple[int, ...], a: float = 0.0, b: float = 1.0, *, seed: int, name: str
+) -> torch.Tensor:
+    """The full tensor ``keyed_uniform_`` defines, in plain torch from the Philox reference."""
+    numel = math.prod(global_shape)
+    key, hashed = init_key(seed), name_hash(name)
+    blocks = torch.arange((numel + 3) // 4, dtype=torch.int64)
+    counters = torch.stack(
+        [
+            blocks & 0xFFFFFFFF,
+            blocks >> 32,
+            torch.full_like(blocks, hashed & 0xFFFFFFFF),
+            torch.full_like(blocks, hashed >> 32),
+        ],
+        dim=-1,
+    )
+    words = philox4x32((key & 0xFFFFFFFF, key >> 32), counters).reshape(-1)[:numel]
+    u = (words >> 8).to(torch.float32) * 2.0**-24
+    scale = torch.tensor(b - a, dtype=torch.float32)
+    shift = torch.tensor(a, dtype=torch.float32)
+    return (u * scale + shift).reshape(global_shape)
 
 
 def test_kernel_is_the_reference_and_shards_are_slices() -> None:

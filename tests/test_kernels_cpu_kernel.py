@@ -26,10 +26,12 @@ from rng_tracker.kernels import (
     Region,
     _c_build,
     _cpu_kernel,
+    _dispatch,
     _keyed_fill,
     bias_dropout_add,
     dropout,
 )
+from rng_tracker.kernels._index_map import index_map_of
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -40,7 +42,7 @@ def _gen(seed: int = 1234) -> torch.Generator:
 
 def _assert_bitwise(a: torch.Tensor, b: torch.Tensor) -> None:
     # A failed compile falls back to the reference, which would then be compared with itself.
-    assert _cpu_kernel.compiled_cpu_available(), _cpu_kernel._state["failed"]
+    assert _cpu_kernel.available(), _cpu_kernel._state["failed"]
     assert a.dtype == b.dtype and a.shape == b.shape
     assert torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype]))
 
@@ -135,16 +137,17 @@ def test_auto_runs_the_compiled_kernel_on_cpu_and_the_op_path_equals_the_direct_
     mode then sees; both give the same output and gradients bit for bit."""
     x, bias, residual = _inputs((9, 16), torch.bfloat16)
     grad = torch.randn(9, 16).to(torch.bfloat16)
+    whole = index_map_of(x.shape, None)
     results = []
     for mode in (None, _OpNames()):
         leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
         if mode is None:
-            assert _cpu_kernel.may_skip_dispatch(leaves[0])  # eager: straight to the kernel
+            assert _dispatch.route(leaves[0], "auto", whole) == "cpu_direct"  # straight to C
             out = bias_dropout_add(*leaves, 0.3, generator=_gen())
             out.backward(grad)
         else:
             with mode:
-                assert not _cpu_kernel.may_skip_dispatch(leaves[0])
+                assert _dispatch.route(leaves[0], "auto", whole) == "cpu"  # through the op
                 out = bias_dropout_add(*leaves, 0.3, generator=_gen())
                 out.backward(grad)
             assert mode.names.count("rng_tracker.fused_dropout_cpu.default") == 2  # fwd, bwd
@@ -275,7 +278,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     import warnings
     import torch
     from rng_tracker.kernels import _cpu_kernel, dropout
-    from rng_tracker.kernels._cpu_kernel import CompiledKernelFallbackWarning
+    from rng_tracker.errors import CompiledKernelFallbackWarning
 
     x = torch.randn(16, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -288,7 +291,7 @@ _FALLBACK_SCRIPT = textwrap.dedent(
     for s, out in zip((1, 2), outs):
         ref = dropout(x, 0.5, generator=torch.Generator().manual_seed(s), impl="torch")
         assert torch.equal(out, ref)
-    print("compiled" if _cpu_kernel.compiled_cpu_available() else "reference", len(fallbacks))
+    print("compiled" if _cpu_kernel.available() else "reference", len(fallbacks))
     if fallbacks:
         print(fallbacks[0].message)
     """
@@ -324,7 +327,7 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
         [
             sys.executable,
             "-c",
-            "from rng_tracker.kernels import _cpu_kernel as c; print(c.compiled_cpu_available())",
+            "from rng_tracker.kernels import _cpu_kernel as c; print(c.available())",
         ],
         env=dict(os.environ, RNG_TRACKER_CACHE_DIR=str(cache)),
         capture_output=True,
@@ -339,7 +342,7 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
 
 
 def _library_paths() -> list:
-    return [_cpu_kernel.kernel_library_path(), _keyed_fill._SOURCE.library_path()]
+    return [_cpu_kernel._SOURCE.library_path(), _keyed_fill._SOURCE.library_path()]
 
 
 def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
@@ -396,9 +399,9 @@ _KNOB_SCRIPT = textwrap.dedent(
 def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
     """RNG_TRACKER_CPU_KERNEL=reference makes impl="auto" run the reference op in a process;
     impl="cpu" still runs the compiled kernel; an unknown value is an error naming both."""
-    env = {k: v for k, v in os.environ.items() if k != _cpu_kernel.CPU_KERNEL_ENV}
+    env = {k: v for k, v in os.environ.items() if k != _dispatch.CPU_KERNEL_ENV}
     if value is not None:
-        env[_cpu_kernel.CPU_KERNEL_ENV] = value
+        env[_dispatch.CPU_KERNEL_ENV] = value
     result = subprocess.run(
         [sys.executable, "-c", _KNOB_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
@@ -410,7 +413,7 @@ def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
 
 
 def test_an_unknown_cpu_kernel_choice_is_an_error_at_import():
-    env = dict(os.environ, **{_cpu_kernel.CPU_KERNEL_ENV: "fast"})
+    env = dict(os.environ, **{_dispatch.CPU_KERNEL_ENV: "fast"})
     result = subprocess.run(
         [sys.executable, "-c", "import rng_tracker.kernels"],
         env=env,
@@ -435,7 +438,7 @@ def test_an_unwritable_home_cache_falls_back_to_the_temp_dir(tmp_path):
             sys.executable,
             "-c",
             "from rng_tracker.kernels import _cpu_kernel as c; "
-            "print(c.compiled_cpu_available(), c.kernel_library_path())",
+            "print(c.available(), c._SOURCE.library_path())",
         ],
         env=env,
         capture_output=True,

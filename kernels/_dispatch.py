@@ -1,0 +1,194 @@
+"""Which kernel runs a fused dropout call, and running it.
+
+:func:`route` is the one decision: the Triton kernel, the compiled CPU kernel (through its
+registered op, or straight into the C library for an eager call that nothing traces or
+intercepts: about 50 us less per call), or the plain-torch reference. :func:`run` takes the
+call's seed (given, or drawn from the generator in the form the route needs: ints for the
+straight C call, a tensor for an op) and runs the route's kernel.
+
+``RNG_TRACKER_CPU_KERNEL=reference`` (read when rng_tracker.kernels is imported) makes
+``impl="auto"`` take the reference on CPU for the whole process: debugging, timing against it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+
+from rng_tracker._torch_private import (
+    dispatch_mode_depth,
+    functorch_transforms_active,
+    profiler_enabled,
+)
+from rng_tracker.errors import KernelInputError, KernelUnavailableError
+from rng_tracker.kernels import _cpu_kernel
+from rng_tracker.kernels._call import DropoutCall, dropout_call
+from rng_tracker.kernels._ops import (
+    OPS,
+    call_op,
+    dropout_backward,
+    save_for_dropout_backward,
+)
+from rng_tracker.kernels._rng_source import Words, draw_seed, draw_words, host_seed
+from rng_tracker.kernels._triton_kernel import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
+
+Impl = Literal["auto", "triton", "cpu", "torch"]
+# "cpu_direct": the compiled CPU kernel called straight from Python; "cpu": through its op
+Route = Literal["triton", "cpu", "cpu_direct", "reference"]
+
+CPU_KERNEL_ENV = "RNG_TRACKER_CPU_KERNEL"
+
+
+def _auto_cpu_choice() -> str:
+    choice = os.environ.get(CPU_KERNEL_ENV, "compiled")
+    if choice not in ("compiled", "reference"):
+        raise KernelInputError(
+            f"{CPU_KERNEL_ENV}={choice!r}; set it to 'compiled' (the default) or 'reference'"
+        )
+    return choice
+
+
+_AUTO_CPU_COMPILED = _auto_cpu_choice() == "compiled"  # read once, at import
+
+
+@torch.compiler.assume_constant_result
+def _compiled_cpu_runs() -> bool:
+    # A fact of the process: under torch.compile it is taken once, at trace time, as a constant.
+    return _cpu_kernel.available()
+
+
+def _nothing_intercepts(x: torch.Tensor) -> bool:
+    """Whether the op would only forward to its kernel: nothing traces or intercepts ops
+    (torch.compile, export, make_fx, torch.jit.trace, fake tensors, dispatch modes, functorch
+    transforms)."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and dispatch_mode_depth() == 0
+        and functorch_transforms_active() is False
+    )
+
+
+def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
+    """The kernel of a call on x placed by ``index_map``, for ``impl``: the one place that decides.
+
+    On CPU, "cpu" and "auto" run the compiled kernel where it runs here and places the map (up to
+    64 merged dims), else the reference ("auto" also where ``RNG_TRACKER_CPU_KERNEL=reference``);
+    Triton runs CPU tensors only when asked (the interpreter). Elsewhere "auto" runs Triton on a
+    GPU where it places the map, else the reference. An impl that cannot run raises
+    :class:`KernelUnavailableError` before anything is drawn.
+    """
+    if impl == "auto" or impl == "cpu":  # the usual calls first: this runs on every call
+        if x.is_cpu:  # not x.device: it builds a device object (most of a microsecond)
+            if (
+                (impl == "cpu" or _AUTO_CPU_COMPILED)
+                and len(index_map.dims) <= _cpu_kernel.MAX_DIMS
+                and _compiled_cpu_runs()  # else warned once: the reference runs instead
+            ):
+                return _compiled_route(x)
+            return "reference"
+        if impl == "cpu":
+            raise KernelUnavailableError(
+                f"impl='cpu' runs the compiled CPU kernel, but x is on {x.device}; use impl='auto'"
+            )
+    elif impl == "torch":
+        return "reference"
+    elif impl != "triton":
+        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+    runs = triton_runs_on(x.device) and "triton" in OPS
+    placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
+    if (
+        impl == "auto"
+    ):  # off CPU: Triton on a GPU, the reference elsewhere and for maps it cannot place
+        return "triton" if runs and x.device.type == "cuda" and placeable else "reference"
+    if not runs:
+        why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
+        raise KernelUnavailableError(
+            f"impl='triton' cannot run for a tensor on {x.device} here{why}: it needs triton and a "
+            "CUDA device (or TRITON_INTERPRET=1 for CPU tensors); use impl='torch' or 'auto'"
+        )
+    if not placeable:
+        raise KernelUnavailableError(
+            f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
+            f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
+        )
+    return "triton"
+
+
+def _compiled_route(x: torch.Tensor) -> Route:
+    """How a call on x that runs the compiled CPU kernel reaches it: straight, or through its op."""
+    return "cpu_direct" if _nothing_intercepts(x) else "cpu"
+
+
+def run(
+    call: DropoutCall,
+    impl: object,
+    generator: object,
+    seed: torch.Tensor | None,
+    words: Words | None,
+) -> torch.Tensor:
+    """The output of ``call`` on the route's kernel. ``seed`` (with its ``words`` where they were
+    read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's)."""
+    kernel = route(call.x, impl, call.index_map)
+    x, logical_numel = call.x, call.index_map.logical_numel
+    if kernel == "cpu_direct":
+        if seed is None:
+            words = draw_words(x, call.p, logical_numel, generator)
+        elif words is None:  # a seed on another device: brought here and read once
+            seed = seed.to(x.device)
+            words = tuple(seed.tolist())
+    elif seed is None:  # an op's seed lives on x's device only for Triton
+        device = x.device if kernel == "triton" else torch.device("cpu")
+        seed = draw_seed(x, call.p, logical_numel, generator, device)
+    else:  # keyed: nothing is drawn, so a CUDA graph may capture the call
+        seed = seed.to(x.device, non_blocking=True)
+    return _execute(kernel, call, seed, words)
+
+
+def _execute(
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+) -> torch.Tensor:
+    if kernel != "cpu_direct":
+        return call_op(kernel, call, seed)
+    x, bias, residual = call.x, call.bias, call.residual
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
+    ):
+        if seed is None:
+            seed = host_seed(words)
+        # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower)
+        return _DirectCompiledDropout.apply(x, bias, residual, seed, call.p, call.index_map, words)
+    return _direct(call, words)
+
+
+def _direct(call: DropoutCall, words: Words) -> torch.Tensor:
+    """The compiled kernel called straight, named as the op it stands in for in a profiler's
+    trace (only while a profiler runs: the name costs microseconds)."""
+    if profiler_enabled():
+        with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
+            return _cpu_kernel.fused_dropout_compiled(call, words)
+    return _cpu_kernel.fused_dropout_compiled(call, words)
+
+
+class _DirectCompiledDropout(torch.autograd.Function):
+    """Autograd of the straight call: the op's (seed saved, mask regenerated), without the op."""
+
+    @staticmethod
+    def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words: Words):
+        save_for_dropout_backward(ctx, bias, seed)
+        ctx.p, ctx.index_map, ctx.words = p, index_map, words  # no tensor: no reference
+        return _direct(dropout_call(x, bias, residual, p, index_map), words)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+            # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
+            call = dropout_call(g, None, None, ctx.p, ctx.index_map)
+            return _execute(_compiled_route(g), call, seed, ctx.words)
+
+        return *dropout_backward(ctx, grad, regenerate), None, None, None, None
