@@ -43,7 +43,7 @@ from rng_tracker.errors import (  # isort: skip
     UnknownStreamError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     # streams
