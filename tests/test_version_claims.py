@@ -41,3 +41,16 @@ def test_this_suite_runs_the_declared_minimum() -> None:
     venv_script = (ROOT / "scripts" / "_venv.sh").read_text(encoding="utf-8")
     pinned = re.search(r"torch==([\d.]+)", venv_script)
     assert pinned and _minor(pinned[1]) == _declared_minimum()
+
+
+def test_the_release_and_its_deprecation_messages_agree() -> None:
+    """setup.cfg's version is ``rng_tracker.__version__``, and every deprecation names the next
+    minor release as the one that removes the old name (the names moved in this one)."""
+    import rng_tracker
+    from rng_tracker._deprecation import REMOVED_IN
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    assert config["metadata"]["version"] == rng_tracker.__version__
+    major, minor = _minor(rng_tracker.__version__)
+    assert _minor(REMOVED_IN) == (major, minor + 1), (rng_tracker.__version__, REMOVED_IN)
