@@ -5,6 +5,8 @@
 - No submodule is shadowed by a name of its package (``import rng_tracker.x as m`` is the module).
 - Every dotted ``rng_tracker.…`` path in README.md and docs/*.md resolves, without a deprecation
   warning (the docs never teach a name on its way out).
+- Only the public modules carry an ``__all__``; no module imports another's ``_private`` name; the
+  modules import each other without a cycle.
 """
 
 from __future__ import annotations
@@ -217,3 +219,67 @@ def test_no_module_imports_another_modules_private_name() -> None:
         for path in sorted((ROOT / folder).rglob("*.py")):
             found += _imported_private_names(path)
     assert not found, "\n".join(found)
+
+
+_FOLDERS = {
+    "rng_tracker": "rng_tracker",
+    "parallel": "rng_tracker.parallel",
+    "kernels": "rng_tracker.kernels",
+}
+
+
+def _library_modules() -> dict[str, Path]:
+    """Every module of the library by its import name (setup.cfg maps the three folders)."""
+    modules = {}
+    for folder, package in _FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The library modules ``name`` imports anywhere in its text (lazy imports included)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in modules}
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:  # relative: from the module's package
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.add(submodule if submodule in modules else source)
+    return (found & modules.keys()) - {name}
+
+
+def test_the_library_has_no_import_cycle() -> None:
+    """The arrows between modules run one way: no module reaches itself through the modules it
+    imports, counting imports inside functions (the lazy import that hides a cycle)."""
+    modules = _library_modules()
+    graph = {name: sorted(_imports_of(name, path, modules)) for name, path in modules.items()}
+    state: dict[str, str] = {}
+    path: list[str] = []
+    cycles: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module], _ = "open", path.append(module)
+        for imported in graph[module]:
+            if state.get(imported) == "open":
+                cycles.append(" -> ".join([*path[path.index(imported) :], imported]))
+            elif imported not in state:
+                visit(imported)
+        state[module], _ = "done", path.pop()
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert sum(map(len, graph.values())) > 100, "the import graph came out nearly empty"
+    assert not cycles, "\n".join(cycles)
