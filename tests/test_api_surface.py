@@ -228,7 +228,7 @@ _FOLDERS = {
 }
 
 
-def _library_modules() -> dict[str, Path]:
+def _module_paths() -> dict[str, Path]:
     """Every module of the library by its import name (setup.cfg maps the three folders)."""
     modules = {}
     for folder, package in _FOLDERS.items():
@@ -263,7 +263,7 @@ def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def test_the_library_has_no_import_cycle() -> None:
     """The arrows between modules run one way: no module reaches itself through the modules it
     imports, counting imports inside functions (the lazy import that hides a cycle)."""
-    modules = _library_modules()
+    modules = _module_paths()
     graph = {name: sorted(_imports_of(name, path, modules)) for name, path in modules.items()}
     state: dict[str, str] = {}
     path: list[str] = []
