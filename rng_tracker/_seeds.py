@@ -28,14 +28,13 @@ from rng_tracker._streams import (
     stream_axes,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker, validate_seed
-from rng_tracker._validate import checked_int, first_repeat
+from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
     ParallelStateError,
     RankError,
     SeedCoordinateError,
     SeedCoordinateTypeError,
     SeedOverflowError,
-    SeedReuseError,
     SeedSchemeError,
 )
 
@@ -188,14 +187,14 @@ def plan_seeds(
     where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
     _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)
-    repeat = first_repeat(seeds.items())
-    if repeat is not None:
-        first, second, value = repeat
-        raise SeedReuseError(
+    refuse_repeat(
+        seeds.items(),
+        lambda first, second, value: (
             f"scheme {scheme!r} gives streams {first!r} and {second!r} the same seed {value} "
             f"at {where}: they would draw identical masks; use scheme='hashed' (collision-free) "
             "or another base seed layout"
-        )
+        ),
+    )
     return SeedPlan(
         scheme=scheme,
         base_seed=seed,

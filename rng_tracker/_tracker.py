@@ -19,7 +19,7 @@ import torch
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
-from rng_tracker._validate import checked_int, first_repeat
+from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
     CPURNGChangedWarning,
     DuplicateStreamError,
@@ -405,25 +405,22 @@ class RNGStatesTracker:
     def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
         """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
         way they would draw identical values)."""
-        repeat = first_repeat(seeds.items())
-        if repeat is not None:
-            first, second, seed = repeat
-            raise SeedReuseError(
+        refuse_repeat(
+            seeds.items(),
+            lambda first, second, seed: (
                 f"state dict gives streams {_shown(first)} and {_shown(second)} the same seed "
                 f"{seed}: they would draw identical values; it was not saved by state_dict() of "
                 "a valid tracker (add() refuses a reused seed)"
-            )
-        repeat = first_repeat(
-            (name, bytes(self._rng.to_bytes(state).tolist()))  # no numpy needed
-            for name, state in states.items()
+            ),
         )
-        if repeat is not None:
-            first, second, _ = repeat
-            raise SeedReuseError(
+        refuse_repeat(
+            ((name, bytes(self._rng.to_bytes(state).tolist())) for name, state in states.items()),
+            lambda first, second, _: (
                 f"state dict gives streams {_shown(first)} and {_shown(second)} the same "
                 "generator state: they would draw identical values; save each stream from its "
                 "own seed"
-            )
+            ),
+        )
 
     def _unknown(self, name: object) -> UnknownStreamError:
         return UnknownStreamError(

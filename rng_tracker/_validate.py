@@ -4,7 +4,9 @@ int (ranks, sizes, seeds, steps), and the search for two names given one value."
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
+
+from rng_tracker.errors import SeedReuseError
 
 _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
 
@@ -69,3 +71,13 @@ def first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hash
             return first_with[value], name, value
         first_with[value] = name
     return None
+
+
+def refuse_repeat(
+    values: Iterable[tuple[str, Hashable]], message: Callable[[str, str, Hashable], str]
+) -> None:
+    """Raise :class:`SeedReuseError` with ``message(first, second, value)`` when two names share
+    a value (see :func:`first_repeat`)."""
+    repeat = first_repeat(values)
+    if repeat is not None:
+        raise SeedReuseError(message(*repeat))
