@@ -221,23 +221,10 @@ def test_no_module_imports_another_modules_private_name() -> None:
     assert not found, "\n".join(found)
 
 
-_FOLDERS = {
-    "rng_tracker": "rng_tracker",
-    "parallel": "rng_tracker.parallel",
-    "kernels": "rng_tracker.kernels",
-}
-
-
 def _module_paths() -> dict[str, Path]:
-    """Every module of the library by its import name (setup.cfg maps the three folders)."""
-    modules = {}
-    for folder, package in _FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join([package, *parts])] = path
-    return modules
+    """Every module of the library (``rng_tracker`` included) by its import name, with its file."""
+    names = ["rng_tracker", *_library_modules()]
+    return {name: Path(importlib.util.find_spec(name).origin) for name in names}
 
 
 def _imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
