@@ -9,6 +9,7 @@ Each shim is documented in docs/migrating.md; none is part of rng_tracker's inst
 - ``sequence_parallel_spec()``: the local spec's torch LayerNorm wrapper refuses sequence
   parallelism, so SP runs swap it for a torch LayerNorm that marks its parameters
   ``sequence_parallel`` as Megatron's Apex/TE norms do.
+- ``CPU_ONLY_CONFIG``: the TransformerConfig fields that turn megatron's fused CUDA kernels off.
 - ``destroy_megatron_groups()``: ``parallel_state.destroy_model_parallel()`` forgets groups it
   does not destroy; each gloo group holds threads, so a test that re-initialises many layouts
   destroys them.
@@ -24,6 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+# TransformerConfig fields that turn off megatron's fused CUDA kernels (none runs on CPU).
+CPU_ONLY_CONFIG: dict[str, Any] = {
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+}
 
 
 class _CudaDeviceIsTheCPU(TorchFunctionMode):

@@ -17,14 +17,13 @@ as Megatron's Apex/TE norms do, and let Megatron's SP collectives, which allocat
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _megatron_cpu import CPU_ONLY_CONFIG, cuda_means_cpu, sequence_parallel_spec
 from torch.overrides import TorchFunctionMode
 
 _SEQ, _BATCH, _VOCAB = 16, 2, 64
@@ -70,41 +69,6 @@ class _DropoutMasks(TorchFunctionMode):
         return out
 
 
-def _sequence_parallel_spec() -> Any:
-    """Megatron's local layer spec, its norms swapped for a torch LayerNorm that marks its
-    parameters ``sequence_parallel`` as Megatron's Apex/TE norms do: the one part of the local
-    spec that refuses sequence parallelism (WrappedTorchNorm asserts it off)."""
-    import dataclasses
-
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    class SequenceParallelLayerNorm(torch.nn.LayerNorm):
-        def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-            super().__init__(hidden_size, eps=eps)
-            for param in self.parameters():
-                param.sequence_parallel = True
-
-    def swap(spec: Any) -> Any:
-        if spec is WrappedTorchNorm:
-            return SequenceParallelLayerNorm
-        if isinstance(spec, ModuleSpec):
-            return dataclasses.replace(
-                spec, module=swap(spec.module), submodules=swap(spec.submodules)
-            )
-        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-            fields = [f.name for f in dataclasses.fields(spec) if f.init]
-            return dataclasses.replace(spec, **{f: swap(getattr(spec, f)) for f in fields})
-        return spec
-
-    layer = swap(get_gpt_layer_local_spec())
-    return TransformerBlockSubmodules(
-        layer_specs=[layer, layer], layer_norm=SequenceParallelLayerNorm
-    )
-
-
 def _run(
     spec: Any = None, **config: Any
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[torch.Tensor]]:
@@ -124,14 +88,8 @@ def _run(
         tensor_model_parallel_size=2,
         hidden_dropout=0.1,
         attention_dropout=0.1,
-        # CPU: no CUDA initialisation and none of Megatron's fused CUDA kernels
-        use_cpu_initialization=True,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        use_cpu_initialization=True,  # CPU: no CUDA initialisation
+        **CPU_ONLY_CONFIG,
         **config,
     )
     spec = get_gpt_layer_local_spec() if spec is None else spec
@@ -146,16 +104,6 @@ def _run(
         (loss * torch.linspace(0.5, 1.5, _SEQ)).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     return loss.detach(), grads, recorder.masks
-
-
-@contextlib.contextmanager
-def _current_cuda_device_is_the_cpu() -> Iterator[None]:
-    current_device = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = current_device
 
 
 def _bitwise(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -205,8 +153,10 @@ def test_megatron_gpt_model_with_one_line_install(rank):
     # torch.cuda.current_device(); on a CPU-only build that call asserts, so for this part
     # "the current CUDA device" is the CPU (rng_tracker never calls it: it asks
     # torch.cuda.is_available() first).
-    sp_spec = _sequence_parallel_spec()
-    with _current_cuda_device_is_the_cpu():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    sp_spec = sequence_parallel_spec(get_gpt_layer_local_spec(), num_layers=2)
+    with cuda_means_cpu():
         sp_base = _run(sp_spec, sequence_parallel=True)
         assert _bitwise(sp_base, _run(sp_spec, sequence_parallel=True)), "SP: a second run differs"
         sp_hidden = [m for m in sp_base[2] if m.dim() == 3]  # [s/tp, b, h]: sharded over TP

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _megatron_cpu import (
+    CPU_ONLY_CONFIG,
     cuda_means_cpu,
     destroy_megatron_groups,
     process_groups,
@@ -78,13 +79,8 @@ def _config(
         attention_dropout=0.1,
         use_cpu_initialization=cpu_init,
         pipeline_dtype=torch.float32,
-        # CPU: none of Megatron's fused CUDA kernels; p2p without batching or CUDA syncs
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **CPU_ONLY_CONFIG,
+        # CPU: p2p without batching or CUDA syncs
         batch_p2p_comm=False,
         batch_p2p_sync=False,
         **(_MOE if moe else {}),
