@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from _dispatch_log import OpNames
 
 from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels import (
@@ -121,16 +121,6 @@ def test_backward_equals_the_reference_and_saves_only_the_seed():
         _assert_bitwise(a, b)
 
 
-class _OpNames(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_auto_runs_the_compiled_kernel_on_cpu_and_the_op_path_equals_the_direct_one():
     """impl="auto" on CPU runs the compiled kernel: eager calls go to it directly, and under a
     dispatch mode (or torch.compile) through the rng_tracker::fused_dropout_cpu op, which the
@@ -139,7 +129,7 @@ def test_auto_runs_the_compiled_kernel_on_cpu_and_the_op_path_equals_the_direct_
     grad = torch.randn(9, 16).to(torch.bfloat16)
     whole = index_map_of(x.shape, None)
     results = []
-    for mode in (None, _OpNames()):
+    for mode in (None, OpNames()):
         leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
         if mode is None:
             assert _dispatch.route(leaves[0], "auto", whole) == "cpu_direct"  # straight to C

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from _dispatch_log import OpNames
 
 from rng_tracker import RNGStatesTracker, RNGTrackerError, checkpoint
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
@@ -180,24 +180,12 @@ def test_backward_computes_only_the_gradient_asked_for(impl, wanted):
     bias_dropout_add(*every.values(), 0.3, generator=gen(), impl=impl).backward(grad)
     alone = {k: v.clone().requires_grad_(k == wanted) for k, v in inputs.items()}
     out = bias_dropout_add(*alone.values(), 0.3, generator=gen(), impl=impl)
-    with _OpNames() as backward_ops:
+    with OpNames() as backward_ops:
         out.backward(grad)
     assert torch.equal(alone[wanted].grad, every[wanted].grad)
     regenerations = sum("fused_dropout" in name for name in backward_ops.names)
     reductions = sum(name.startswith("aten.sum") for name in backward_ops.names)
     assert (regenerations, reductions) == {"x": (1, 0), "bias": (1, 1), "residual": (0, 0)}[wanted]
-
-
-class _OpNames(TorchDispatchMode):
-    """The names of the operators dispatched inside the mode."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
