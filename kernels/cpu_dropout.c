@@ -12,23 +12,35 @@
  *
  * Instruction sets: the whole chunk loop is compiled once per path - "portable" (the
  * compiler's baseline for the target, any architecture) and, on x86-64 with GCC or clang,
- * "avx2" (per-function target attribute; Philox in AVX2 intrinsics, the apply loop
- * vectorised by the compiler for AVX2). The path is picked at run time from the CPU's
- * features (__builtin_cpu_supports), or forced by the caller (tests compare every path
- * bitwise). Every path does the same integer and fp32 arithmetic, element by element, so
+ * "avx2" (per-function target attribute; Philox and the fp32/bf16 apply pass in AVX2
+ * intrinsics, fp16's apply vectorised by the compiler). The path is picked at run time from
+ * the CPU's features (__builtin_cpu_supports), or forced by the caller (tests compare every
+ * path bitwise). Every path does the same integer and fp32 arithmetic, element by element, so
  * the output bits do not depend on the path.
  *
- * Built (with the headers it includes) by rng_tracker/kernels/cpu_compiled.py through
+ * Built (with the headers it includes) by rng_tracker/kernels/_cpu_kernel.py through
  * _c_build.py with the system C compiler and loaded with ctypes; plain C11 and pthreads, no
  * torch headers. Compile with -ffp-contract=off: a fused multiply-add of residual +
- * value * scale would round once where the reference rounds twice.
+ * value * scale would round once where the reference rounds twice. On Linux, a large output's
+ * fresh pages are mapped with one madvise per thread before the loop (populate_output).
  */
+#ifndef _DEFAULT_SOURCE
+#define _DEFAULT_SOURCE /* madvise, mincore */
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "f32_bits.h"
 #include "philox4x32.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#ifndef MADV_POPULATE_WRITE
+/* Linux 5.14 and later; an older kernel refuses it (EINVAL) and the loop faults as before */
+#define MADV_POPULATE_WRITE 23
+#endif
+#endif
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define RT_X86_SIMD 1
@@ -45,6 +57,10 @@
 /* outputs of at least this many bytes are written with non-temporal stores: beyond the
    caches, they skip reading the output's lines before writing them (a third of the traffic) */
 #define STREAM_BYTES (16 << 20)
+/* outputs of at least this many bytes per thread have their pages mapped in one call first */
+#ifndef POPULATE_BYTES
+#define POPULATE_BYTES (1 << 20)
+#endif
 
 enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2 };
 
@@ -154,6 +170,32 @@ RT_AVX2 static inline __m256i mulhilo_avx2(__m256i a, __m256i multiplier, __m256
     return _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
+/* Rounds first .. PHILOX_ROUNDS - 1 of Philox4x32-10 on AVX2_CHAINS vectors of counters, in
+   place; (r0, r1) is round `first`'s key. `first` is a constant at each call, so the loop
+   unrolls whole. */
+RT_AVX2 static inline __attribute__((always_inline)) void philox_rounds_avx2(
+    __m256i *x0, __m256i *x1, __m256i *x2, __m256i *x3, uint32_t r0, uint32_t r1, int first) {
+    const __m256i multiplier0 = _mm256_set1_epi32((int)0xD2511F53u);
+    const __m256i multiplier1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+#pragma GCC unroll 10
+    for (int round = first; round < PHILOX_ROUNDS; round++) {
+        const __m256i key0 = _mm256_set1_epi32((int)r0), key1 = _mm256_set1_epi32((int)r1);
+#pragma GCC unroll 8
+        for (int v = 0; v < AVX2_CHAINS; v++) {
+            __m256i low0, low1;
+            __m256i keyed1 = _mm256_xor_si256(x1[v], key0), keyed3 = _mm256_xor_si256(x3[v], key1);
+            __m256i high0 = mulhilo_avx2(x0[v], multiplier0, &low0);
+            __m256i high1 = mulhilo_avx2(x2[v], multiplier1, &low1);
+            x0[v] = _mm256_xor_si256(high1, keyed1);
+            x2[v] = _mm256_xor_si256(high0, keyed3);
+            x1[v] = low1;
+            x3[v] = low0;
+        }
+        r0 += PHILOX_KEY_STEP0;
+        r1 += PHILOX_KEY_STEP1;
+    }
+}
+
 /* philox_block_portable's words, 8 counters per vector, AVX2_CHAINS vectors per step (m is
    padded to LANES = 8 * AVX2_CHAINS). Counters are loaded into lanes 0, 2, 4, 6, 1, 3, 5, 7 of
    a vector, so that the 4 x 4 transposes within each 128-bit half store the words of
@@ -162,50 +204,55 @@ RT_AVX2 static void philox_block_avx2(int m, const uint32_t *restrict lo,
                                       const uint32_t *restrict hi, uint32_t c2, uint32_t c3,
                                       uint32_t k0, uint32_t k1, uint32_t *restrict words) {
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    /* lo == NULL: the counters are hi[0] * 2^32 + hi[1] + i, and hi[1] + m - 1 < 2^32 */
-    const __m256i first_lo = _mm256_add_epi32(_mm256_set1_epi32(lo ? 0 : (int)hi[1]), order);
-    const __m256i first_hi = _mm256_set1_epi32(lo ? 0 : (int)hi[0]);
     const __m256i multiplier0 = _mm256_set1_epi32((int)0xD2511F53u);
     const __m256i multiplier1 = _mm256_set1_epi32((int)0xCD9E8D57u);
+    const uint32_t k0_2 = k0 + PHILOX_KEY_STEP0, k1_2 = k1 + PHILOX_KEY_STEP1;
+    /* lo == NULL: the counters are hi[0] * 2^32 + hi[1] + i (hi[1] + m - 1 < 2^32), so words
+       1, 2 and 3 are the same in every lane until round 1 multiplies word 0: rounds 1 and 2
+       then need one vector product each, the other being the same scalar in every lane */
+    const __m256i first_lo = _mm256_add_epi32(_mm256_set1_epi32(lo ? 0 : (int)hi[1]), order);
+    const uint64_t product1 = (uint64_t)0xCD9E8D57u * c2;                 /* round 1 */
+    const uint32_t word0 = (uint32_t)(product1 >> 32) ^ (lo ? 0 : hi[0]) ^ k0;
+    const uint64_t product0 = (uint64_t)0xD2511F53u * word0;              /* round 2 */
+    const __m256i round1_key3 = _mm256_set1_epi32((int)(c3 ^ k1));
+    const __m256i round2_key1 = _mm256_set1_epi32((int)((uint32_t)product1 ^ k0_2));
+    const __m256i round2_key3 = _mm256_set1_epi32((int)((uint32_t)(product0 >> 32) ^ k1_2));
+    const __m256i round2_low0 = _mm256_set1_epi32((int)(uint32_t)product0);
     for (int start = 0; start < m; start += 8 * AVX2_CHAINS) {
         __m256i x0[AVX2_CHAINS], x1[AVX2_CHAINS], x2[AVX2_CHAINS], x3[AVX2_CHAINS];
+        if (lo) {
 #pragma GCC unroll 8
-        for (int v = 0; v < AVX2_CHAINS; v++) {
-            if (lo) {
+            for (int v = 0; v < AVX2_CHAINS; v++) {
                 x0[v] = _mm256_permutevar8x32_epi32(
                     _mm256_loadu_si256((const __m256i *)(lo + start + 8 * v)), order);
                 x1[v] = _mm256_permutevar8x32_epi32(
                     _mm256_loadu_si256((const __m256i *)(hi + start + 8 * v)), order);
-            } else {
-                x0[v] = _mm256_add_epi32(first_lo, _mm256_set1_epi32(start + 8 * v));
-                x1[v] = first_hi;
+                x2[v] = _mm256_set1_epi32((int)c2);
+                x3[v] = _mm256_set1_epi32((int)c3);
             }
-            x2[v] = _mm256_set1_epi32((int)c2);
-            x3[v] = _mm256_set1_epi32((int)c3);
-        }
-        uint32_t r0 = k0, r1 = k1;
-#pragma GCC unroll 10
-        for (int round = 0; round < PHILOX_ROUNDS; round++) {
-            const __m256i key0 = _mm256_set1_epi32((int)r0), key1 = _mm256_set1_epi32((int)r1);
+            philox_rounds_avx2(x0, x1, x2, x3, k0, k1, 0);
+        } else {
 #pragma GCC unroll 8
             for (int v = 0; v < AVX2_CHAINS; v++) {
+                __m256i counter = _mm256_add_epi32(first_lo, _mm256_set1_epi32(start + 8 * v));
                 __m256i low0, low1;
-                __m256i keyed1 = _mm256_xor_si256(x1[v], key0), keyed3 = _mm256_xor_si256(x3[v], key1);
-                __m256i high0 = mulhilo_avx2(x0[v], multiplier0, &low0);
-                __m256i high1 = mulhilo_avx2(x2[v], multiplier1, &low1);
-                x0[v] = _mm256_xor_si256(high1, keyed1);
-                x2[v] = _mm256_xor_si256(high0, keyed3);
+                __m256i high0 = mulhilo_avx2(counter, multiplier0, &low0); /* round 1 */
+                __m256i word2 = _mm256_xor_si256(high0, round1_key3);
+                __m256i high1 = mulhilo_avx2(word2, multiplier1, &low1);  /* round 2 */
+                x0[v] = _mm256_xor_si256(high1, round2_key1);
                 x1[v] = low1;
-                x3[v] = low0;
+                x2[v] = _mm256_xor_si256(low0, round2_key3);
+                x3[v] = round2_low0;
             }
-            r0 += PHILOX_KEY_STEP0;
-            r1 += PHILOX_KEY_STEP1;
+            philox_rounds_avx2(x0, x1, x2, x3, k0_2 + PHILOX_KEY_STEP0, k1_2 + PHILOX_KEY_STEP1, 2);
         }
 #pragma GCC unroll 8
         for (int v = 0; v < AVX2_CHAINS; v++) {
             if (start + 8 * v >= m) break;
-            __m256i t0 = _mm256_unpacklo_epi32(x0[v], x1[v]), t1 = _mm256_unpackhi_epi32(x0[v], x1[v]);
-            __m256i t2 = _mm256_unpacklo_epi32(x2[v], x3[v]), t3 = _mm256_unpackhi_epi32(x2[v], x3[v]);
+            __m256i t0 = _mm256_unpacklo_epi32(x0[v], x1[v]);
+            __m256i t1 = _mm256_unpackhi_epi32(x0[v], x1[v]);
+            __m256i t2 = _mm256_unpacklo_epi32(x2[v], x3[v]);
+            __m256i t3 = _mm256_unpackhi_epi32(x2[v], x3[v]);
             __m256i *out = (__m256i *)(words + 4 * (start + 8 * v));
             _mm256_storeu_si256(out, _mm256_unpacklo_epi64(t0, t2));
             _mm256_storeu_si256(out + 1, _mm256_unpackhi_epi64(t0, t2));
@@ -289,6 +336,123 @@ static inline __attribute__((always_inline)) void apply(
     }
 }
 
+typedef void (*apply_fn)(int n, const uint32_t *restrict word, uint32_t threshold, float scale,
+                         const void *restrict x, const void *restrict bias,
+                         const void *restrict residual, void *restrict out, int dtype,
+                         int has_bias, int has_residual, uint16_t bf16_nan);
+
+/* apply_avx2 and apply_portable: the three bias/residual variants of `fn` for one dtype. */
+#define RT_APPLY_VARIANTS(fn, dtype)                                                          \
+    if (has_bias)                                                                             \
+        fn(n, word, threshold, scale, x, bias, residual, out, dtype, 1, 1, bf16_nan);         \
+    else if (has_residual)                                                                    \
+        fn(n, word, threshold, scale, x, NULL, residual, out, dtype, 0, 1, bf16_nan);         \
+    else                                                                                      \
+        fn(n, word, threshold, scale, x, NULL, NULL, out, dtype, 0, 0, bf16_nan);
+
+#if RT_X86_SIMD
+/* 8 elements of p from index i, widened to fp32 (bf16: its bits are fp32's top half). */
+RT_AVX2 static inline __attribute__((always_inline)) __m256 load8_avx2(const void *restrict p,
+                                                                       int i, int dtype) {
+    if (dtype == RT_F32) return _mm256_loadu_ps((const float *)p + i);
+    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+/* f32_to_bf16 on 8 lanes that hold no NaN, each result in the low 16 bits of its lane. */
+RT_AVX2 static inline __attribute__((always_inline)) __m256i round_bf16_finite_avx2(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+}
+
+/* f32_to_bf16 on 8 lanes: NaN lanes take the bits `nan`. */
+RT_AVX2 static inline __attribute__((always_inline)) __m256i round_bf16_avx2(__m256 v,
+                                                                             __m256i nan) {
+    const __m256i magnitude =
+        _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+    const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(round_bf16_finite_avx2(v), nan, is_nan);
+}
+
+/* apply() on 8 elements from i: the same fp32 operations in the same order. */
+RT_AVX2 static inline __attribute__((always_inline)) __m256 value8_avx2(
+    int i, const uint32_t *restrict word, __m256i threshold, __m256 scale,
+    const void *restrict x, const void *restrict bias, const void *restrict residual,
+    int dtype, int has_bias, int has_residual) {
+    __m256 value = load8_avx2(x, i, dtype);
+    if (has_bias) value = _mm256_add_ps(value, load8_avx2(bias, i, dtype));
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(word + i));
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(w, threshold), w); /* w >= t */
+    value = _mm256_and_ps(_mm256_mul_ps(value, scale), _mm256_castsi256_ps(keep));
+    if (has_residual) value = _mm256_add_ps(load8_avx2(residual, i, dtype), value);
+    return value;
+}
+
+/* apply() for fp32 or bf16 (a constant at each call), 16 elements per step. */
+RT_AVX2 static inline __attribute__((always_inline)) void apply_avx2_variant(
+    int n, const uint32_t *restrict word, uint32_t threshold, float scale,
+    const void *restrict x, const void *restrict bias, const void *restrict residual,
+    void *restrict out, int dtype, int has_bias, int has_residual, uint16_t bf16_nan) {
+    const __m256i t = _mm256_set1_epi32((int)threshold), nan = _mm256_set1_epi32(bf16_nan);
+    const __m256 s = _mm256_set1_ps(scale);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 a = value8_avx2(i, word, t, s, x, bias, residual, dtype, has_bias, has_residual);
+        __m256 b =
+            value8_avx2(i + 8, word, t, s, x, bias, residual, dtype, has_bias, has_residual);
+        if (dtype == RT_F32) {
+            _mm256_storeu_ps((float *)out + i, a);
+            _mm256_storeu_ps((float *)out + i + 8, b);
+        } else { /* pack the two halves' 16-bit results, then undo the per-128-bit interleave */
+            __m256i packed;
+            __m256 any_nan = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+            if (_mm256_movemask_ps(any_nan)) /* rare: the NaN lanes take the caller's bits */
+                packed = _mm256_packus_epi32(round_bf16_avx2(a, nan), round_bf16_avx2(b, nan));
+            else
+                packed = _mm256_packus_epi32(round_bf16_finite_avx2(a), round_bf16_finite_avx2(b));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
+                                _mm256_permute4x64_epi64(packed, 0xD8));
+        }
+    }
+    const int size = dtype == RT_F32 ? 4 : 2; /* the tail, fewer than 16 elements */
+    apply(n - i, word + i, threshold, scale, (const char *)x + i * size,
+          has_bias ? (const char *)bias + i * size : NULL,
+          has_residual ? (const char *)residual + i * size : NULL, (char *)out + i * size, dtype,
+          has_bias, has_residual, bf16_nan);
+}
+
+/* apply() for fp32 and bf16 in AVX2 intrinsics; fp16 through the compiler's vectorisation. */
+RT_AVX2 static void apply_avx2(int n, const uint32_t *restrict word, uint32_t threshold,
+                               float scale, const void *restrict x, const void *restrict bias,
+                               const void *restrict residual, void *restrict out, int dtype,
+                               int has_bias, int has_residual, uint16_t bf16_nan) {
+    if (dtype == RT_F32) {
+        RT_APPLY_VARIANTS(apply_avx2_variant, RT_F32)
+    } else if (dtype == RT_BF16) {
+        RT_APPLY_VARIANTS(apply_avx2_variant, RT_BF16)
+    } else {
+        RT_APPLY_VARIANTS(apply, RT_F16)
+    }
+}
+#endif
+
+/* apply() with constant dtype and variant, vectorised by the compiler for the portable target. */
+static void apply_portable(int n, const uint32_t *restrict word, uint32_t threshold, float scale,
+                           const void *restrict x, const void *restrict bias,
+                           const void *restrict residual, void *restrict out, int dtype,
+                           int has_bias, int has_residual, uint16_t bf16_nan) {
+    if (dtype == RT_F32) {
+        RT_APPLY_VARIANTS(apply, RT_F32)
+    } else if (dtype == RT_BF16) {
+        RT_APPLY_VARIANTS(apply, RT_BF16)
+    } else {
+        RT_APPLY_VARIANTS(apply, RT_F16)
+    }
+}
+
 typedef void (*philox_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
                           uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
                           uint32_t *restrict words);
@@ -309,7 +473,8 @@ typedef void (*stream_fn)(char *restrict target, const char *restrict staged, in
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
                                                             int has_bias, int has_residual,
                                                             philox_fn philox,
-                                                            stream_fn stream_out) {
+                                                            stream_fn stream_out,
+                                                            apply_fn apply_block) {
     const job *j = c->job;
     const int64_t size = dtype == RT_F32 ? 4 : 2;
     const stream_fn stream = j->stream ? stream_out : NULL;
@@ -379,15 +544,15 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
            non-temporal stores, so a large output is not read into the cache first */
         char *out = stream ? staged : target;
         if (!has_bias) {
-            apply(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
-                  has_residual, j->bf16_nan);
+            apply_block(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
+                        has_residual, j->bf16_nan);
         } else {
             /* runs of the block that lie in one row, so the bias is read contiguously */
             for (int e = 0; e < n;) {
                 int run = (int)(j->hidden - column < n - e ? j->hidden - column : n - e);
-                apply(run, keep_word + e, j->threshold, j->scale, x + e * size,
-                      (const char *)j->bias + column * size, residual + e * size,
-                      out + e * size, dtype, 1, has_residual, j->bf16_nan);
+                apply_block(run, keep_word + e, j->threshold, j->scale, x + e * size,
+                            (const char *)j->bias + column * size, residual + e * size,
+                            out + e * size, dtype, 1, has_residual, j->bf16_nan);
                 e += run;
                 column += run;
                 if (column == j->hidden) column = 0;
@@ -397,21 +562,21 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
     }
 }
 
-#define RT_VARIANTS(dtype, philox, stream)                                   \
-    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, stream);             \
-    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, stream);    \
-    else run_chunk(c, dtype, 0, 0, philox, stream);
+#define RT_VARIANTS(dtype, philox, stream, apply)                              \
+    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, stream, apply);          \
+    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, stream, apply); \
+    else run_chunk(c, dtype, 0, 0, philox, stream, apply);
 
-#define RT_CHUNK_PATH(name, attributes, philox, stream)                     \
-    attributes static void name(const chunk *c) {                           \
-        switch (c->job->dtype) {                                            \
-        case RT_F32: RT_VARIANTS(RT_F32, philox, stream) break;             \
-        case RT_F16: RT_VARIANTS(RT_F16, philox, stream) break;             \
-        default: RT_VARIANTS(RT_BF16, philox, stream) break;                \
-        }                                                                   \
+#define RT_CHUNK_PATH(name, attributes, philox, stream, apply)                \
+    attributes static void name(const chunk *c) {                             \
+        switch (c->job->dtype) {                                              \
+        case RT_F32: RT_VARIANTS(RT_F32, philox, stream, apply) break;        \
+        case RT_F16: RT_VARIANTS(RT_F16, philox, stream, apply) break;        \
+        default: RT_VARIANTS(RT_BF16, philox, stream, apply) break;           \
+        }                                                                     \
     }
 
-RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, NULL)
+RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, NULL, apply_portable)
 #if RT_X86_SIMD
 /* target[0 .. bytes) = staged[0 .. bytes) with non-temporal stores where target is 32-byte
    aligned (a torch allocation and a block's start are), plain stores for the rest. */
@@ -426,7 +591,7 @@ RT_AVX2 static void stream_out_avx2(char *restrict target, const char *restrict 
                             _mm256_loadu_si256((const __m256i *)(staged + i)));
     memcpy(target + i, staged + i, (size_t)(bytes - i));
 }
-RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, stream_out_avx2)
+RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, stream_out_avx2, apply_avx2)
 #endif
 
 /* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
@@ -444,8 +609,32 @@ int64_t rt_isa_best(void) {
     return rt_isa_supported(RT_ISA_AVX2) ? RT_ISA_AVX2 : RT_ISA_PORTABLE;
 }
 
+/* Map the pages of the chunk's output before writing it, where they are fresh: a new large
+   allocation (its own mmap) otherwise takes one page fault per 4 KiB page inside the loop, and
+   one MADV_POPULATE_WRITE costs a fraction of them. Only whole pages inside the chunk's output,
+   only outputs of at least POPULATE_BYTES; an error (an older kernel) changes nothing. */
+static void populate_output(const chunk *c) {
+#if defined(__linux__)
+    const int64_t size = c->job->dtype == RT_F32 ? 4 : 2;
+    const uintptr_t page = 4096;
+    uintptr_t first = (uintptr_t)((char *)c->job->out + c->begin * size);
+    uintptr_t end = (uintptr_t)((char *)c->job->out + c->end * size);
+    first = (first + page - 1) & ~(page - 1);
+    end &= ~(page - 1);
+    unsigned char resident = 1;
+    if (end <= first || end - first < POPULATE_BYTES) return;
+    /* a mapped first page: the memory was used before (a reused allocation), and asking again
+       would cost a page-table walk for nothing */
+    if (mincore((void *)first, page, &resident) == 0 && !(resident & 1))
+        (void)madvise((void *)first, end - first, MADV_POPULATE_WRITE);
+#else
+    (void)c;
+#endif
+}
+
 static void *run_chunk_any(void *arg) {
     const chunk *c = (const chunk *)arg;
+    populate_output(c);
 #if RT_X86_SIMD
     if (c->job->isa == RT_ISA_AVX2) {
         run_chunk_avx2(c);
