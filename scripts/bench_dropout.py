@@ -294,10 +294,12 @@ def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
             f"of {repeats} interleaved; "
             f"call = dropout(x, p, impl='cpu') forward / its backward; kernel = one ctypes "
             f"call, per instruction-set path ({', '.join(paths)}; auto picks {paths[-1]}); "
+            "copy = y.copy_(x) into a tensor made once, the same bytes as the kernel alone "
+            "(the core's memory speed where x and y leave the caches); "
             "target >= 1.5 G elements/s"
         )
         header = f"{'dtype':<9}{'N':>5}{'call fwd':>10}{'call bwd':>10}"
-        print(header + "".join(f"{'kernel ' + path:>16}" for path in paths))
+        print(header + "".join(f"{'kernel ' + path:>16}" for path in paths) + f"{'copy':>10}")
         for dtype in (torch.bfloat16, torch.float32):
             for log2 in log2s:
                 _core_row(dtype, log2, p, repeats, paths)
@@ -310,11 +312,13 @@ def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list
     x = torch.randn(n, dtype=dtype).requires_grad_()
     grad = torch.randn_like(x)
     out = dropout(x, p, impl="cpu")
+    copy = torch.empty_like(x.detach())
     times = _interleaved_medians(
         [
             lambda: dropout(x.detach(), p, impl="cpu"),
             lambda: torch.autograd.grad(out, (x,), grad, retain_graph=True),
             *(_kernel_only(x.detach(), p, path) for path in paths),
+            lambda: copy.copy_(x.detach()),
         ],
         repeats,
         clock=time.thread_time,
@@ -323,7 +327,9 @@ def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list
     label = str(dtype).replace("torch.", "")
     print(
         f"{label:<9}{'2^' + str(log2):>5}"
-        + "".join(f"{n / t / 1e9:{10 if i < 2 else 16}.2f}" for i, t in enumerate(times)),
+        + "".join(
+            f"{n / t / 1e9:{16 if 2 <= i < 2 + len(paths) else 10}.2f}" for i, t in enumerate(times)
+        ),
         flush=True,
     )
 
