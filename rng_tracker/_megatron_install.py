@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import sys
 import threading
@@ -43,34 +44,9 @@ KNOWN_KEY_SCHEMES: tuple[str, ...] = ("0.19.2",)
 
 MEGATRON_RANDOM = "megatron.core.tensor_parallel.random"
 
-# The names of Megatron's random module that rng_tracker.megatron provides with Megatron's
-# signatures. Megatron's module-level constants (equal strings) and its checkpoint classes'
-# internals (CheckpointWithoutOutputFunction, _set_checkpointing, ...) stay Megatron's.
-REPLACED_NAMES: tuple[str, ...] = (
-    "CheckpointFunction",
-    "CheckpointWithoutOutput",
-    "CudaRNGStatesTracker",
-    "_fork_rng",
-    "_get_all_rng_states",
-    "_get_cuda_rng_state",
-    "_set_all_rng_states",
-    "_set_cuda_rng_state",
-    "checkpoint",
-    "convert_cuda_rng_state",
-    "get_all_rng_states",
-    "get_cuda_rng_tracker",
-    "get_data_parallel_rng_tracker_name",
-    "get_expert_parallel_rng_tracker_name",
-    "get_gtp_remat_rng_tracker_name",
-    "initialize_rng_tracker",
-    "is_checkpointing",
-    "is_graph_safe_cuda_rng_tracker",
-    "model_parallel_cuda_manual_seed",
-)
-
 _LOCK = threading.RLock()
 # label -> (Megatron's original object, rng_tracker's replacement), while installed: the names of
-# random (REPLACED_NAMES), megatron's CPU init helper, and in invariant mode the names it swaps.
+# random (replaced_names), megatron's CPU init helper, and in invariant mode the names it swaps.
 # Process-wide, under _LOCK: install() patches megatron's modules, which every thread shares.
 _SWAPS: dict[str, tuple[Any, Any]] = {}
 _STATE: dict[str, Any] = {"invariant": False, "class_patches": []}
@@ -232,12 +208,21 @@ def expert_forking(
     return initialize_affine_weight_cpu
 
 
+def replaced_names(random: ModuleType, ours: Mapping[str, Any]) -> list[str]:
+    """The names :func:`install` replaces: the functions and classes megatron's ``random``
+    defines itself that ``ours`` provides too. Its constants (equal strings), what it imports
+    from other modules and its checkpoint classes' internals stay megatron's."""
+    return sorted(
+        name
+        for name, value in vars(random).items()
+        if name in ours
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == random.__name__
+    )
+
+
 def _plain_swaps(random: ModuleType, ours: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    swaps = {
-        name: (getattr(random, name), ours[name])
-        for name in REPLACED_NAMES
-        if hasattr(random, name)
-    }
+    swaps = {name: (getattr(random, name), ours[name]) for name in replaced_names(random, ours)}
     layers = importlib.import_module("megatron.core.tensor_parallel.layers")
     original = layers._initialize_affine_weight_cpu
     swaps["layers._initialize_affine_weight_cpu"] = (
@@ -261,7 +246,7 @@ def _plain_swaps(random: ModuleType, ours: Mapping[str, Any]) -> dict[str, tuple
 def install(
     ours: Mapping[str, Any], *, invariant: bool = False, allow_unknown_version: bool = False
 ) -> None:
-    """Replace :data:`REPLACED_NAMES` of megatron's ``random`` by ``ours`` (the facade's objects
+    """Replace :func:`replaced_names` of megatron's ``random`` by ``ours`` (the facade's objects
     of those names) in every imported megatron module; see :func:`rng_tracker.megatron.install`,
     which documents the behaviour and calls this."""
     invariant = bool(invariant)

@@ -33,7 +33,6 @@ from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._megatron_install import (
     KNOWN_KEY_SCHEMES,
     KNOWN_MEGATRON_CORE_VERSIONS,
-    REPLACED_NAMES,
     installed,
     invariant_installed,
     uninstall,
@@ -94,6 +93,16 @@ __all__ = [
     "set_step",
     "uninstall",
 ]
+
+# Megatron's private helpers of random.py that its other modules call, provided here with its
+# signatures: install() replaces them as it does the public names.
+_MEGATRON_HELPERS = (
+    "_fork_rng",
+    "_get_all_rng_states",
+    "_get_cuda_rng_state",
+    "_set_all_rng_states",
+    "_set_cuda_rng_state",
+)
 
 # TransformerEngine is never used here: te_rng_tracker asks for what TE's tracker is,
 # a tracker of graph-safe generator states (see initialize_rng_tracker).
@@ -638,7 +647,7 @@ def install(*, invariant: bool = False, allow_unknown_version: bool = False) -> 
     says).
     """
     _megatron_install.install(
-        {name: globals()[name] for name in REPLACED_NAMES},
+        {name: globals()[name] for name in (*__all__, *_MEGATRON_HELPERS)},
         invariant=invariant,
         allow_unknown_version=allow_unknown_version,
     )

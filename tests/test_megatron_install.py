@@ -27,7 +27,18 @@ _SCRIPT = textwrap.dedent(
     import sys
     import torch
     import rng_tracker.megatron as ours
-    from rng_tracker._megatron_install import REPLACED_NAMES
+
+    # what install() derives (replaced_names) from megatron-core 0.19.2's random.py: every
+    # function and class it defines that rng_tracker.megatron provides
+    REPLACED_NAMES = [
+        "CheckpointFunction", "CheckpointWithoutOutput", "CudaRNGStatesTracker", "_fork_rng",
+        "_get_all_rng_states", "_get_cuda_rng_state", "_set_all_rng_states",
+        "_set_cuda_rng_state", "checkpoint", "convert_cuda_rng_state", "get_all_rng_states",
+        "get_cuda_rng_tracker", "get_data_parallel_rng_tracker_name",
+        "get_expert_parallel_rng_tracker_name", "get_gtp_remat_rng_tracker_name",
+        "initialize_rng_tracker", "is_checkpointing", "is_graph_safe_cuda_rng_tracker",
+        "model_parallel_cuda_manual_seed",
+    ]
 
     MODULES = [
         "megatron.core.tensor_parallel",
@@ -64,6 +75,8 @@ _SCRIPT = textwrap.dedent(
         originals = [_SWAPS[n][0] for n in REPLACED_NAMES if n in _SWAPS]
     ours.install()  # idempotent
     assert ours.installed()
+    from rng_tracker._megatron_install import _SWAPS
+    assert sorted(n for n in _SWAPS if "." not in n) == REPLACED_NAMES, sorted(_SWAPS)
     replacements = [getattr(ours, n) for n in REPLACED_NAMES]
     routed = holders(replacements)
     assert holders(originals) == [], holders(originals)
