@@ -423,35 +423,29 @@ RT_AVX2 static inline __attribute__((always_inline)) void apply_avx2_variant(
           has_residual ? (const char *)residual + i * size : NULL, (char *)out + i * size, dtype,
           has_bias, has_residual, bf16_nan);
 }
-
-/* apply() for fp32 and bf16 in AVX2 intrinsics; fp16 through the compiler's vectorisation. */
-RT_AVX2 static void apply_avx2(int n, const uint32_t *restrict word, uint32_t threshold,
-                               float scale, const void *restrict x, const void *restrict bias,
-                               const void *restrict residual, void *restrict out, int dtype,
-                               int has_bias, int has_residual, uint16_t bf16_nan) {
-    if (dtype == RT_F32) {
-        RT_APPLY_VARIANTS(apply_avx2_variant, RT_F32)
-    } else if (dtype == RT_BF16) {
-        RT_APPLY_VARIANTS(apply_avx2_variant, RT_BF16)
-    } else {
-        RT_APPLY_VARIANTS(apply, RT_F16)
-    }
-}
 #endif
 
-/* apply() with constant dtype and variant, vectorised by the compiler for the portable target. */
-static void apply_portable(int n, const uint32_t *restrict word, uint32_t threshold, float scale,
-                           const void *restrict x, const void *restrict bias,
-                           const void *restrict residual, void *restrict out, int dtype,
-                           int has_bias, int has_residual, uint16_t bf16_nan) {
-    if (dtype == RT_F32) {
-        RT_APPLY_VARIANTS(apply, RT_F32)
-    } else if (dtype == RT_BF16) {
-        RT_APPLY_VARIANTS(apply, RT_BF16)
-    } else {
-        RT_APPLY_VARIANTS(apply, RT_F16)
+/* An apply_fn that runs `wide` (a per-dtype apply inlined with constant arguments) on fp32 and
+   bf16 and the compiler's vectorisation of apply() on fp16. */
+#define RT_APPLY_PATH(name, attributes, wide)                                                  \
+    attributes static void name(int n, const uint32_t *restrict word, uint32_t threshold,      \
+                                float scale, const void *restrict x,                           \
+                                const void *restrict bias, const void *restrict residual,      \
+                                void *restrict out, int dtype, int has_bias, int has_residual, \
+                                uint16_t bf16_nan) {                                           \
+        if (dtype == RT_F32) {                                                                 \
+            RT_APPLY_VARIANTS(wide, RT_F32)                                                    \
+        } else if (dtype == RT_BF16) {                                                         \
+            RT_APPLY_VARIANTS(wide, RT_BF16)                                                   \
+        } else {                                                                               \
+            RT_APPLY_VARIANTS(apply, RT_F16)                                                   \
+        }                                                                                      \
     }
-}
+
+RT_APPLY_PATH(apply_portable, , apply)
+#if RT_X86_SIMD
+RT_APPLY_PATH(apply_avx2, RT_AVX2, apply_avx2_variant)
+#endif
 
 typedef void (*philox_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
                           uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
