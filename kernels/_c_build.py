@@ -27,7 +27,10 @@ from pathlib import Path
 
 # The headers the kernels' C sources include (``#include "..."``): copied next to the source
 # to compile it, and part of every library's cache key.
-HEADERS = ("f32_bits.h", "philox4x32.h")
+HEADERS = ("f32_bits.h", "philox4x32.h", "philox4x32_avx2.h")
+# The instruction-set paths of the C kernels (philox4x32_avx2.h's RT_ISA_*): 0 lets a kernel
+# pick the fastest this CPU runs; the others force one (tests compare every path bitwise).
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
 # The flags every kernel library compiles with (a library may add its own after them).

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import FLAGS, ISA_CODES, CSource, load_once
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.reference import keep_scale, keep_threshold
@@ -41,9 +41,6 @@ _SOURCE = CSource(
     abi_function="rt_abi_version",
     abi_version=2,  # RT_ABI_VERSION of cpu_dropout.c
 )
-# The instruction-set paths of cpu_dropout.c (RT_ISA_*): 0 lets the kernel pick the fastest
-# this CPU runs; the others force one (tests compare every path bitwise).
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
 # Below this many elements per thread, one more thread costs more (a thread start, and on a
 # loaded machine a wait for it to be scheduled) than it saves.
 _MIN_NUMEL_PER_THREAD = 2**17

@@ -28,19 +28,20 @@ import torch
 from rng_tracker._bits import MASK64, mix_key
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import FLAGS, ISA_CODES, CSource, load_once
 
 _SOURCE = CSource(
     "keyed_fill.c",
     (*FLAGS, "-O3", "-fno-math-errno"),
     libraries=("-lm",),
     abi_function="rt_keyed_abi_version",
-    abi_version=3,  # RT_KEYED_ABI of keyed_fill.c
+    abi_version=4,  # RT_KEYED_ABI of keyed_fill.c
 )
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _lock = threading.Lock()
-_state: dict[str, object] = {"library": None, "failed": None}
+# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), forced only by tests
+_state: dict[str, object] = {"library": None, "failed": None, "isa": 0}
 
 
 def init_key(seed: int) -> int:
@@ -75,8 +76,19 @@ def _load() -> ctypes.CDLL:
         ctypes.c_uint64,
         ctypes.c_int64,
         ctypes.POINTER(ctypes.c_float),
+        ctypes.c_int64,
     ]
+    library.rt_keyed_isa_supported.restype = ctypes.c_int64
+    library.rt_keyed_isa_supported.argtypes = [ctypes.c_int64]
     return library
+
+
+def isa_paths() -> list[str]:
+    """The instruction-set paths of the keyed fill this CPU runs, fastest last."""
+    library = _library()
+    return [
+        name for name, code in ISA_CODES.items() if code and library.rt_keyed_isa_supported(code)
+    ]
 
 
 def _library() -> ctypes.CDLL:
@@ -147,10 +159,22 @@ def _fill(
     out = local if direct else torch.empty(local.shape, dtype=torch.float32)  # (local shape)
     c_params = (ctypes.c_float * 8)(*params, *[0.0] * (8 - len(params)))
     status = library.rt_keyed_fill(
-        out.data_ptr(), len(lists), c_sizes, c_index, c_strides, key, hashed, kind, c_params
+        out.data_ptr(),
+        len(lists),
+        c_sizes,
+        c_index,
+        c_strides,
+        key,
+        hashed,
+        kind,
+        c_params,
+        _state["isa"],
     )
     if status != 0:
-        raise KernelInputError(f"keyed init refused a tensor of {len(lists)} dims (max 64)")
+        raise KernelInputError(
+            f"keyed init refused a tensor of {len(lists)} dims (at most 64 are taken), or an "
+            "instruction-set path this CPU does not run"
+        )
     if not direct:
         local.copy_(out)
     return local

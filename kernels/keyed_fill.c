@@ -14,8 +14,10 @@
  *
  * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
  * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
- * along dim d. Built and loaded by rng_tracker/kernels/keyed_init.py through _c_build.py
- * (plain C11, ctypes).
+ * along dim d. Runs of consecutive elements are filled in batches, by one function per
+ * instruction set (portable; AVX2 where the CPU has it: Philox in intrinsics, the value loops
+ * vectorised by the compiler), each the same fp32 operations, so the same bits. Built and
+ * loaded by rng_tracker/kernels/_keyed_fill.py through _c_build.py (plain C11, ctypes).
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,8 +25,9 @@
 
 #include "f32_bits.h"
 #include "philox4x32.h"
+#include "philox4x32_avx2.h"
 
-#define RT_KEYED_ABI 3
+#define RT_KEYED_ABI 4
 #define RT_MAX_DIMS 64
 
 int64_t rt_keyed_abi_version(void) { return RT_KEYED_ABI; }
@@ -160,16 +163,40 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
     philox4x32_10_lanes(m, x0, x1, x2, x3, k0, k1, m, words);
 }
 
-/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch. */
-static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, uint32_t c3,
-                     uint32_t k0, uint32_t k1, const fill_params *p) {
+#if RT_X86_SIMD
+/* philox_many in AVX2 (philox_block_avx2 on runs of consecutive counters); words has room for
+   m + 8 blocks: each run's words are written up to a multiple of 8 blocks. */
+RT_AVX2 static void philox_many_avx2(int m, uint64_t first, uint32_t c2, uint32_t c3,
+                                     uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+    int done = 0;
+    while (done < m) { /* a run ends where the low counter word would carry into the high */
+        uint64_t start = first + (uint64_t)done;
+        uint64_t room = 0x100000000u - (uint32_t)start;
+        int run = (uint64_t)(m - done) < room ? m - done : (int)room;
+        const uint32_t hi[2] = {(uint32_t)(start >> 32), (uint32_t)start};
+        philox_block_avx2(run, NULL, hi, c2, c3, k0, k1, words + 4 * done);
+        done += run;
+    }
+}
+#endif
+
+typedef void (*philox_many_fn)(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
+                               uint32_t k1, uint32_t *restrict words);
+
+/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch; inlined into one
+   function per instruction set, where the compiler vectorises the value loops for it. */
+static inline __attribute__((always_inline)) void fill_run(float *out, uint64_t g0, int64_t n,
+                                                           int kind, uint32_t c2, uint32_t c3,
+                                                           uint32_t k0, uint32_t k1,
+                                                           const fill_params *p,
+                                                           philox_many_fn philox) {
     float scale = p->scale, shift = p->shift;
-    uint32_t words[4 * CHUNK];
+    uint32_t words[4 * (CHUNK + 8)];
     float vals[4 * CHUNK];
     uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
     for (uint64_t block = g0 >> 2; block <= last; block += CHUNK) {
         int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
-        philox_many(m, block, c2, c3, k0, k1, words);
+        philox(m, block, c2, c3, k0, k1, words);
         if (kind == 0) {
             for (int i = 0; i < 4 * m; i++) vals[i] = uniform(words[i], scale, shift);
         } else if (kind == 2) {
@@ -184,14 +211,40 @@ static void fill_run(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2, 
     }
 }
 
+typedef void (*fill_run_fn)(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
+                            uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p);
+
+static void fill_run_portable(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
+                              uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many);
+}
+
+#if RT_X86_SIMD
+RT_AVX2 static void fill_run_avx2(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
+                                  uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many_avx2);
+}
+#endif
+
+/* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
+int64_t rt_keyed_isa_supported(int64_t isa) { return rt_cpu_runs(isa); }
+
 /* Fill out (the local shard, contiguous) for kind 0 (uniform), 1 (normal) or 2 (truncated
    normal); params holds the 8 floats of fill_params in order. index holds the per-dim index
-   lists one after another; sizes[d] is the length of dim d's list. Returns 0, or -1 for bad
-   arguments. */
+   lists one after another; sizes[d] is the length of dim d's list. isa: RT_ISA_AUTO (the fastest
+   this CPU runs) or an RT_ISA_* code to force; every path writes the same bits. Returns 0, or
+   -1 for bad arguments (then nothing is written). */
 int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int64_t *index,
                       const int64_t *gstride, uint64_t key, uint64_t name, int64_t kind,
-                      const float *params) {
-    if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2) return -1;
+                      const float *params, int64_t isa) {
+    if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2 ||
+        (isa != RT_ISA_AUTO && !rt_cpu_runs(isa)))
+        return -1;
+    fill_run_fn run = fill_run_portable;
+#if RT_X86_SIMD
+    if (isa == RT_ISA_AVX2 || (isa == RT_ISA_AUTO && rt_cpu_best() == RT_ISA_AVX2))
+        run = fill_run_avx2;
+#endif
     fill_params p = {params[0], params[1], params[2], params[3],
                      params[4], params[5], params[6], params[7]};
     const int64_t *lists[RT_MAX_DIMS + 1];
@@ -224,8 +277,8 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
         int64_t row_base = 0;
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
         if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
-            fill_run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0,
-                     k1, &p);
+            run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0, k1,
+                &p);
             goto next_row;
         }
         for (int64_t i = 0; i < row; i++) {

@@ -336,15 +336,16 @@ def _library_paths() -> list:
 
 
 def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
-    """Both C sources include the shared Philox header: each library's cache key hashes every
+    """Both C sources include the shared Philox headers: each library's cache key hashes every
     header the loaders copy next to the source, and those are all the sources include, so an
     edited header is never answered by a library built from the old one."""
     kernels_dir = os.path.dirname(_cpu_kernel.__file__)
     included = set()
-    for name in ("cpu_dropout.c", "keyed_fill.c"):
+    for name in ("cpu_dropout.c", "keyed_fill.c", *_c_build.HEADERS):  # headers include too
         with open(os.path.join(kernels_dir, name)) as source:
             included |= set(re.findall(r'^#include "([^"]+)"', source.read(), re.MULTILINE))
-    assert included == set(_c_build.HEADERS) == {"f32_bits.h", "philox4x32.h"}
+    assert included == set(_c_build.HEADERS)
+    assert included == {"f32_bits.h", "philox4x32.h", "philox4x32_avx2.h"}
     before = _library_paths()
     assert len(set(before)) == 2
     assert _library_paths() == before  # the key is a pure function of the files

@@ -159,3 +159,36 @@ def test_values_follow_the_truncated_normal(mean: float, std: float, a: float, b
     assert abs(values.double().std().item() / expected_std - 1) < 5e-3
     with pytest.raises(KernelInputError, match="std > 0"):
         keyed_trunc_normal_(torch.empty(4), mean, 0.0, a, b, seed=3, name="w")
+
+
+def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable and the AVX2 keyed fill (where this CPU has it) write the same bits for
+    uniform, normal and truncated normal: a run whose Philox counter crosses 2**32 (the AVX2
+    path splits its batch there), a short run, and scattered columns."""
+    from rng_tracker.kernels import _keyed_fill
+
+    paths = _keyed_fill.isa_paths()
+    assert paths[0] == "portable"
+    crossing = [range(2**34 - 1000 - 3, 2**34 + 1000)]  # g // 4 crosses 2**32 inside
+    cases = [
+        ((2003,), (2**36,), crossing),
+        ((5, 7), (5, 7), None),
+        ((3, 4), (9, 2**20), [[0, 4, 8], [1, 2**19, 2**19 + 1, 2**20 - 1]]),
+    ]
+    fills = [
+        lambda t, **k: keyed_uniform_(t, -0.5, 2.0, **k),
+        lambda t, **k: keyed_normal_(t, 0.1, 0.02, **k),
+        lambda t, **k: keyed_trunc_normal_(t, 0.0, 0.02, -0.04, 0.04, **k),
+    ]
+    for shape, global_shape, indices in cases:
+        for fill in fills:
+            by_path = []
+            for path in paths:
+                monkeypatch.setitem(_keyed_fill._state, "isa", _keyed_fill.ISA_CODES[path])
+                target = {"seed": 7, "name": "w", "global_shape": global_shape, "indices": indices}
+                by_path.append(fill(torch.empty(shape), **target))
+            for values in by_path[1:]:
+                assert torch.equal(values.view(torch.int32), by_path[0].view(torch.int32))
+    monkeypatch.setitem(_keyed_fill._state, "isa", 99)  # a path no CPU has: refused, typed
+    with pytest.raises(KernelInputError):
+        keyed_uniform_(torch.empty(4), seed=7, name="w")
