@@ -37,6 +37,7 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #ifndef MADV_POPULATE_WRITE
 /* Linux 5.14 and later; an older kernel refuses it (EINVAL) and the loop faults as before */
 #define MADV_POPULATE_WRITE 23
@@ -486,13 +487,13 @@ int64_t rt_isa_supported(int64_t isa) { return rt_cpu_runs(isa); }
 int64_t rt_isa_best(void) { return rt_cpu_best(); }
 
 /* Map the pages of the chunk's output before writing it, where they are fresh: a new large
-   allocation (its own mmap) otherwise takes one page fault per 4 KiB page inside the loop, and
+   allocation (its own mmap) otherwise takes one page fault per page inside the loop, and
    one MADV_POPULATE_WRITE costs a fraction of them. Only whole pages inside the chunk's output,
    only outputs of at least POPULATE_BYTES; an error (an older kernel) changes nothing. */
 static void populate_output(const chunk *c) {
 #if defined(__linux__)
     const int64_t size = c->job->dtype == RT_F32 ? 4 : 2;
-    const uintptr_t page = 4096;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE); /* 4 KiB, 16 or 64 KiB on arm64 */
     uintptr_t first = (uintptr_t)((char *)c->job->out + c->begin * size);
     uintptr_t end = (uintptr_t)((char *)c->job->out + c->end * size);
     first = (first + page - 1) & ~(page - 1);
