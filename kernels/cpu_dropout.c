@@ -299,9 +299,8 @@ RT_AVX2 static inline __attribute__((always_inline)) void apply_avx2_variant(
             _mm256_storeu_ps((float *)out + i + 8, b);
         } else { /* pack the two halves' 16-bit results, then undo the per-128-bit interleave */
             __m256i packed;
-            __m256 any_nan = _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
-                                          _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
-            if (_mm256_movemask_ps(any_nan)) /* rare: the NaN lanes take the caller's bits */
+            /* a lane of (a, b) is unordered iff a or b holds a NaN there */
+            if (_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q))) /* rare: NaN lanes */
                 packed = _mm256_packus_epi32(round_bf16_avx2(a, nan), round_bf16_avx2(b, nan));
             else
                 packed = _mm256_packus_epi32(round_bf16_finite_avx2(a), round_bf16_finite_avx2(b));
