@@ -57,18 +57,36 @@ def test_unknown_name_is_still_an_attribute_error() -> None:
         ("rng_tracker.parallel", "TinyGPT", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "GPTConfig", "rng_tracker.parallel.transformer"),
         ("rng_tracker.parallel", "record_masks", "rng_tracker.parallel.sites"),
+        *(
+            ("rng_tracker.parallel.dtensor", name, "rng_tracker.parallel.invariant")
+            for name in (
+                "invariant_random",
+                "enable_invariant_random",
+                "disable_invariant_random",
+                "InitMode",
+            )
+        ),
+        *(
+            ("rng_tracker.parallel.transformer", name, "rng_tracker.parallel.sites")
+            for name in ("MaskRecord", "batch_position", "place_masks", "record_masks")
+        ),
     ],
 )
 def test_names_that_left_a_package_namespace_still_resolve(
     package: str, old: str, module: str
 ) -> None:
+    """Also the modules that moved out of one (dtensor's invariant mode to invariant, the
+    transformer's mask records to sites): the old path is the same object, warning."""
     namespace = importlib.import_module(package)
     with pytest.warns(
         DeprecationWarning, match=rf"{package}\.{old} is deprecated.*{module}\.{old}"
     ):
         got = getattr(namespace, old)
-    assert got is getattr(importlib.import_module(module), old)
-    assert old not in namespace.__all__
+    new_home = importlib.import_module(module)
+    assert got is getattr(new_home, old)
+    assert old not in namespace.__all__ and old in new_home.__all__
+    with pytest.warns(DeprecationWarning):  # `from package import old` takes the same path
+        exec(f"from {package} import {old}", {})
 
 
 @pytest.mark.parametrize(

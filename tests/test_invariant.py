@@ -30,7 +30,6 @@ from rng_tracker.errors import (
 )
 from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.kernels._keyed_fill import keyed_trunc_normal_
-from rng_tracker.parallel import invariant
 from rng_tracker.parallel.invariant import (
     disable_invariant_random,
     enable_invariant_random,
@@ -147,26 +146,6 @@ def test_enable_is_per_thread() -> None:
     assert seen["stack before"] == seen["stack after"] == 0
     torch.manual_seed(5)
     assert torch.equal(seen["routed"], kernel_dropout(x, 0.3))  # the thread's call was routed
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["invariant_random", "enable_invariant_random", "disable_invariant_random", "InitMode"],
-)
-def test_the_old_dtensor_names_resolve_with_a_warning(name: str) -> None:
-    """The mode's names moved from rng_tracker.parallel.dtensor (0.1) to its own module; the
-    old path resolves to the same object until 0.3, warning with the new path."""
-    from rng_tracker.parallel import dtensor
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=rf"dtensor\.{name} is deprecated.*rng_tracker\.parallel\.invariant\.{name}",
-    ):
-        got = getattr(dtensor, name)
-    assert got is getattr(invariant, name)
-    assert name not in dtensor.__all__ and name in invariant.__all__
-    with pytest.warns(DeprecationWarning):
-        from rng_tracker.parallel.dtensor import invariant_random as old  # noqa: F401
 
 
 # --- plain tensors: one device draws what any mesh draws --------------------------

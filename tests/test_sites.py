@@ -25,7 +25,6 @@ import torch.distributed as dist
 from rng_tracker import get_keyed_rng, get_rng_tracker
 from rng_tracker.errors import ParallelConfigError
 from rng_tracker.kernels import dropout as kernel_dropout
-from rng_tracker.parallel import sites
 from rng_tracker.parallel.sites import (
     BatchPosition,
     batch_position,
@@ -193,16 +192,3 @@ def test_batch_position_is_per_thread() -> None:
         assert current_batch_position(2) == BatchPosition(4, 8)
     assert seen["other"] == BatchPosition(0, 2)
     assert current_batch_position(3) == BatchPosition(0, 3)
-
-
-@pytest.mark.parametrize("name", ["MaskRecord", "batch_position", "place_masks", "record_masks"])
-def test_the_old_transformer_names_resolve_with_a_warning(name: str) -> None:
-    from rng_tracker.parallel import transformer
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=rf"transformer\.{name} is deprecated.*rng_tracker\.parallel\.sites\.{name}",
-    ):
-        got = getattr(transformer, name)
-    assert got is getattr(sites, name)
-    assert name not in transformer.__all__ and name in sites.__all__
