@@ -31,6 +31,14 @@ HEADERS = ("f32_bits.h", "philox4x32.h", "philox4x32_avx2.h")
 # The instruction-set paths of the C kernels (philox4x32_avx2.h's RT_ISA_*): 0 lets a kernel
 # pick the fastest this CPU runs; the others force one (tests compare every path bitwise).
 ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
+
+
+def isa_paths(supported: Callable[[int], int]) -> list[str]:
+    """The instruction-set paths a kernel library runs on this CPU, fastest last, given its
+    exported ``rt_*isa_supported`` function."""
+    return [name for name, code in ISA_CODES.items() if code and supported(code)]
+
+
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
 # The flags every kernel library compiles with (a library may add its own after them).

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, ISA_CODES, CSource, load_once
+from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.reference import keep_scale, keep_threshold
@@ -67,7 +68,7 @@ def isa_paths() -> list[str]:
     library = _library()
     if library is None:
         return []
-    return [name for name, code in ISA_CODES.items() if code and library.rt_isa_supported(code)]
+    return isa_paths_of(library.rt_isa_supported)
 
 
 def _bf16_nan_bits() -> int:

@@ -100,9 +100,8 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
         raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
     runs = triton_runs_on(x.device) and "triton" in OPS
     placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
-    if (
-        impl == "auto"
-    ):  # off CPU: Triton on a GPU, the reference elsewhere and for maps it cannot place
+    # off CPU, "auto": Triton on a GPU, the reference elsewhere and for maps it cannot place
+    if impl == "auto":
         return "triton" if runs and x.device.type == "cuda" and placeable else "reference"
     if not runs:
         why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""

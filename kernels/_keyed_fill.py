@@ -28,7 +28,8 @@ import torch
 from rng_tracker._bits import MASK64, mix_key
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, ISA_CODES, CSource, load_once
+from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
 
 _SOURCE = CSource(
     "keyed_fill.c",
@@ -85,10 +86,7 @@ def _load() -> ctypes.CDLL:
 
 def isa_paths() -> list[str]:
     """The instruction-set paths of the keyed fill this CPU runs, fastest last."""
-    library = _library()
-    return [
-        name for name, code in ISA_CODES.items() if code and library.rt_keyed_isa_supported(code)
-    ]
+    return isa_paths_of(_library().rt_keyed_isa_supported)
 
 
 def _library() -> ctypes.CDLL:

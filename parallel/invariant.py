@@ -368,10 +368,10 @@ def _open_keyed_block(mode: _InvariantRandomMode) -> None:
 
 def _close_keyed_block(mode: _InvariantRandomMode) -> None:
     blocks = _keyed_blocks()
-    if mode in blocks:
-        blocks.reverse()
-        blocks.remove(mode)  # the innermost entry of this mode
-        blocks.reverse()
+    for i in range(len(blocks) - 1, -1, -1):  # the innermost entry of this mode
+        if blocks[i] is mode:
+            del blocks[i]
+            break
     with _TRUNC_ROUTE_LOCK:
         _TRUNC_ROUTE["users"] -= 1
         if _TRUNC_ROUTE["users"] == 0 and _TRUNC_ROUTE["torch"] is not None:

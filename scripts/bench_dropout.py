@@ -261,12 +261,12 @@ def _limit_row(name: str, dtype: torch.dtype, log2: int, seed_mode: str, p: floa
 def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
     """One ctypes call into the compiled library (the arguments prepared once): the C code's
     own time, without the Python around it."""
-    from rng_tracker.kernels import _cpu_kernel
+    from rng_tracker.kernels import _c_build, _cpu_kernel
     from rng_tracker.kernels._index_map import index_map_of
 
     out = torch.empty_like(x)
     saved = _cpu_kernel._state["isa"]
-    _cpu_kernel._state["isa"] = _cpu_kernel.ISA_CODES[path]
+    _cpu_kernel._state["isa"] = _c_build.ISA_CODES[path]
     try:
         args = _cpu_kernel._arguments(index_map_of(x.shape, None), x.dtype, 0, p, 1)
     finally:

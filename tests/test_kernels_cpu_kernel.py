@@ -209,7 +209,7 @@ def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
         has_avx2 = flags is not None and "avx2" in flags.group(1).split()
         assert ("avx2" in paths) == (has_avx2 and platform.machine() == "x86_64")
     library = _cpu_kernel._library()
-    assert library.rt_isa_best() == _cpu_kernel.ISA_CODES[paths[-1]]
+    assert library.rt_isa_best() == _c_build.ISA_CODES[paths[-1]]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for shape, placement in _PLACEMENTS.values():
             x, bias, residual = _inputs(shape, dtype)
@@ -219,7 +219,7 @@ def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
                     args = (x, op_bias, op_residual, placement, seed)
                     want = _fused(*args, impl="torch")
                     for path in paths:
-                        monkeypatch.setitem(_cpu_kernel._state, "isa", _cpu_kernel.ISA_CODES[path])
+                        monkeypatch.setitem(_cpu_kernel._state, "isa", _c_build.ISA_CODES[path])
                         _assert_bitwise(_fused(*args, impl="cpu"), want)
                     monkeypatch.setitem(_cpu_kernel._state, "isa", 0)
 
@@ -244,7 +244,7 @@ def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
         for count in (1, 2):
             torch.set_num_threads(count)
             for path in paths:
-                monkeypatch.setitem(_cpu_kernel._state, "isa", _cpu_kernel.ISA_CODES[path])
+                monkeypatch.setitem(_cpu_kernel._state, "isa", _c_build.ISA_CODES[path])
                 got = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="cpu")
                 _assert_bitwise(got, want)
     finally:

@@ -165,7 +165,7 @@ def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.Monk
     """The portable and the AVX2 keyed fill (where this CPU has it) write the same bits for
     uniform, normal and truncated normal: a run whose Philox counter crosses 2**32 (the AVX2
     path splits its batch there), a short run, and scattered columns."""
-    from rng_tracker.kernels import _keyed_fill
+    from rng_tracker.kernels import _c_build, _keyed_fill
 
     paths = _keyed_fill.isa_paths()
     assert paths[0] == "portable"
@@ -184,7 +184,7 @@ def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.Monk
         for fill in fills:
             by_path = []
             for path in paths:
-                monkeypatch.setitem(_keyed_fill._state, "isa", _keyed_fill.ISA_CODES[path])
+                monkeypatch.setitem(_keyed_fill._state, "isa", _c_build.ISA_CODES[path])
                 target = {"seed": 7, "name": "w", "global_shape": global_shape, "indices": indices}
                 by_path.append(fill(torch.empty(shape), **target))
             for values in by_path[1:]:
