@@ -17,6 +17,7 @@ import torch
 
 from rng_tracker._device_rng import RNGState, device_rng
 from rng_tracker._tracker import RNGStatesTracker
+from rng_tracker.errors import CheckpointUsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,13 @@ class RNGSnapshot:
         trackers = tuple(trackers)
         wanted = {d for d in devices if d.type != "cpu"}
         wanted.update(t.device for t in trackers if t.device.type != "cpu")
+        if any(d.type == "cuda" for d in wanted) and torch.cuda.is_current_stream_capturing():
+            raise CheckpointUsageError(
+                "a CUDA graph is capturing, and torch cannot copy a CUDA generator state during "
+                "capture, so the checkpoint cannot keep its RNG for the recompute; draw the "
+                "block's randomness with keyed dropout (rng_tracker.kernels.dropout(..., "
+                "seed=...)), whose mask needs no saved state, and pass preserve_rng_state=False"
+            )
         device_states = (
             tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)) if wanted else ()
         )

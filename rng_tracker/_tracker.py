@@ -267,6 +267,29 @@ class RNGStatesTracker:
             lineno=site[1],
         )
 
+    # -- CUDA graphs ---------------------------------------------------------------
+    def register_graph(self, graph: Any) -> None:
+        """Register every stream's generator state with ``graph`` (a ``torch.cuda.CUDAGraph``)
+        before its capture, so forks inside the capture draw from their streams and each replay
+        advances them, as eager calls would.
+
+        torch lets a capture draw only from generator states registered with its graph (the
+        default state is registered by the capture itself). Register again after ``add``,
+        ``set_states`` or ``restore_states``, which put new states in. Needs a CUDA tracker of
+        graph-safe generator states (the default form on CUDA): else
+        :class:`TrackerDeviceError`, and nothing is registered.
+        """
+        if not self._rng.graph_safe:
+            form = "cloned generators" if self._rng.generator_states else "uint8 state tensors"
+            raise TrackerDeviceError(
+                f"register_graph() needs graph-safe CUDA generator states; this tracker of "
+                f"{self.device} keeps {form}; create it as RNGStatesTracker('cuda') with "
+                "generator_states left at None or True"
+            )
+        states = [*self._states.values(), *([self._outer] if self._outer is not None else [])]
+        for state in states:
+            graph.register_generator_state(state)
+
     # -- snapshots -----------------------------------------------------------------
     def get_states(self) -> dict[str, RNGState]:
         """Copies of every stream's current state; later draws never change them."""

@@ -466,6 +466,10 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     compile_ok = not args.no_compile
     eager_ops = {"dropout": _eager_dropout, "bias_dropout_add": _eager_bda}
+    if compile_ok and hasattr(torch._functorch.config, "donated_buffer"):
+        # backward is timed again and again over one graph (retain_graph=True), which a compiled
+        # backward that donates its saved buffers refuses
+        torch._functorch.config.donated_buffer = False
     compiled_ops = {k: torch.compile(v) for k, v in eager_ops.items()} if compile_ok else {}
     ours = {
         "dropout": lambda x, b, r, p: dropout(x, p, impl=impl),
@@ -476,8 +480,38 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for log2 in range(lo, hi + 1, 2):
             _bench_size(2**log2, dtype, device, timer, ours, eager_ops, compiled_ops, args.p)
-    _print_saved_bytes(device, impl)
     print("targets (H100): bias_dropout_add ours/copy >= 0.85 and ours/eager >= 2")
+    _gpu_fixed_rows(args.p)
+    _print_saved_bytes(device, impl)
+
+
+def _gpu_fixed_rows(p: float) -> None:
+    """Host time per call at 2**10 elements, where launching is all the work: where it goes."""
+    from rng_tracker.kernels._call import dropout_call
+    from rng_tracker.kernels._index_map import index_map_of
+    from rng_tracker.kernels._triton_kernel import fused_dropout_triton
+
+    x = torch.randn(1024, device="cuda")
+    seed = torch.tensor([3, 0, 0, 0], device="cuda")
+    call = dropout_call(x, None, None, p, index_map_of(x.shape, None))
+    calls = 2000
+    rows = {
+        "F.dropout": lambda: F.dropout(x, p),
+        "x.clone()": lambda: x.clone(),
+        "dropout, drawn (generator)": lambda: dropout(x, p, impl="triton"),
+        "dropout, keyed (seed on GPU)": lambda: dropout(x, p, seed=seed, impl="triton"),
+        "its Triton launch alone": lambda: fused_dropout_triton(call, seed),
+    }
+    print(f"\nfixed cost: 2^10 fp32 elements, us of host time per call ({calls} calls, synced)")
+    for name, fn in rows.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        print(f"  {name:<30}{(time.perf_counter() - start) / calls * 1e6:8.1f}")
 
 
 def _print_saved_bytes(device: torch.device, impl: str) -> None:

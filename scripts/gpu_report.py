@@ -1,18 +1,23 @@
 """Everything a GPU session must measure, in one command, written to one report.
 
-    python scripts/gpu_report.py [--out out/gpu_report.md] [--quick]
+    python scripts/gpu_report.py [--out out/gpu_report.md] [--quick] [--bench-timeout S]
 
-1. the CUDA tests (``pytest tests/test_cuda.py``; they skip without CUDA, so this script
-   refuses to run at all without it);
-2. the kernel benchmark on the GPU (``scripts/bench_dropout.py``: rng_tracker's Triton kernel
+1. the CUDA tests (``CUDA_TESTS``: tests/test_cuda.py and the captured-graph test of
+   tests/test_keyed.py; they skip without CUDA, so this script refuses to run at all without it);
+2. CUDA-graph capture and replay (below);
+3. the kernel benchmark on the GPU (``scripts/bench_dropout.py``: rng_tracker's Triton kernel
    against a device-to-device copy, eager torch and torch.compile, bf16 and fp32, 2**20..2**28
-   elements; ``--quick``: 2**20..2**24);
-3. CUDA-graph capture and replay, each check reported PASS or FAIL with its error:
-   a. a forked dropout: ``F.dropout`` inside ``tracker.fork(...)`` captured once and replayed;
-      each replay must draw what the same stream draws eagerly, call after call;
+   elements; ``--quick``: 2**20..2**24).
+
+Each part is written to the report as it finishes, so a run cut short keeps what it measured.
+The CUDA-graph checks, each reported PASS or FAIL with its error:
+   a. a forked dropout: ``F.dropout`` inside ``tracker.fork(...)`` captured once (the streams
+      registered with ``tracker.register_graph``) and replayed; each replay must draw what the
+      same stream draws eagerly, call after call;
    b. a keyed fused dropout (``seed=`` on the device, the step in word 3) captured and replayed;
       each replay must equal the reference for the seed words it found;
-   c. a checkpointed block (``rng_tracker.checkpoint``, keyed dropout inside) whose forward and
+   c. a checkpointed block (``rng_tracker.checkpoint(..., preserve_rng_state=False)``, keyed
+      dropout inside: its mask needs no saved generator state) whose forward and
       backward are captured and replayed: the gradients of each replay must equal an eager
       forward and backward with the same seed words, bit for bit.
 The report starts with the date, the device (``torch.cuda.get_device_name``), the driver and
@@ -35,6 +40,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# every test that needs a CUDA device (each skips without one)
+CUDA_TESTS = [
+    "tests/test_cuda.py",
+    "tests/test_keyed.py::test_keyed_words_and_step_advance_inside_a_captured_cuda_graph",
+]
 
 
 def _run(command: list[str], timeout: float) -> tuple[int, str]:
@@ -89,6 +99,7 @@ def _check_forked_dropout() -> str:
             F.dropout(x, 0.5)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
+        tracker.register_graph(graph)  # torch draws only from states registered with the graph
         with torch.cuda.graph(graph), tracker.fork("stream"):
             y = F.dropout(x, 0.5)
         out = []
@@ -154,7 +165,8 @@ def _check_checkpointed_block() -> str:
     def step() -> list[torch.Tensor]:
         for p in (*block.parameters(), x):
             p.grad = None
-        checkpoint(body, x).square().sum().backward()
+        # keyed dropout needs no saved RNG state; capture refuses to copy one
+        checkpoint(body, x, preserve_rng_state=False).square().sum().backward()
         return [t.grad for t in (*block.parameters(), x)]
 
     stream = torch.cuda.Stream()
@@ -200,6 +212,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="out/gpu_report.md", help="the report (markdown)")
     parser.add_argument("--quick", action="store_true", help="benchmark 2**20..2**24 only")
+    parser.add_argument(
+        "--bench-timeout", type=float, default=3600, help="seconds the benchmark may run"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(
@@ -209,34 +224,41 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    sections = [_header()]
+    out = ROOT / args.out if not os.path.isabs(args.out) else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: list[str] = []
+
+    def add(section: list[str]) -> None:
+        """Print a finished section and rewrite the report, so a run cut short keeps it."""
+        report.extend(section)
+        print("\n".join(section), flush=True)
+        out.write_text("\n".join(report))
+
+    add([_header()])
     ok = True
 
-    status, output = _run([sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-rs"], 1800)
+    status, output = _run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-rs"], 1800)
     ok &= status == 0
-    sections += [f"## CUDA tests (exit status {status})", "", "```text", output.strip(), "```", ""]
-
-    bench = [sys.executable, "scripts/bench_dropout.py", "--min-log2", "20"]
-    bench += ["--max-log2", "24" if args.quick else "28"]
-    status, output = _run(bench, 3600)
-    ok &= status == 0
-    sections += [
-        f"## Kernel benchmark: `{' '.join(bench[1:])}` (exit status {status})",
-        "",
-        "```text",
-        output.strip(),
-        "```",
-        "",
-    ]
+    add([f"## CUDA tests (exit status {status})", "", "```text", output.strip(), "```", ""])
 
     lines, graphs_ok = _graph_section()
     ok &= graphs_ok
-    sections += lines
+    add(lines)
 
-    out = ROOT / args.out if not os.path.isabs(args.out) else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(sections))
-    print("\n".join(sections))
+    bench = [sys.executable, "scripts/bench_dropout.py", "--min-log2", "20"]
+    bench += ["--max-log2", "24" if args.quick else "28"]
+    status, output = _run(bench, args.bench_timeout)
+    ok &= status == 0
+    add(
+        [
+            f"## Kernel benchmark: `{' '.join(bench[1:])}` (exit status {status})",
+            "",
+            "```text",
+            output.strip(),
+            "```",
+            "",
+        ]
+    )
     print(f"wrote {out}; {'all parts passed' if ok else 'SOME PARTS FAILED (see the report)'}")
     return 0 if ok else 1
 

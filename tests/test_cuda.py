@@ -110,3 +110,92 @@ def test_capture_with_a_device_seed_replays_with_the_current_seed_words():
         assert torch.equal(out, dropout(x, 0.5, seed=seed.clone(), impl="torch"))
         masks.append(out.clone())
     assert not torch.equal(masks[0], masks[1])
+
+
+def _forked_draws(tracker: RNGStatesTracker, x: torch.Tensor, calls: int) -> list[torch.Tensor]:
+    out = []
+    for _ in range(calls):
+        with tracker.fork("stream"):
+            out.append(torch.nn.functional.dropout(x, 0.5))
+    return out
+
+
+def test_fork_in_a_captured_graph_draws_the_stream_on_each_replay_once_registered():
+    x = torch.ones(1 << 12, device="cuda")
+    eager = RNGStatesTracker("cuda")
+    eager.add("stream", 99)
+    expected = _forked_draws(eager, x, 4)
+
+    graphed = RNGStatesTracker("cuda")
+    graphed.add("stream", 99)
+    _forked_draws(graphed, x, 1)  # the warm-up draws the first mask, as eager's first call did
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graphed.register_graph(graph)
+    outer = torch.cuda.get_rng_state()
+    with torch.cuda.graph(graph), graphed.fork("stream"):
+        y = torch.nn.functional.dropout(x, 0.5)
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append(y.clone())
+    for i, (got, want) in enumerate(zip(replays, expected[1:], strict=True)):
+        assert torch.equal(got, want), f"replay {i} is not the stream's draw {i + 1}"
+    assert not torch.equal(replays[0], replays[1])
+    # the stream advanced by the replays: the next eager fork continues after them
+    assert torch.equal(_forked_draws(graphed, x, 1)[0], _forked_draws(eager, x, 1)[0])
+    assert torch.equal(torch.cuda.get_rng_state(), outer)
+
+
+def test_fork_in_a_capture_without_registering_is_refused_by_torch():
+    tracker = RNGStatesTracker("cuda")
+    tracker.add("stream", 99)
+    x = torch.ones(64, device="cuda")
+    with (
+        pytest.raises(RuntimeError, match="capture"),
+        torch.cuda.graph(torch.cuda.CUDAGraph()),
+        tracker.fork("stream"),
+    ):
+        torch.nn.functional.dropout(x, 0.5)
+
+
+def test_checkpoint_in_a_capture_refuses_to_keep_rng_and_runs_keyed_without_it():
+    from rng_tracker import checkpoint
+    from rng_tracker.errors import CheckpointUsageError
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64).cuda()
+    seed = torch.tensor([5, 0, 0, 0], device="cuda")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        return dropout(layer(h), 0.2, seed=seed, impl="triton")
+
+    def step(**options) -> list[torch.Tensor]:
+        for p in (*layer.parameters(), x):
+            p.grad = None
+        checkpoint(body, x, **options).square().sum().backward()
+        return [t.grad for t in (*layer.parameters(), x)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(preserve_rng_state=False)
+    torch.cuda.current_stream().wait_stream(side)
+    offset = torch.cuda.default_generators[0].get_offset()
+    with (
+        pytest.raises(CheckpointUsageError, match="preserve_rng_state=False"),
+        torch.cuda.graph(torch.cuda.CUDAGraph()),
+    ):
+        step()
+    assert torch.cuda.default_generators[0].get_offset() == offset
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step(preserve_rng_state=False)
+    for word in range(3):
+        seed[3].fill_(word)
+        graph.replay()
+        replayed = [g.clone() for g in grads]
+        for i, (a, b) in enumerate(zip(replayed, step(preserve_rng_state=False), strict=True)):
+            assert torch.equal(a, b), f"step {word}: gradient {i} differs from the eager step"

@@ -246,6 +246,12 @@ def test_get_rng_tracker_is_one_per_device():
             "'cuda'",
         ),
         (
+            lambda t: t.register_graph(object()),  # CUDA graphs register graph-safe states only
+            TrackerDeviceError,
+            ValueError,
+            "needs graph-safe CUDA generator states",
+        ),
+        (
             lambda t: t.load_state_dict(
                 {
                     **t.state_dict(),
