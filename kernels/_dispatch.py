@@ -1,10 +1,10 @@
 """Which kernel runs a fused dropout call, and running it.
 
-:func:`route` is the one decision: the Triton kernel, the compiled CPU kernel (through its
-registered op, or straight into the C library for an eager call that nothing traces or
-intercepts: about 50 us less per call), or the plain-torch reference. :func:`run` takes the
-call's seed (given, or drawn from the generator in the form the route needs: ints for the
-straight C call, a tensor for an op) and runs the route's kernel.
+:func:`route` is the one decision: the Triton kernel or the compiled CPU kernel (each through
+its registered op, or, for an eager call that nothing traces or intercepts, straight: about 50 us
+less per call on CPU, 60–80 us on a GPU), or the plain-torch reference. :func:`run` takes the
+call's seed (given, or drawn from the generator in the form the route needs: ints for a straight
+call, a tensor for an op) and runs the route's kernel.
 
 ``RNG_TRACKER_CPU_KERNEL=reference`` (read when rng_tracker.kernels is imported) makes
 ``impl="auto"`` take the reference on CPU for the whole process: debugging, timing against it.
@@ -31,12 +31,25 @@ from rng_tracker.kernels._ops import (
     dropout_backward,
     save_for_dropout_backward,
 )
-from rng_tracker.kernels._rng_source import Words, draw_seed, draw_words, host_seed
-from rng_tracker.kernels._triton_kernel import MAX_DIVISIONS, TRITON_IMPORT_ERROR, triton_runs_on
+from rng_tracker.kernels._rng_source import (
+    Words,
+    draw_seed,
+    draw_words,
+    host_seed,
+    refuse_capture,
+    seed_tensor,
+)
+from rng_tracker.kernels._triton_kernel import (
+    MAX_DIVISIONS,
+    TRITON_IMPORT_ERROR,
+    fused_dropout_triton,
+    triton_runs_on,
+)
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
-# "cpu_direct": the compiled CPU kernel called straight from Python; "cpu": through its op
-Route = Literal["triton", "cpu", "cpu_direct", "reference"]
+# "cpu_direct", "triton_direct": the kernel called straight from Python; "cpu", "triton": its op
+Route = Literal["triton", "triton_direct", "cpu", "cpu_direct", "reference"]
+_DIRECT_ROUTES = ("cpu_direct", "triton_direct")
 
 CPU_KERNEL_ENV = "RNG_TRACKER_CPU_KERNEL"
 
@@ -102,7 +115,9 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
     # off CPU, "auto": Triton on a GPU, the reference elsewhere and for maps it cannot place
     if impl == "auto":
-        return "triton" if runs and x.device.type == "cuda" and placeable else "reference"
+        if runs and x.device.type == "cuda" and placeable:
+            return _triton_route(x)
+        return "reference"
     if not runs:
         why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
         raise KernelUnavailableError(
@@ -114,12 +129,22 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
             f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
             f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
         )
-    return "triton"
+    return _triton_route(x)
 
 
 def _compiled_route(x: torch.Tensor) -> Route:
     """How a call on x that runs the compiled CPU kernel reaches it: straight, or through its op."""
     return "cpu_direct" if _nothing_intercepts(x) else "cpu"
+
+
+def _triton_route(x: torch.Tensor) -> Route:
+    """How a call on x that runs the Triton kernel reaches it: straight, or through its op."""
+    return "triton_direct" if _nothing_intercepts(x) else "triton"
+
+
+def _op_route(kernel: Route) -> Route:
+    """The op that a straight route stands in for."""
+    return {"cpu_direct": "cpu", "triton_direct": "triton"}.get(kernel, kernel)
 
 
 def run(
@@ -139,18 +164,26 @@ def run(
         elif words is None:  # a seed on another device: brought here and read once
             seed = seed.to(x.device)
             words = tuple(seed.tolist())
-    elif seed is None:  # an op's seed lives on x's device only for Triton
-        device = x.device if kernel == "triton" else torch.device("cpu")
-        seed = draw_seed(x, call.p, logical_numel, generator, device)
-    else:  # keyed: nothing is drawn, so a CUDA graph may capture the call
-        seed = seed.to(x.device, non_blocking=True)
+    elif seed is None:
+        if kernel == "triton_direct":  # the words go to the kernel as arguments: no tensor made
+            refuse_capture(x)
+            words = draw_words(x, call.p, logical_numel, generator)
+        else:  # an op's seed lives on x's device only for Triton
+            device = x.device if kernel == "triton" else torch.device("cpu")
+            seed = draw_seed(x, call.p, logical_numel, generator, device)
+    else:  # keyed: nothing is drawn or read on the host, so a CUDA graph may capture the call
+        seed, words = seed.to(x.device, non_blocking=True), None
     return _execute(kernel, call, seed, words)
 
 
 def _execute(
     kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
 ) -> torch.Tensor:
-    if kernel != "cpu_direct":
+    """Run ``kernel``: an op takes the seed tensor; a straight route takes the words where they
+    are known (drawn, or read for the CPU), else the seed tensor."""
+    if kernel not in _DIRECT_ROUTES:
+        if seed is None:
+            seed = seed_tensor(words, call.x.device if kernel == "triton" else torch.device("cpu"))
         return call_op(kernel, call, seed)
     x, bias, residual = call.x, call.bias, call.residual
     if torch.is_grad_enabled() and (
@@ -161,33 +194,47 @@ def _execute(
         if seed is None:
             seed = host_seed(words)
         # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower)
-        return _DirectCompiledDropout.apply(x, bias, residual, seed, call.p, call.index_map, words)
-    return _direct(call, words)
+        return _DirectDropout.apply(x, bias, residual, seed, call.p, call.index_map, words, kernel)
+    return _direct(kernel, call, seed, words)
 
 
-def _direct(call: DropoutCall, words: Words) -> torch.Tensor:
-    """The compiled kernel called straight, named as the op it stands in for in a profiler's
-    trace (only while a profiler runs: the name costs microseconds)."""
+def _direct(
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+) -> torch.Tensor:
+    """A kernel called straight, named as the op it stands in for in a profiler's trace (only
+    while a profiler runs: the name costs microseconds)."""
     if profiler_enabled():
-        with torch.profiler.record_function("rng_tracker::fused_dropout_cpu"):
-            return _cpu_kernel.fused_dropout_compiled(call, words)
-    return _cpu_kernel.fused_dropout_compiled(call, words)
+        name = "fused_dropout_cpu" if kernel == "cpu_direct" else "fused_dropout_triton"
+        with torch.profiler.record_function(f"rng_tracker::{name}"):
+            return _direct_kernel(kernel, call, seed, words)
+    return _direct_kernel(kernel, call, seed, words)
 
 
-class _DirectCompiledDropout(torch.autograd.Function):
-    """Autograd of the straight call: the op's (seed saved, mask regenerated), without the op."""
+def _direct_kernel(
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+) -> torch.Tensor:
+    if kernel == "cpu_direct":
+        return _cpu_kernel.fused_dropout_compiled(call, words)
+    return fused_dropout_triton(call, seed if words is None else words)
+
+
+class _DirectDropout(torch.autograd.Function):
+    """Autograd of a straight call: the op's (seed saved, mask regenerated), without the op."""
 
     @staticmethod
-    def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words: Words):
+    def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words, kernel):
         save_for_dropout_backward(ctx, bias, seed)
-        ctx.p, ctx.index_map, ctx.words = p, index_map, words  # no tensor: no reference
-        return _direct(dropout_call(x, bias, residual, p, index_map), words)
+        ctx.p, ctx.index_map, ctx.words, ctx.kernel = p, index_map, words, kernel  # no tensor
+        return _direct(kernel, dropout_call(x, bias, residual, p, index_map), seed, words)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
             call = dropout_call(g, None, None, ctx.p, ctx.index_map)
-            return _execute(_compiled_route(g), call, seed, ctx.words)
+            kernel = ctx.kernel if _nothing_intercepts(g) else _op_route(ctx.kernel)
+            if ctx.words is not None:  # the words, not the saved host copy of them
+                return _execute(kernel, call, None, ctx.words)
+            return _execute(kernel, call, seed, None)
 
-        return *dropout_backward(ctx, grad, regenerate), None, None, None, None
+        return *dropout_backward(ctx, grad, regenerate), None, None, None, None, None

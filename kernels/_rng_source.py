@@ -71,14 +71,14 @@ def _generator(x: torch.Tensor, generator: object) -> torch.Generator:
 
 def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object) -> Words:
     """The seed words of one eager call on x, from ``generator`` (or x's device's), with no
-    tensor made (eager callers outside any trace or dispatch mode only: the draw reuses a
+    tensor made (eager callers outside any trace or dispatch mode only: a CPU draw reuses a
     per-thread scratch tensor)."""
     if p == 1.0:
         return 0, 0, 0, 0
     scratch = getattr(_SCRATCH, "tensor", None)
     if scratch is None:
         scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
-    if generator is None:  # x is on CPU here: its default generator, without a device lookup
+    if generator is None and x.is_cpu:  # the CPU's default generator, without a device lookup
         return _host_draw(torch.default_generator, scratch)
     return _drawn(_generator(x, generator), logical_numel, scratch)
 
@@ -100,17 +100,22 @@ def seed_tensor(words: Words, device: torch.device) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def draw_seed(
-    x: torch.Tensor, p: float, logical_numel: int, generator: object, device: torch.device
-) -> torch.Tensor:
-    """:func:`draw_words`'s words as a seed tensor on ``device``, for the registered ops."""
+def refuse_capture(x: torch.Tensor) -> None:
+    """Refuse a drawn seed while a CUDA graph captures: every replay would reuse its mask."""
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise KernelUnavailableError(
             "fused dropout cannot be captured in a CUDA graph: its Philox key and counter base "
             "are read from the generator on the host, so every replay would reuse the captured "
-            "mask; call it outside the capture (or use torch.compile, which feeds a fresh seed "
-            "tensor to each replay)"
+            "mask; call it outside the capture, or pass seed= (a device tensor, whose words "
+            "each replay reads as they are then)"
         )
+
+
+def draw_seed(
+    x: torch.Tensor, p: float, logical_numel: int, generator: object, device: torch.device
+) -> torch.Tensor:
+    """:func:`draw_words`'s words as a seed tensor on ``device``, for the registered ops."""
+    refuse_capture(x)
     if p == 1.0:
         return torch.zeros(4, dtype=torch.int64, device=device)
     return drawn_seed(_generator(x, generator), logical_numel, device)

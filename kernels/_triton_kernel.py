@@ -66,13 +66,18 @@ if HAS_TRITON:
         rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
         return rounded.to(tl.bfloat16, bitcast=True)
 
-    @triton.jit
+    # the seed words as arguments change from call to call: no recompile for their values
+    @triton.jit(do_not_specialize=["key_arg", "base_arg", "word2_arg", "word3_arg"])
     def _fused_dropout_kernel(
         x_ptr,
         bias_ptr,
         residual_ptr,
         out_ptr,
         seed_ptr,
+        key_arg,
+        base_arg,
+        word2_arg,
+        word3_arg,
         numel,
         bias_numel,
         threshold,
@@ -92,12 +97,19 @@ if HAS_TRITON:
         WHOLE_GROUPS: tl.constexpr,
         BIAS_BY_GROUP: tl.constexpr,
         BF16_IN_SOFTWARE: tl.constexpr,
+        SEED_IN_ARGS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        key = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
-        base = tl.load(seed_ptr + 1)
-        word2 = tl.load(seed_ptr + 2).to(tl.uint32)  # counter words 2 and 3: their low 32 bits
-        word3 = tl.load(seed_ptr + 3).to(tl.uint32)
+        if SEED_IN_ARGS:  # words read on the host (drawn from a generator)
+            key = key_arg.to(tl.int64).to(tl.uint64, bitcast=True)
+            base = base_arg.to(tl.int64)
+            word2 = word2_arg.to(tl.int64).to(tl.uint32)
+            word3 = word3_arg.to(tl.int64).to(tl.uint32)
+        else:  # a seed tensor on the device (keyed calls, the op)
+            key = tl.load(seed_ptr).to(tl.uint64, bitcast=True)
+            base = tl.load(seed_ptr + 1)
+            word2 = tl.load(seed_ptr + 2).to(tl.uint32)  # counter words 2, 3: their low 32 bits
+            word3 = tl.load(seed_ptr + 3).to(tl.uint32)
         groups = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
         lane = tl.arange(0, 4)
         local = groups[:, None] * 4 + lane[None, :]  # (BLOCK, 4) local flat indices
@@ -145,8 +157,12 @@ if HAS_TRITON:
             tl.store(out_ptr + local, value.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def fused_dropout_triton(call: DropoutCall, seed: torch.Tensor, *, launch=None) -> torch.Tensor:
-    """Launch the kernel; ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside a triton_op)."""
+def fused_dropout_triton(
+    call: DropoutCall, seed: torch.Tensor | tuple[int, int, int, int], *, launch=None
+) -> torch.Tensor:
+    """Launch the kernel with the seed words in a tensor on x's device, or as four int64 values
+    (no tensor to make and copy: a straight eager call); ``launch`` wraps the kernel
+    (``torch.library.wrap_triton`` inside a triton_op)."""
     x, bias, residual, p, index_map = call
     last_stride, terms = index_map.divisions()
     if len(terms) > MAX_DIVISIONS:
@@ -162,12 +178,14 @@ def fused_dropout_triton(call: DropoutCall, seed: torch.Tensor, *, launch=None) 
         return out
     kernel = _fused_dropout_kernel if launch is None else launch(_fused_dropout_kernel)
     grid = (triton.cdiv(triton.cdiv(x.numel(), 4), _GROUPS_PER_PROGRAM),)
+    words = seed if isinstance(seed, tuple) else (0, 0, 0, 0)
     kernel[grid](
         x,
         x if bias is None else bias.contiguous(),
         x if residual is None else residual.contiguous(),
         out,
-        seed,
+        x if isinstance(seed, tuple) else seed,
+        *words,
         x.numel(),
         1 if bias is None else bias.numel(),
         keep_threshold(p),
@@ -183,6 +201,7 @@ def fused_dropout_triton(call: DropoutCall, seed: torch.Tensor, *, launch=None) 
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,
         # A GPU rounds fp32 → bf16 to nearest even in one instruction; the interpreter needs it spelled out.
         BF16_IN_SOFTWARE=x.dtype == torch.bfloat16 and x.device.type != "cuda",
+        SEED_IN_ARGS=isinstance(seed, tuple),
         BLOCK=_GROUPS_PER_PROGRAM,
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
     )

@@ -42,6 +42,7 @@ class Variant:
     aligned: bool = True
     whole_groups: bool = True
     bias_by_group: bool = True
+    seed_in_args: bool = False  # the seed words as int64 arguments (a straight eager call)
 
     def constants(self) -> dict[str, object]:
         return {
@@ -52,6 +53,7 @@ class Variant:
             "WHOLE_GROUPS": self.whole_groups,
             "BIAS_BY_GROUP": self.bias_by_group,
             "BF16_IN_SOFTWARE": False,  # a GPU rounds in hardware
+            "SEED_IN_ARGS": self.seed_in_args,
             "BLOCK": _GROUPS_PER_PROGRAM,
         }
 
@@ -83,6 +85,7 @@ def compile_variant(variant: Variant, capability: int = 90) -> Mapping[str, str 
         name: f"*{variant.dtype}" for name in ("x_ptr", "bias_ptr", "residual_ptr", "out_ptr")
     }
     signature.update(seed_ptr="*i64", numel="i32", bias_numel="i32", threshold="u32")
+    signature.update(dict.fromkeys(("key_arg", "base_arg", "word2_arg", "word3_arg"), "i64"))
     signature.update(scale="fp32", offset="i32", last_stride="i32")
     signature.update(
         {name: "i32" for name in ("inner1", "gap1", "inner2", "gap2", "inner3", "gap3")}

@@ -41,6 +41,19 @@ import torch.nn.functional as F
 
 from rng_tracker.kernels import bias_dropout_add, dropout
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU sections need no triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        """Loads one word: its launch is the floor of any Triton call's host cost."""
+        tl.load(x_ptr)
+
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
     if device.type == "cuda":
@@ -492,6 +505,8 @@ def _gpu_fixed_rows(p: float) -> None:
     from rng_tracker.kernels._triton_kernel import fused_dropout_triton
 
     x = torch.randn(1024, device="cuda")
+    xg = torch.randn(1024, device="cuda", requires_grad=True)
+    grad = torch.randn(1024, device="cuda")
     seed = torch.tensor([3, 0, 0, 0], device="cuda")
     call = dropout_call(x, None, None, p, index_map_of(x.shape, None))
     calls = 2000
@@ -501,7 +516,12 @@ def _gpu_fixed_rows(p: float) -> None:
         "dropout, drawn (generator)": lambda: dropout(x, p, impl="triton"),
         "dropout, keyed (seed on GPU)": lambda: dropout(x, p, seed=seed, impl="triton"),
         "its Triton launch alone": lambda: fused_dropout_triton(call, seed),
+        "its launch, words as arguments": lambda: fused_dropout_triton(call, (3, 0, 0, 0)),
+        "an empty Triton kernel (the floor)": lambda: _empty_kernel[(1,)](x),
+        "F.dropout forward+backward": lambda: F.dropout(xg, p).backward(grad),
+        "dropout forward+backward, drawn": lambda: dropout(xg, p, impl="triton").backward(grad),
     }
+
     print(f"\nfixed cost: 2^10 fp32 elements, us of host time per call ({calls} calls, synced)")
     for name, fn in rows.items():
         for _ in range(50):
@@ -511,7 +531,7 @@ def _gpu_fixed_rows(p: float) -> None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-        print(f"  {name:<30}{(time.perf_counter() - start) / calls * 1e6:8.1f}")
+        print(f"  {name:<36}{(time.perf_counter() - start) / calls * 1e6:8.1f}")
 
 
 def _print_saved_bytes(device: torch.device, impl: str) -> None:

@@ -30,11 +30,13 @@ import json, re, sys
 from _lowering import Variant, compile_variant, sass_opcodes  # scripts/_lowering.py
 
 report = []
-cases = [(dtype, aligned, divisions) for dtype in ("fp32", "fp16", "bf16")
+cases = [(dtype, aligned, divisions, False) for dtype in ("fp32", "fp16", "bf16")
          for aligned, divisions in ((True, 0), (True, 1), (False, 1))]
-cases += [("fp32", True, 3), ("fp32", False, 3)]  # general maps: 4 merged dims
-for dtype, aligned, divisions in cases:
-    assembly = compile_variant(Variant(dtype, divisions=divisions, aligned=aligned))
+cases += [("fp32", True, 3, False), ("fp32", False, 3, False)]  # general maps: 4 merged dims
+cases += [("fp32", True, 0, True), ("bf16", True, 1, True)]  # seed words as arguments
+for dtype, aligned, divisions, seed_in_args in cases:
+    variant = Variant(dtype, divisions=divisions, aligned=aligned, seed_in_args=seed_in_args)
+    assembly = compile_variant(variant)
     ptx = assembly["ptx"]
     sass, registers = sass_opcodes(assembly["cubin"])
     loads = re.findall(r"\bld\.global[\w.]*", ptx)
@@ -62,7 +64,7 @@ def test_kernel_lowers_to_sm90_ptx_with_vector_access_cheap_indexing_and_no_fma(
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert len(report) == 11
+    assert len(report) == 13
     for variant in report:
         # No FMA contraction, in the PTX nor in the machine code ptxas makes of it.
         assert variant["fma"] == 0 and variant["sass_ffma"] == 0, variant
