@@ -32,6 +32,7 @@ except ImportError as error:  # pragma: no cover - exercised only where triton i
 
 HAS_TRITON = triton is not None
 _GROUPS_PER_PROGRAM = 256  # 1024 elements per program
+NUM_WARPS = 4  # Triton's default; scripts/tune_triton_launch.py measures the alternatives
 MAX_DIVISIONS = 3  # index maps of up to 4 merged dims (one division per dim but the last)
 
 
@@ -177,7 +178,8 @@ def fused_dropout_triton(
     if x.numel() == 0:
         return out
     kernel = _fused_dropout_kernel if launch is None else launch(_fused_dropout_kernel)
-    grid = (triton.cdiv(triton.cdiv(x.numel(), 4), _GROUPS_PER_PROGRAM),)
+    # plain ints: triton.cdiv is a jit function, and calling one from Python costs ~10 us
+    grid = (-(-x.numel() // (4 * _GROUPS_PER_PROGRAM)),)
     words = seed if isinstance(seed, tuple) else (0, 0, 0, 0)
     kernel[grid](
         x,
@@ -203,6 +205,7 @@ def fused_dropout_triton(
         BF16_IN_SOFTWARE=x.dtype == torch.bfloat16 and x.device.type != "cuda",
         SEED_IN_ARGS=isinstance(seed, tuple),
         BLOCK=_GROUPS_PER_PROGRAM,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
     )
     return out

@@ -18,13 +18,13 @@ from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels._triton_kernel import (
     _GROUPS_PER_PROGRAM,
     HAS_TRITON,
+    NUM_WARPS,
     TRITON_IMPORT_ERROR,
 )
 
 __all__ = ["ELEMENTS_PER_THREAD", "Variant", "compile_variant", "sass_opcodes"]
 
-_NUM_WARPS = 4  # Triton's default, which the launch keeps
-ELEMENTS_PER_THREAD = 4 * _GROUPS_PER_PROGRAM // (32 * _NUM_WARPS)
+ELEMENTS_PER_THREAD = 4 * _GROUPS_PER_PROGRAM // (32 * NUM_WARPS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ def compile_variant(variant: Variant, capability: int = 90) -> Mapping[str, str 
     )
     target = GPUTarget("cuda", capability, 32)
     # As the launch in triton_dropout.py: no FMA contraction.
-    options = {"enable_fp_fusion": False, "num_warps": _NUM_WARPS}
+    options = {"enable_fp_fusion": False, "num_warps": NUM_WARPS}
     return triton.compile(source, target=target, options=options).asm
 
 

@@ -3,7 +3,9 @@
 On a GPU: effective GB/s of forward and backward of dropout and bias-dropout-add (bf16,
 fp32; 2**20..2**28 elements) for rng_tracker's Triton kernel, eager torch (the unfused
 sequence), torch.compile of that sequence, and a device-to-device copy (the bandwidth
-bound), with ratios against eager and copy, all measured in this run.
+bound), with ratios against eager and copy, all measured in this run (backward: the gradients
+of every input, as a training step asks for them); then the host time per call at 2**10
+elements (the fixed cost), against F.dropout, a clone and an empty Triton kernel.
 
 On a CPU (the compiled kernel, impl="cpu", kernels/cpu_dropout.c; medians of repeats with
 ours and the baseline interleaved, so load drifts hit both alike):
@@ -113,7 +115,12 @@ def _bench_size(n, dtype, device, timer, ours, eager_ops, compiled_ops, p) -> No
             fwd_s = timer(lambda fn=fn: fn(x, bias, residual, p))
             rows["fwd"][name] = fwd_elems * n * x.element_size() / fwd_s / 1e9
             out = fn(x, bias, residual, p)
-            bwd_s = timer(lambda out=out: torch.autograd.grad(out, (x,), grad, retain_graph=True))
+            # every input's gradient, as a training step asks (for bias_dropout_add, the bias's
+            # sum too; asking for x's alone would let eager skip it and not the fused op)
+            wrt = (x,) if op == "dropout" else (x, bias, residual)
+            bwd_s = timer(
+                lambda out=out, wrt=wrt: torch.autograd.grad(out, wrt, grad, retain_graph=True)
+            )
             rows["bwd"][name] = 2 * n * x.element_size() / bwd_s / 1e9
         for pass_name, r in rows.items():
             comp = _gbs(r["compile"], 8) if "compile" in r else f"{'-':>8}"
