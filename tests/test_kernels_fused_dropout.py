@@ -3,6 +3,7 @@ statistics, mask-free memory, tracker integration, compile-traceability, typed e
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -464,3 +465,36 @@ def test_bad_seeds_are_typed_and_draw_nothing(seed, generator, error, words):
         dropout(torch.ones(4), 0.5, seed=seed, generator=generator)
     assert isinstance(info.value, RNGTrackerError) and words in str(info.value)
     assert torch.equal(g.get_state(), before) and torch.equal(torch.get_rng_state(), cpu_before)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["drawn", "keyed"])
+def test_triton_straight_route_equals_its_op_bitwise(keyed):
+    """An eager impl="triton" call launches the kernel straight (drawn seed words as kernel
+    arguments); under a dispatch mode it goes through the rng_tracker::fused_dropout_triton op.
+    Outputs, gradients and the generator's advance are the same bits either way, and the same as
+    the reference."""
+    from rng_tracker.kernels import _dispatch
+    from rng_tracker.kernels._index_map import index_map_of
+
+    torch.manual_seed(3)
+    x, bias, residual = torch.randn(6, 260), torch.randn(260), torch.randn(6, 260)
+    grad = torch.randn(6, 260)
+    seed = torch.tensor([-(2**62) - 7, 2**40, 5, 9]) if keyed else None
+    results = []
+    for impl, mode in (("triton", None), ("triton", OpNames()), ("torch", None)):
+        leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
+        g = None if keyed else gen(2**63 + 11)
+        with mode if mode is not None else contextlib.nullcontext():
+            if impl == "triton":
+                straight = _dispatch.route(leaves[0], impl, index_map_of(x.shape, None))
+                assert straight == ("triton" if mode is not None else "triton_direct")
+            out = bias_dropout_add(*leaves, 0.3, generator=g, seed=seed, impl=impl)
+            out.backward(grad)
+        if mode is not None:
+            assert mode.names.count("rng_tracker.fused_dropout_triton.default") == 2  # fwd, bwd
+        state = None if g is None else g.get_state()
+        results.append((out, *(leaf.grad for leaf in leaves), state))
+    for straight, through_op in zip(results[0], results[1], strict=True):
+        assert torch.equal(straight, through_op) if straight is not None else through_op is None
+    for straight, reference in zip(results[0], results[2], strict=True):
+        assert torch.equal(straight, reference) if straight is not None else reference is None
