@@ -199,3 +199,77 @@ def test_checkpoint_in_a_capture_refuses_to_keep_rng_and_runs_keyed_without_it()
         replayed = [g.clone() for g in grads]
         for i, (a, b) in enumerate(zip(replayed, step(preserve_rng_state=False), strict=True)):
             assert torch.equal(a, b), f"step {word}: gradient {i} differs from the eager step"
+
+
+def _cuda_block(x, w, tracker, masks):
+    """Dropout of the CUDA default generator, in a fork and a nested fork, a fused dropout drawn
+    from the forked stream, and a CPU draw: every source a checkpoint must replay."""
+    h = torch.nn.functional.dropout(x @ w, 0.3)
+    masks.append(h != 0)
+    with tracker.fork("model-parallel-rng"):
+        h = torch.nn.functional.dropout(h, 0.2)
+        masks.append(h != 0)
+        with tracker.fork("data-parallel-rng"):
+            h = dropout(h, 0.1, impl="triton")
+            masks.append(h != 0)
+    noise = torch.rand(h.shape).to("cuda")
+    return torch.tanh(h * noise)
+
+
+def _cuda_run(use_reentrant: bool | None):
+    from rng_tracker import checkpoint
+
+    torch.manual_seed(0)
+    torch.cuda.manual_seed(0)
+    tracker = RNGStatesTracker("cuda")
+    tracker.add("model-parallel-rng", 101)
+    tracker.add("data-parallel-rng", 202)
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, 256, device="cuda", requires_grad=True)
+    masks: list[torch.Tensor] = []
+    if use_reentrant is None:
+        out = _cuda_block(x, w, tracker, masks)
+    else:
+        out = checkpoint(_cuda_block, x, w, tracker, masks, use_reentrant=use_reentrant)
+    out.square().sum().backward()
+    end = (torch.cuda.get_rng_state(), torch.get_rng_state(), tracker.get_states())
+    return x.grad, w.grad, masks, end
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_on_cuda_recomputes_every_mask_and_gradient_bitwise(use_reentrant):
+    gx, gw, masks, end = _cuda_run(None)
+    cx, cw, cmasks, cend = _cuda_run(use_reentrant)
+    assert torch.equal(gx, cx) and torch.equal(gw, cw)
+    assert len(cmasks) == 2 * len(masks)
+    for first, forward, recompute in zip(masks, cmasks[:3], cmasks[3:], strict=True):
+        assert torch.equal(first, forward) and torch.equal(forward, recompute)
+    assert torch.equal(end[0], cend[0]) and torch.equal(end[1], cend[1])
+    assert all(torch.equal(end[2][k].get_state(), cend[2][k].get_state()) for k in end[2])
+
+
+def test_megatron_facade_on_cuda_seeds_forks_and_recomputes_like_megatron():
+    """model_parallel_cuda_manual_seed on a real CUDA device: the model-parallel stream is
+    Megatron's seed + 2718 (+ TP rank), and megatron.checkpoint's recompute is exact."""
+    from rng_tracker import megatron
+
+    megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    tracker = megatron.get_cuda_rng_tracker()
+    with tracker.fork():
+        got = torch.rand(16, device="cuda")
+    expected = torch.rand(16, device="cuda", generator=torch.Generator("cuda").manual_seed(3952))
+    assert torch.equal(got, expected)
+    assert torch.cuda.initial_seed() == 1234
+
+    def block(x):
+        with megatron.get_cuda_rng_tracker().fork():
+            return torch.nn.functional.dropout(x, 0.5) * x
+
+    grads = []
+    for checkpointed in (False, True):
+        megatron.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        x = torch.randn(4096, device="cuda", requires_grad=True)
+        out = megatron.checkpoint(block, False, x) if checkpointed else block(x)
+        out.sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
