@@ -19,6 +19,22 @@ from rng_tracker._device_rng import RNGState, device_rng
 from rng_tracker._tracker import RNGStatesTracker
 from rng_tracker.errors import CheckpointUsageError
 
+_CPU = torch.device("cpu")
+
+
+def _accelerators(
+    devices: Iterable[torch.device], trackers: tuple[RNGStatesTracker, ...]
+) -> list[torch.device]:
+    """The devices other than CPU among ``devices`` and the trackers', each once, by name.
+
+    Runs at every checkpoint's forward and recompute: ``d != _CPU`` first, since reading
+    ``d.type`` builds a string (most of a microsecond) and the devices are mostly the CPU."""
+    found: list[torch.device] = []
+    for device in (*devices, *(t.device for t in trackers)):
+        if device != _CPU and device.type != "cpu" and device not in found:
+            found.append(device)
+    return sorted(found, key=str) if len(found) > 1 else found
+
 
 @dataclass(frozen=True, slots=True)
 class RNGSnapshot:
@@ -35,18 +51,18 @@ class RNGSnapshot:
     ) -> RNGSnapshot:
         """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
         trackers = tuple(trackers)
-        wanted = {d for d in devices if d.type != "cpu"}
-        wanted.update(t.device for t in trackers if t.device.type != "cpu")
-        if any(d.type == "cuda" for d in wanted) and torch.cuda.is_current_stream_capturing():
-            raise CheckpointUsageError(
-                "a CUDA graph is capturing, and torch cannot copy a CUDA generator state during "
-                "capture, so the checkpoint cannot keep its RNG for the recompute; draw the "
-                "block's randomness with keyed dropout (rng_tracker.kernels.dropout(..., "
-                "seed=...)), whose mask needs no saved state, and pass preserve_rng_state=False"
-            )
-        device_states = (
-            tuple((d, device_rng(d).snapshot()) for d in sorted(wanted, key=str)) if wanted else ()
-        )
+        wanted = _accelerators(devices, trackers)
+        device_states: tuple[tuple[torch.device, RNGState], ...] = ()
+        if wanted:
+            if any(d.type == "cuda" for d in wanted) and torch.cuda.is_current_stream_capturing():
+                raise CheckpointUsageError(
+                    "a CUDA graph is capturing, and torch cannot copy a CUDA generator state "
+                    "during capture, so the checkpoint cannot keep its RNG for the recompute; "
+                    "draw the block's randomness with keyed dropout (rng_tracker.kernels."
+                    "dropout(..., seed=...)), whose mask needs no saved state, and pass "
+                    "preserve_rng_state=False"
+                )
+            device_states = tuple((d, device_rng(d).snapshot()) for d in wanted)
         return cls(
             torch.default_generator.get_state(),
             device_states,
