@@ -49,7 +49,9 @@ from rng_tracker.kernels._triton_kernel import (
 Impl = Literal["auto", "triton", "cpu", "torch"]
 # "cpu_direct", "triton_direct": the kernel called straight from Python; "cpu", "triton": its op
 Route = Literal["triton", "triton_direct", "cpu", "cpu_direct", "reference"]
-_DIRECT_ROUTES = ("cpu_direct", "triton_direct")
+# each op that has a straight route -> that route
+_STRAIGHT: dict[str, Route] = {"cpu": "cpu_direct", "triton": "triton_direct"}
+_OP_OF_STRAIGHT: dict[str, Route] = {straight: op for op, straight in _STRAIGHT.items()}
 
 CPU_KERNEL_ENV = "RNG_TRACKER_CPU_KERNEL"
 
@@ -101,7 +103,7 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
                 and len(index_map.dims) <= _cpu_kernel.MAX_DIMS
                 and _compiled_cpu_runs()  # else warned once: the reference runs instead
             ):
-                return _compiled_route(x)
+                return _reached("cpu", x)
             return "reference"
         if impl == "cpu":
             raise KernelUnavailableError(
@@ -116,7 +118,7 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     # off CPU, "auto": Triton on a GPU, the reference elsewhere and for maps it cannot place
     if impl == "auto":
         if runs and x.device.type == "cuda" and placeable:
-            return _triton_route(x)
+            return _reached("triton", x)
         return "reference"
     if not runs:
         why = f" (importing triton failed: {TRITON_IMPORT_ERROR})" if TRITON_IMPORT_ERROR else ""
@@ -129,22 +131,13 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
             f"impl='triton' places index maps of up to {MAX_DIVISIONS + 1} merged dims; this "
             f"shard has {len(index_map.dims)} ({index_map.dims}); use impl='torch' or 'auto'"
         )
-    return _triton_route(x)
+    return _reached("triton", x)
 
 
-def _compiled_route(x: torch.Tensor) -> Route:
-    """How a call on x that runs the compiled CPU kernel reaches it: straight, or through its op."""
-    return "cpu_direct" if _nothing_intercepts(x) else "cpu"
-
-
-def _triton_route(x: torch.Tensor) -> Route:
-    """How a call on x that runs the Triton kernel reaches it: straight, or through its op."""
-    return "triton_direct" if _nothing_intercepts(x) else "triton"
-
-
-def _op_route(kernel: Route) -> Route:
-    """The op that a straight route stands in for."""
-    return {"cpu_direct": "cpu", "triton_direct": "triton"}.get(kernel, kernel)
+def _reached(op: Route, x: torch.Tensor) -> Route:
+    """How a call on x reaches the kernel of ``op``: straight when nothing traces or intercepts
+    it, else through the op."""
+    return _STRAIGHT[op] if _nothing_intercepts(x) else op
 
 
 def run(
@@ -181,7 +174,7 @@ def _execute(
 ) -> torch.Tensor:
     """Run ``kernel``: an op takes the seed tensor; a straight route takes the words where they
     are known (drawn, or read for the CPU), else the seed tensor."""
-    if kernel not in _DIRECT_ROUTES:
+    if kernel not in _OP_OF_STRAIGHT:
         if seed is None:
             seed = seed_tensor(words, call.x.device if kernel == "triton" else torch.device("cpu"))
         return call_op(kernel, call, seed)
@@ -203,9 +196,10 @@ def _direct(
 ) -> torch.Tensor:
     """A kernel called straight, named as the op it stands in for in a profiler's trace (only
     while a profiler runs: the name costs microseconds)."""
-    if profiler_enabled():
-        name = "fused_dropout_cpu" if kernel == "cpu_direct" else "fused_dropout_triton"
-        with torch.profiler.record_function(f"rng_tracker::{name}"):
+    if profiler_enabled():  # the op's name as _ops registers it
+        with torch.profiler.record_function(
+            f"rng_tracker::fused_dropout_{_OP_OF_STRAIGHT[kernel]}"
+        ):
             return _direct_kernel(kernel, call, seed, words)
     return _direct_kernel(kernel, call, seed, words)
 
@@ -232,7 +226,7 @@ class _DirectDropout(torch.autograd.Function):
         def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
             # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
             call = dropout_call(g, None, None, ctx.p, ctx.index_map)
-            kernel = ctx.kernel if _nothing_intercepts(g) else _op_route(ctx.kernel)
+            kernel = _reached(_OP_OF_STRAIGHT[ctx.kernel], g)
             if ctx.words is not None:  # the words, not the saved host copy of them
                 return _execute(kernel, call, None, ctx.words)
             return _execute(kernel, call, seed, None)

@@ -180,14 +180,14 @@ def fused_dropout_triton(
     kernel = _fused_dropout_kernel if launch is None else launch(_fused_dropout_kernel)
     # plain ints: triton.cdiv is a jit function, and calling one from Python costs ~10 us
     grid = (-(-x.numel() // (4 * _GROUPS_PER_PROGRAM)),)
-    words = seed if isinstance(seed, tuple) else (0, 0, 0, 0)
+    in_args = isinstance(seed, tuple)  # else a seed tensor, which the kernel loads
     kernel[grid](
         x,
         x if bias is None else bias.contiguous(),
         x if residual is None else residual.contiguous(),
         out,
-        x if isinstance(seed, tuple) else seed,
-        *words,
+        x if in_args else seed,
+        *(seed if in_args else (0, 0, 0, 0)),
         x.numel(),
         1 if bias is None else bias.numel(),
         keep_threshold(p),
@@ -203,7 +203,7 @@ def fused_dropout_triton(
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,
         # A GPU rounds fp32 → bf16 to nearest even in one instruction; the interpreter needs it spelled out.
         BF16_IN_SOFTWARE=x.dtype == torch.bfloat16 and x.device.type != "cuda",
-        SEED_IN_ARGS=isinstance(seed, tuple),
+        SEED_IN_ARGS=in_args,
         BLOCK=_GROUPS_PER_PROGRAM,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # no FMA contraction: products round as in the reference
