@@ -4,22 +4,22 @@
 
 1. the CUDA tests (``CUDA_TESTS``: tests/test_cuda.py and the captured-graph test of
    tests/test_keyed.py; they skip without CUDA, so this script refuses to run at all without it);
-2. CUDA-graph capture and replay (below);
+2. CUDA-graph capture and replay: the outcome, PASS or FAIL, of the CUDA tests that capture
+   and replay a graph (``GRAPH_TESTS``), from the same run:
+   a. a forked dropout: ``F.dropout`` inside ``tracker.fork(...)`` captured once (the streams
+      registered with ``tracker.register_graph``) and replayed; each replay draws what the
+      same stream draws eagerly, call after call;
+   b. a keyed fused dropout (``seed=`` on the device, the step in word 3) captured and replayed;
+      each replay equals the reference for the seed words it found;
+   c. a checkpointed block (``rng_tracker.checkpoint(..., preserve_rng_state=False)``, keyed
+      dropout inside: its mask needs no saved generator state) whose forward and backward are
+      captured and replayed: each replay's gradients equal an eager step's, bit for bit;
+   d. KeyedRNG's words and step advancing inside a captured graph;
 3. the kernel benchmark on the GPU (``scripts/bench_dropout.py``: rng_tracker's Triton kernel
    against a device-to-device copy, eager torch and torch.compile, bf16 and fp32, 2**20..2**28
    elements; ``--quick``: 2**20..2**24).
 
 Each part is written to the report as it finishes, so a run cut short keeps what it measured.
-The CUDA-graph checks, each reported PASS or FAIL with its error:
-   a. a forked dropout: ``F.dropout`` inside ``tracker.fork(...)`` captured once (the streams
-      registered with ``tracker.register_graph``) and replayed; each replay must draw what the
-      same stream draws eagerly, call after call;
-   b. a keyed fused dropout (``seed=`` on the device, the step in word 3) captured and replayed;
-      each replay must equal the reference for the seed words it found;
-   c. a checkpointed block (``rng_tracker.checkpoint(..., preserve_rng_state=False)``, keyed
-      dropout inside: its mask needs no saved generator state) whose forward and
-      backward are captured and replayed: the gradients of each replay must equal an eager
-      forward and backward with the same seed words, bit for bit.
 The report starts with the date, the device (``torch.cuda.get_device_name``), the driver and
 the versions of torch and triton, so its figures can go to docs/benchmarks.md as they are.
 Without CUDA it stops with exit status 2 and says so: it never reports a figure it did not
@@ -31,20 +31,32 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+_KEYED_GRAPH_TEST = (
+    "tests/test_keyed.py::test_keyed_words_and_step_advance_inside_a_captured_cuda_graph"
+)
 # every test that needs a CUDA device (each skips without one)
-CUDA_TESTS = [
-    "tests/test_cuda.py",
-    "tests/test_keyed.py::test_keyed_words_and_step_advance_inside_a_captured_cuda_graph",
-]
+CUDA_TESTS = ["tests/test_cuda.py", _KEYED_GRAPH_TEST]
+# the CUDA tests that capture and replay a graph: what the report's graph section shows
+GRAPH_TESTS = {
+    "forked dropout (F.dropout in tracker.fork, streams registered)": (
+        "tests/test_cuda.py::test_fork_in_a_captured_graph_draws_the_stream_on_each_replay_once_registered"
+    ),
+    "keyed fused dropout (seed on the device)": (
+        "tests/test_cuda.py::test_capture_with_a_device_seed_replays_with_the_current_seed_words"
+    ),
+    "checkpointed block (forward + backward, keyed)": (
+        "tests/test_cuda.py::test_checkpoint_in_a_capture_refuses_to_keep_rng_and_runs_keyed_without_it"
+    ),
+    "KeyedRNG words and step": _KEYED_GRAPH_TEST,
+}
 
 
 def _run(command: list[str], timeout: float) -> tuple[int, str]:
@@ -79,132 +91,15 @@ def _header() -> str:
     )
 
 
-# --- CUDA-graph checks ------------------------------------------------------------------
-
-
-def _check_forked_dropout() -> str:
-    """F.dropout in a tracker fork, captured once, replayed 3 times, against the eager draws."""
-    import torch.nn.functional as F
-
-    from rng_tracker import RNGStatesTracker
-
-    def draws(tracker: RNGStatesTracker, x: torch.Tensor, n: int, graphed: bool) -> list:
-        if not graphed:
-            out = []
-            for _ in range(n):
-                with tracker.fork("stream"):
-                    out.append(F.dropout(x, 0.5))
-            return out
-        with tracker.fork("stream"):  # warm-up outside the capture
-            F.dropout(x, 0.5)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        tracker.register_graph(graph)  # torch draws only from states registered with the graph
-        with torch.cuda.graph(graph), tracker.fork("stream"):
-            y = F.dropout(x, 0.5)
-        out = []
-        for _ in range(n):
-            graph.replay()
-            out.append(y.clone())
-        return out
-
-    x = torch.ones(1 << 16, device="cuda")
-    results = {}
-    for graphed in (False, True):
-        tracker = RNGStatesTracker("cuda")
-        tracker.add("stream", 1234)
-        if graphed:  # the eager run drew one call less before its first kept draw
-            results[graphed] = draws(tracker, x, 3, True)
-        else:
-            tracker_draws = draws(tracker, x, 4, False)
-            results[graphed] = tracker_draws[1:]  # the capture's warm-up drew the first
-    eager, replayed = results[False], results[True]
-    assert not torch.equal(replayed[0], replayed[1]), "two replays drew the same mask"
-    for i, (a, b) in enumerate(zip(eager, replayed, strict=True)):
-        assert torch.equal(a, b), f"replay {i} differs from the eager draw of the stream"
-    return "3 replays, each equal to the stream's eager draw, all different"
-
-
-def _check_keyed_dropout() -> str:
-    from rng_tracker.kernels import dropout
-
-    x = torch.randn(1 << 20, device="cuda")
-    seed = torch.tensor([7, 0, 0, 0], device="cuda")
-    dropout(x, 0.1, seed=seed, impl="triton")  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = dropout(x, 0.1, seed=seed, impl="triton")
-    masks = []
-    for step in range(3):
-        seed[3].fill_(step)
-        graph.replay()
-        assert torch.equal(y, dropout(x, 0.1, seed=seed.clone(), impl="torch")), step
-        masks.append(y != 0)
-    assert not torch.equal(masks[0], masks[1]), "two steps drew the same mask"
-    return "3 replays at steps 0, 1, 2, each equal to the reference for its seed words"
-
-
-def _check_checkpointed_block() -> str:
-    """Forward and backward of a checkpointed block with keyed dropout, captured and replayed."""
-    from rng_tracker import checkpoint
-    from rng_tracker.kernels import dropout
-
-    torch.manual_seed(0)
-    block = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
-    )
-    block = block.cuda()
-    seed = torch.tensor([11, 0, 0, 0], device="cuda")
-
-    def body(h: torch.Tensor) -> torch.Tensor:
-        return dropout(block(h), 0.1, seed=seed, impl="triton")
-
-    x = torch.randn(64, 256, device="cuda", requires_grad=True)
-
-    def step() -> list[torch.Tensor]:
-        for p in (*block.parameters(), x):
-            p.grad = None
-        # keyed dropout needs no saved RNG state; capture refuses to copy one
-        checkpoint(body, x, preserve_rng_state=False).square().sum().backward()
-        return [t.grad for t in (*block.parameters(), x)]
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch's graph docs ask
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    for p in (*block.parameters(), x):
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
-    for word in range(3):
-        seed[3].fill_(word)
-        graph.replay()
-        replayed = [g.clone() for g in grads]
-        eager = step()
-        for i, (a, b) in enumerate(zip(replayed, eager, strict=True)):
-            assert torch.equal(a, b), f"step {word}: gradient {i} differs from the eager step"
-    return "3 replays of forward + backward, gradients equal to eager steps with the same seed"
-
-
-_CHECKS: dict[str, Callable[[], str]] = {
-    "forked dropout (F.dropout in tracker.fork)": _check_forked_dropout,
-    "keyed fused dropout (seed on the device)": _check_keyed_dropout,
-    "checkpointed block (forward + backward)": _check_checkpointed_block,
-}
-
-
-def _graph_section() -> tuple[list[str], bool]:
+def graph_section(test_output: str) -> tuple[list[str], bool]:
+    """The report's CUDA-graph section: each of ``GRAPH_TESTS`` as pytest's verbose output of the
+    CUDA tests reports it (a test missing from the output is a failure: it did not run)."""
     lines, ok = ["## CUDA-graph capture and replay", ""], True
-    for name, check in _CHECKS.items():
-        try:
-            lines.append(f"- PASS {name}: {check()}")
-        except Exception:  # a finding for the report, not a reason to stop the other checks
-            ok = False
-            lines.append(f"- FAIL {name}:\n\n```text\n{traceback.format_exc().rstrip()}\n```")
+    for check, node in GRAPH_TESTS.items():
+        found = re.search(rf"^{re.escape(node)} (PASSED|FAILED|ERROR|SKIPPED)", test_output, re.M)
+        outcome = found.group(1) if found else "NOT RUN"
+        ok &= outcome == "PASSED"
+        lines.append(f"- {'PASS' if outcome == 'PASSED' else 'FAIL'} {check}: `{node}` {outcome}")
     return [*lines, ""], ok
 
 
@@ -237,11 +132,11 @@ def main() -> int:
     add([_header()])
     ok = True
 
-    status, output = _run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "-rs"], 1800)
+    status, output = _run([sys.executable, "-m", "pytest", *CUDA_TESTS, "-v", "-rs"], 1800)
     ok &= status == 0
     add([f"## CUDA tests (exit status {status})", "", "```text", output.strip(), "```", ""])
 
-    lines, graphs_ok = _graph_section()
+    lines, graphs_ok = graph_section(output)
     ok &= graphs_ok
     add(lines)
 
