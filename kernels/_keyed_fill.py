@@ -41,6 +41,7 @@ _SOURCE = CSource(
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _lock = threading.Lock()
+MAX_DIMS = 64  # RT_MAX_DIMS of keyed_fill.c: the dims of a tensor it fills
 # "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), forced only by tests
 _state: dict[str, object] = {"library": None, "failed": None, "isa": 0}
 
@@ -168,10 +169,15 @@ def _fill(
         c_params,
         _state["isa"],
     )
+    if status == -2:
+        raise KernelUnavailableError(
+            f"the keyed fill was forced onto instruction-set path {_state['isa']}, which this "
+            "CPU does not run; leave the path to the library (it picks the fastest this CPU runs)"
+        )
     if status != 0:
         raise KernelInputError(
-            f"keyed init refused a tensor of {len(lists)} dims (at most 64 are taken), or an "
-            "instruction-set path this CPU does not run"
+            f"keyed init takes tensors of at most {MAX_DIMS} dims, got {len(lists)}; reshape "
+            "or fill a flat view"
         )
     if not direct:
         local.copy_(out)

@@ -232,14 +232,14 @@ int64_t rt_keyed_isa_supported(int64_t isa) { return rt_cpu_runs(isa); }
 /* Fill out (the local shard, contiguous) for kind 0 (uniform), 1 (normal) or 2 (truncated
    normal); params holds the 8 floats of fill_params in order. index holds the per-dim index
    lists one after another; sizes[d] is the length of dim d's list. isa: RT_ISA_AUTO (the fastest
-   this CPU runs) or an RT_ISA_* code to force; every path writes the same bits. Returns 0, or
-   -1 for bad arguments (then nothing is written). */
+   this CPU runs) or an RT_ISA_* code to force; every path writes the same bits. Returns 0; or,
+   writing nothing, -1 for a number of dims or a kind it does not take, -2 for an instruction
+   set this CPU does not run. */
 int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int64_t *index,
                       const int64_t *gstride, uint64_t key, uint64_t name, int64_t kind,
                       const float *params, int64_t isa) {
-    if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2 ||
-        (isa != RT_ISA_AUTO && !rt_cpu_runs(isa)))
-        return -1;
+    if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2) return -1;
+    if (isa != RT_ISA_AUTO && !rt_cpu_runs(isa)) return -2;
     fill_run_fn run = fill_run_portable;
 #if RT_X86_SIMD
     if (isa == RT_ISA_AVX2 || (isa == RT_ISA_AUTO && rt_cpu_best() == RT_ISA_AVX2))

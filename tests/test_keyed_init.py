@@ -15,7 +15,12 @@ import math
 import pytest
 import torch
 
-from rng_tracker.errors import InvariantRandomConfigError, KernelInputError, RNGTrackerError
+from rng_tracker.errors import (
+    InvariantRandomConfigError,
+    KernelInputError,
+    KernelUnavailableError,
+    RNGTrackerError,
+)
 from rng_tracker.kernels._keyed_fill import (
     init_key,
     keyed_normal_,
@@ -191,6 +196,15 @@ def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.Monk
                 by_path.append(fill(torch.empty(shape), **target))
             for values in by_path[1:]:
                 assert torch.equal(values.view(torch.int32), by_path[0].view(torch.int32))
-    monkeypatch.setitem(_keyed_fill._state, "isa", 99)  # a path no CPU has: refused, typed
-    with pytest.raises(KernelInputError):
-        keyed_uniform_(torch.empty(4), seed=7, name="w")
+    # each refusal typed for its own cause, and nothing written
+    many_dims = torch.full([1] * 65, 3.0)
+    with pytest.raises(KernelInputError, match="at most 64 dims, got 65"):
+        keyed_uniform_(many_dims, seed=7, name="w")
+    # torch's ops take at most 64 dims: read the values through a flat tensor on its storage
+    flat = torch.tensor([]).set_(many_dims.untyped_storage())
+    assert torch.equal(flat, torch.tensor([3.0]))
+    monkeypatch.setitem(_keyed_fill._state, "isa", 99)  # a path no CPU has
+    untouched = torch.full((4,), 3.0)
+    with pytest.raises(KernelUnavailableError, match="path 99, which this CPU does not run"):
+        keyed_uniform_(untouched, seed=7, name="w")
+    assert torch.equal(untouched, torch.full((4,), 3.0))
