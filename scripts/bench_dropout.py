@@ -158,6 +158,20 @@ def _interleaved_medians(
     return [statistic(v) for v in samples]
 
 
+def _looped(
+    fn: Callable[[], object], calls: int, sync: Callable[[], object] | None = None
+) -> Callable[[], object]:
+    """``fn`` run ``calls`` times (then ``sync``): one timed sample of a microsecond call."""
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+        if sync is not None:
+            sync()
+
+    return run
+
+
 def _cpu_rows(n: int, dtype: torch.dtype, p: float, repeats: int) -> None:
     hidden = 1024
     x = torch.randn(n // hidden, hidden, dtype=dtype, requires_grad=True)
@@ -363,20 +377,12 @@ def _fixed_rows(p: float, repeats: int) -> None:
         xg = torch.randn(256, requires_grad=True)
         grad = torch.randn(256)
         calls = 200  # per timed sample: microsecond calls need a loop to time
-
-        def looped(fn: Callable[[], object]) -> Callable[[], object]:
-            def run() -> None:
-                for _ in range(calls):
-                    fn()
-
-            return run
-
         ours_f, base_f, ours_fb, base_fb = _interleaved_medians(
             [
-                looped(lambda: dropout(x, p)),
-                looped(lambda: F.dropout(x, p)),
-                looped(lambda: dropout(xg, p).backward(grad)),
-                looped(lambda: F.dropout(xg, p).backward(grad)),
+                _looped(lambda: dropout(x, p), calls),
+                _looped(lambda: F.dropout(x, p), calls),
+                _looped(lambda: dropout(xg, p).backward(grad), calls),
+                _looped(lambda: F.dropout(xg, p).backward(grad), calls),
             ],
             repeats,
             clock=time.thread_time,
@@ -461,7 +467,12 @@ def main() -> None:
     parser.add_argument("--max-log2", type=int, default=None)
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--repeats", type=int, default=15, help="CPU: timed repeats per figure")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=15,
+        help="timed repeats per figure (the CPU sections and the GPU fixed cost)",
+    )
     parser.add_argument("--no-startup", action="store_true", help="CPU: skip the start-up runs")
     parser.add_argument(
         "--sections", default=None, help=f"CPU: comma-separated subset of {','.join(_SECTIONS)}"
@@ -501,11 +512,11 @@ def main() -> None:
         for log2 in range(lo, hi + 1, 2):
             _bench_size(2**log2, dtype, device, timer, ours, eager_ops, compiled_ops, args.p)
     print("targets (H100): bias_dropout_add ours/copy >= 0.85 and ours/eager >= 2")
-    _gpu_fixed_rows(args.p)
+    _gpu_fixed_rows(args.p, args.repeats)
     _print_saved_bytes(device, impl)
 
 
-def _gpu_fixed_rows(p: float) -> None:
+def _gpu_fixed_rows(p: float, repeats: int) -> None:
     """Host time per call at 2**10 elements, where launching is all the work: where it goes."""
     from rng_tracker.kernels._call import dropout_call
     from rng_tracker.kernels._index_map import index_map_of
@@ -516,7 +527,7 @@ def _gpu_fixed_rows(p: float) -> None:
     grad = torch.randn(1024, device="cuda")
     seed = torch.tensor([3, 0, 0, 0], device="cuda")
     call = dropout_call(x, None, None, p, index_map_of(x.shape, None))
-    calls = 2000
+    calls = 200
     rows = {
         "F.dropout": lambda: F.dropout(x, p),
         "x.clone()": lambda: x.clone(),
@@ -529,16 +540,15 @@ def _gpu_fixed_rows(p: float) -> None:
         "dropout forward+backward, drawn": lambda: dropout(xg, p, impl="triton").backward(grad),
     }
 
-    print(f"\nfixed cost: 2^10 fp32 elements, us of host time per call ({calls} calls, synced)")
-    for name, fn in rows.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        print(f"  {name:<36}{(time.perf_counter() - start) / calls * 1e6:8.1f}")
+    times = _interleaved_medians(
+        [_looped(fn, calls, torch.cuda.synchronize) for fn in rows.values()], repeats
+    )
+    print(
+        f"\nfixed cost: 2^10 fp32 elements, us of host time per call (median of {repeats} "
+        f"interleaved samples of {calls} calls, synced)"
+    )
+    for name, seconds in zip(rows, times, strict=True):
+        print(f"  {name:<36}{seconds / calls * 1e6:8.1f}")
 
 
 def _print_saved_bytes(device: torch.device, impl: str) -> None:
