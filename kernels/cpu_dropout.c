@@ -44,7 +44,6 @@
 #endif
 #endif
 
-
 #define RT_ABI_VERSION 2
 #define RT_MAX_DIMS 64
 #define BLOCK 1024 /* elements per block: a multiple of 4 * LANES */

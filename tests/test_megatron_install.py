@@ -72,7 +72,7 @@ _SCRIPT = textwrap.dedent(
         for name in MODULES:
             importlib.import_module(name)
         from rng_tracker._megatron_install import _SWAPS
-        originals = [_SWAPS[n][0] for n in REPLACED_NAMES if n in _SWAPS]
+        originals = [_SWAPS[n][0] for n in REPLACED_NAMES]
     ours.install()  # idempotent
     assert ours.installed()
     from rng_tracker._megatron_install import _SWAPS
