@@ -174,7 +174,7 @@ RT_AVX2 static void philox_many_avx2(int m, uint64_t first, uint32_t c2, uint32_
         uint64_t room = 0x100000000u - (uint32_t)start;
         int run = (uint64_t)(m - done) < room ? m - done : (int)room;
         const uint32_t hi[2] = {(uint32_t)(start >> 32), (uint32_t)start};
-        philox_block_avx2(run, NULL, hi, c2, c3, k0, k1, words + 4 * done);
+        philox_block_avx2(run, NULL, hi, c2, c3, k0, k1, words + 4 * done, NULL);
         done += run;
     }
 }

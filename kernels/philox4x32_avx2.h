@@ -41,9 +41,20 @@ static inline int64_t rt_cpu_best(void) {
     return rt_cpu_runs(RT_ISA_AVX2) ? RT_ISA_AVX2 : RT_ISA_PORTABLE;
 }
 
-#if RT_X86_SIMD
 #define AVX2_CHAINS 4 /* independent vectors in flight: hides the multiplies' latency */
+#define PHILOX_AVX2_STEP (8 * AVX2_CHAINS) /* counters per step of philox_block_avx2 */
 
+/* Memory a caller needs next, requested while Philox computes: each step of
+   philox_block_avx2 prefetches its share, so the lines arrive spread over the arithmetic
+   (requested all at once, most wait behind the core's few outstanding misses). */
+typedef struct {
+    const char *read[2]; /* to be read (either may be NULL) */
+    char *write;         /* to be written (NULL: none, or written around the caches) */
+    int bytes;           /* of each stream */
+    int step_bytes;      /* of each stream per step: a multiple of 64 */
+} rt_ahead;
+
+#if RT_X86_SIMD
 /* (high, low) 32-bit halves of the 64-bit products a * multiplier, lane by lane (8 lanes). */
 RT_AVX2 static inline __m256i mulhilo_avx2(__m256i a, __m256i multiplier, __m256i *low) {
     __m256i even = _mm256_mul_epu32(a, multiplier);                       /* lanes 0, 2, 4, 6 */
@@ -78,15 +89,28 @@ RT_AVX2 static inline __attribute__((always_inline)) void philox_rounds_avx2(
     }
 }
 
+/* Step `step`'s share of a's prefetches. */
+RT_AVX2 static inline __attribute__((always_inline)) void rt_ahead_step(const rt_ahead *a,
+                                                                        int step) {
+    const int first = step * a->step_bytes;
+    const int end = first + a->step_bytes < a->bytes ? first + a->step_bytes : a->bytes;
+    for (int b = first; b < end; b += 64) {
+        if (a->read[0]) __builtin_prefetch(a->read[0] + b, 0, 3);
+        if (a->read[1]) __builtin_prefetch(a->read[1] + b, 0, 3);
+        if (a->write) __builtin_prefetch(a->write + b, 1, 3);
+    }
+}
+
 /* words[4 * i + j] = word j of Philox4x32-10 at counter (lo[i], hi[i], c2, c3), i < m, 8
    counters per vector, AVX2_CHAINS vectors per step: lo and hi hold m rounded up to
    PHILOX_AVX2_STEP entries, and words room for m rounded up to 8 counters (the padding is
    computed and written). Counters are loaded into lanes 0, 2, 4, 6, 1, 3, 5, 7 of
    a vector, so that the 4 x 4 transposes within each 128-bit half store the words of
-   counters 0..7 in order. */
+   counters 0..7 in order. ahead (or NULL): memory to prefetch, a share per step. */
 RT_AVX2 static void philox_block_avx2(int m, const uint32_t *restrict lo,
                                       const uint32_t *restrict hi, uint32_t c2, uint32_t c3,
-                                      uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+                                      uint32_t k0, uint32_t k1, uint32_t *restrict words,
+                                      const rt_ahead *ahead) {
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const __m256i multiplier0 = _mm256_set1_epi32((int)0xD2511F53u);
     const __m256i multiplier1 = _mm256_set1_epi32((int)0xCD9E8D57u);
@@ -102,7 +126,8 @@ RT_AVX2 static void philox_block_avx2(int m, const uint32_t *restrict lo,
     const __m256i round2_key1 = _mm256_set1_epi32((int)((uint32_t)product1 ^ k0_2));
     const __m256i round2_key3 = _mm256_set1_epi32((int)((uint32_t)(product0 >> 32) ^ k1_2));
     const __m256i round2_low0 = _mm256_set1_epi32((int)(uint32_t)product0);
-    for (int start = 0; start < m; start += 8 * AVX2_CHAINS) {
+    for (int start = 0; start < m; start += PHILOX_AVX2_STEP) {
+        if (ahead) rt_ahead_step(ahead, start / PHILOX_AVX2_STEP);
         __m256i x0[AVX2_CHAINS], x1[AVX2_CHAINS], x2[AVX2_CHAINS], x3[AVX2_CHAINS];
         if (lo) {
 #pragma GCC unroll 8
@@ -145,7 +170,6 @@ RT_AVX2 static void philox_block_avx2(int m, const uint32_t *restrict lo,
         }
     }
 }
-#define PHILOX_AVX2_STEP (8 * AVX2_CHAINS) /* counters per step of philox_block_avx2 */
 #endif
 
 #endif /* RT_PHILOX4X32_AVX2_H */

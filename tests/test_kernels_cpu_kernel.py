@@ -230,23 +230,32 @@ def _fused(x, bias, residual, placement, seed, *, impl):
     return bias_dropout_add(x, bias, residual, 0.3, shard=placement, seed=seed, impl=impl)
 
 
-def test_outputs_beyond_the_caches_stream_out_with_the_same_bits(monkeypatch):
-    """Outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
+@pytest.mark.parametrize(
+    "numel, with_residual",
+    [
+        (2**20 + 3, False),  # 4 MiB of fp32: each next block prefetched (x, out) while computing
+        (2**22 + 3, True),  # 16 MiB: prefetched (x, residual), out streamed with no cache fill
+    ],
+)
+def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
+    monkeypatch, numel, with_residual
+):
+    """A thread's part of at least 2 MiB prefetches each next block while computing this one,
+    and outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
     per block, then streamed out; the last block's 12 bytes with plain stores): the bits equal
     the reference's on every path, on one thread and split over two."""
     paths = _cpu_kernel.isa_paths()
-    x = torch.randn(2**22 + 3, generator=_gen(5))  # 16 MiB + 12 bytes of fp32
-    residual = torch.randn_like(x)
+    x = torch.randn(numel, generator=_gen(5))
+    residual = torch.randn_like(x) if with_residual else None
     seed = torch.tensor(_SEEDS["carry"], dtype=torch.int64)
-    want = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="torch")
+    want = _fused(x, None, residual, None, seed, impl="torch")
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             for path in paths:
                 monkeypatch.setitem(_cpu_kernel._state, "isa", _c_build.ISA_CODES[path])
-                got = bias_dropout_add(x, None, residual, 0.2, seed=seed, impl="cpu")
-                _assert_bitwise(got, want)
+                _assert_bitwise(_fused(x, None, residual, None, seed, impl="cpu"), want)
     finally:
         torch.set_num_threads(threads)
 
