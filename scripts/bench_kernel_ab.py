@@ -1,0 +1,164 @@
+"""Compare the compiled CPU dropout kernel of two revisions, call by call, in one process.
+
+Builds ``kernels/cpu_dropout.c`` (with the headers it includes) as it is at ``--base`` (a git
+revision) and as it is in the working tree, loads both, and times one call of each in turn on
+the same tensors, so the machine's load and the caches' state hit both alike: what a change to
+the C code gains or costs, without the Python around it. Prints G elements/s per library and
+the ratio new / base (> 1: the working tree is faster).
+
+    python scripts/bench_kernel_ab.py --base HEAD~1                  # 1 thread
+    python scripts/bench_kernel_ab.py --base HEAD~1 --cold           # caches flushed per call
+    python scripts/bench_kernel_ab.py --base HEAD~1 --threads 2 --min-log2 22 --max-log2 24
+
+Both libraries must have the same ABI (``rt_abi_version``): the arguments are built once, by
+the working tree's ``rng_tracker.kernels._cpu_kernel``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rng_tracker.kernels import _c_build, _cpu_kernel
+from rng_tracker.kernels._index_map import index_map_of
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+SOURCE = "cpu_dropout.c"
+
+
+def _files_at(revision: str | None) -> dict[str, bytes]:
+    """The kernel's source and headers at a git revision (None: the working tree)."""
+    names = (SOURCE, *_c_build.HEADERS)
+    if revision is None:
+        return {name: (REPOSITORY / "kernels" / name).read_bytes() for name in names}
+    return {
+        name: subprocess.run(
+            ["git", "show", f"{revision}:kernels/{name}"],
+            cwd=REPOSITORY,
+            capture_output=True,
+            check=True,
+        ).stdout
+        for name in names
+    }
+
+
+def _build(files: dict[str, bytes], directory: Path) -> ctypes.CDLL:
+    """Compile ``files`` as the library does (its flags and compiler) into ``directory``."""
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_bytes(text)
+    built = directory / "kernel.so"
+    subprocess.run(
+        [_c_build._compiler(), *_c_build.FLAGS, str(directory / SOURCE), "-o", str(built)],
+        check=True,
+    )
+    library = ctypes.CDLL(str(built))
+    library.rt_fused_dropout.restype = ctypes.c_int64
+    library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]
+    return library
+
+
+def _calls(
+    libraries: list[ctypes.CDLL],
+    n: int,
+    dtype: torch.dtype,
+    with_bias: bool,
+    threads: int,
+    p: float,
+) -> list[Callable[[], int]]:
+    """One kernel call per library, all on the same tensors (so on the same memory: where an
+    allocation lands changes a call's speed), kept alive by the closures."""
+    hidden = 1024
+    x = torch.randn(n, dtype=dtype)
+    out = torch.empty_like(x)
+    bias = torch.randn(hidden, dtype=dtype) if with_bias else None
+    residual = torch.randn_like(x) if with_bias else None
+    args = _cpu_kernel._arguments(
+        index_map_of(x.shape, None), dtype, hidden if with_bias else 0, p, threads
+    )
+    args[_cpu_kernel._ARG_KEY : _cpu_kernel._ARG_KEY + 4] = (0x1234_5678_9ABC_DEF, 77, 3, 9)
+    pointers = (
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+    )
+
+    def call_of(library: ctypes.CDLL) -> Callable[[], int]:
+        def call(keep_alive: tuple = (x, out, bias, residual)) -> int:
+            return library.rt_fused_dropout(*pointers, args)
+
+        return call
+
+    return [call_of(library) for library in libraries]
+
+
+def _best_of_interleaved(
+    calls: list[Callable[[], int]], repeats: int, clock: Callable[[], float], flush: Callable
+) -> list[float]:
+    for call in calls:  # warm-up: pages mapped, code paged in
+        call()
+    best = [float("inf")] * len(calls)
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            flush()
+            start = clock()
+            status = call()
+            best[i] = min(best[i], clock() - start)
+            if status != 0:
+                raise RuntimeError(f"the kernel refused its arguments (status {status})")
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="git revision of the baseline kernel")
+    parser.add_argument("--threads", type=int, default=1, help="threads per kernel call")
+    parser.add_argument("--min-log2", type=int, default=16)
+    parser.add_argument("--max-log2", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=40, help="timed calls per figure (best)")
+    parser.add_argument("--p", type=float, default=0.1)
+    parser.add_argument(
+        "--cold", action="store_true", help="write 64 MiB elsewhere before each call"
+    )
+    args = parser.parse_args()
+
+    # one thread: its CPU time (descheduled time does not count); more: the wall clock
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    junk = torch.empty(16 << 20, dtype=torch.float32)  # 64 MiB: beyond this machine's caches
+    flush = (lambda: junk.add_(1.0)) if args.cold else (lambda: None)
+    with tempfile.TemporaryDirectory() as scratch:
+        base = _build(_files_at(args.base), Path(scratch) / "base")
+        new = _build(_files_at(None), Path(scratch) / "new")
+        if base.rt_abi_version() != new.rt_abi_version():
+            raise SystemExit("the two kernels have different ABIs: their arguments differ")
+        print(
+            f"kernel at {args.base} (base) against the working tree (new): {args.threads} "
+            f"thread(s), {'caches flushed before each call' if args.cold else 'caches not flushed'}, "
+            f"best of {args.repeats} interleaved calls, G elements/s"
+        )
+        print(f"{'dtype':<9}{'op':<18}{'N':>5}{'base':>8}{'new':>8}{'new/base':>10}")
+        for dtype in (torch.float32, torch.bfloat16):
+            for with_bias in (False, True):
+                for log2 in range(args.min_log2, args.max_log2 + 1, 2):
+                    n = 2**log2
+                    calls = _calls([base, new], n, dtype, with_bias, args.threads, args.p)
+                    t_base, t_new = _best_of_interleaved(calls, args.repeats, clock, flush)
+                    op = "bias_dropout_add" if with_bias else "dropout"
+                    label = str(dtype).replace("torch.", "")
+                    print(
+                        f"{label:<9}{op:<18}{'2^' + str(log2):>5}{n / t_base / 1e9:8.2f}"
+                        f"{n / t_new / 1e9:8.2f}{t_base / t_new:10.2f}",
+                        flush=True,
+                    )
+
+
+if __name__ == "__main__":
+    main()
