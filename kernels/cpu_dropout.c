@@ -246,12 +246,29 @@ typedef void (*apply_fn)(int n, const uint32_t *restrict word, uint32_t threshol
         fn(n, word, threshold, scale, x, NULL, NULL, out, dtype, 0, 0, bf16_nan);
 
 #if RT_X86_SIMD
-/* 8 elements of p from index i, widened to fp32 (bf16: its bits are fp32's top half). */
-RT_AVX2 static inline __attribute__((always_inline)) __m256 load8_avx2(const void *restrict p,
-                                                                       int i, int dtype) {
-    if (dtype == RT_F32) return _mm256_loadu_ps((const float *)p + i);
-    __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+/* The 16 elements of p from index i as two fp32 vectors (bf16: its bits are fp32's top half).
+   fp32: elements 0-7 and 8-15. bf16: 0-3, 8-11 and 4-7, 12-15, the order in which unpacking
+   16-bit halves works within 128-bit lanes; packing the results back undoes it for free. */
+RT_AVX2 static inline __attribute__((always_inline)) void load16_avx2(const void *restrict p,
+                                                                      int i, int dtype,
+                                                                      __m256 *a, __m256 *b) {
+    if (dtype == RT_F32) {
+        *a = _mm256_loadu_ps((const float *)p + i);
+        *b = _mm256_loadu_ps((const float *)p + i + 8);
+        return;
+    }
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    *a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw));
+    *b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw));
+}
+
+/* The 16 keep words from index i, in load16_avx2's order for dtype. */
+RT_AVX2 static inline __attribute__((always_inline)) void words16_avx2(
+    const uint32_t *restrict word, int i, int dtype, __m256i *a, __m256i *b) {
+    const __m256i low = _mm256_loadu_si256((const __m256i *)(word + i));
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(word + i + 8));
+    *a = dtype == RT_F32 ? low : _mm256_permute2x128_si256(low, high, 0x20);
+    *b = dtype == RT_F32 ? high : _mm256_permute2x128_si256(low, high, 0x31);
 }
 
 /* f32_to_bf16 on 8 lanes that hold no NaN, each result in the low 16 bits of its lane. */
@@ -271,17 +288,15 @@ RT_AVX2 static inline __attribute__((always_inline)) __m256i round_bf16_avx2(__m
     return _mm256_blendv_epi8(round_bf16_finite_avx2(v), nan, is_nan);
 }
 
-/* apply() on 8 elements from i: the same fp32 operations in the same order. */
+/* apply() on 8 elements (their x, bias, residual and keep words loaded): the same fp32
+   operations in the same order. */
 RT_AVX2 static inline __attribute__((always_inline)) __m256 value8_avx2(
-    int i, const uint32_t *restrict word, __m256i threshold, __m256 scale,
-    const void *restrict x, const void *restrict bias, const void *restrict residual,
-    int dtype, int has_bias, int has_residual) {
-    __m256 value = load8_avx2(x, i, dtype);
-    if (has_bias) value = _mm256_add_ps(value, load8_avx2(bias, i, dtype));
-    const __m256i w = _mm256_loadu_si256((const __m256i *)(word + i));
+    __m256 value, __m256 bias, __m256 residual, __m256i w, __m256i threshold, __m256 scale,
+    int has_bias, int has_residual) {
+    if (has_bias) value = _mm256_add_ps(value, bias);
     const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(w, threshold), w); /* w >= t */
     value = _mm256_and_ps(_mm256_mul_ps(value, scale), _mm256_castsi256_ps(keep));
-    if (has_residual) value = _mm256_add_ps(load8_avx2(residual, i, dtype), value);
+    if (has_residual) value = _mm256_add_ps(residual, value);
     return value;
 }
 
@@ -294,21 +309,25 @@ RT_AVX2 static inline __attribute__((always_inline)) void apply_avx2_variant(
     const __m256 s = _mm256_set1_ps(scale);
     int i = 0;
     for (; i + 16 <= n; i += 16) {
-        __m256 a = value8_avx2(i, word, t, s, x, bias, residual, dtype, has_bias, has_residual);
-        __m256 b =
-            value8_avx2(i + 8, word, t, s, x, bias, residual, dtype, has_bias, has_residual);
+        __m256 xa, xb, ba = s, bb = s, ra = s, rb = s; /* bias, residual: set where used */
+        __m256i wa, wb;
+        load16_avx2(x, i, dtype, &xa, &xb);
+        if (has_bias) load16_avx2(bias, i, dtype, &ba, &bb);
+        if (has_residual) load16_avx2(residual, i, dtype, &ra, &rb);
+        words16_avx2(word, i, dtype, &wa, &wb);
+        __m256 a = value8_avx2(xa, ba, ra, wa, t, s, has_bias, has_residual);
+        __m256 b = value8_avx2(xb, bb, rb, wb, t, s, has_bias, has_residual);
         if (dtype == RT_F32) {
             _mm256_storeu_ps((float *)out + i, a);
             _mm256_storeu_ps((float *)out + i + 8, b);
-        } else { /* pack the two halves' 16-bit results, then undo the per-128-bit interleave */
+        } else { /* packing a's and b's 16-bit results restores the elements' order */
             __m256i packed;
             /* a lane of (a, b) is unordered iff a or b holds a NaN there */
             if (_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q))) /* rare: NaN lanes */
                 packed = _mm256_packus_epi32(round_bf16_avx2(a, nan), round_bf16_avx2(b, nan));
             else
                 packed = _mm256_packus_epi32(round_bf16_finite_avx2(a), round_bf16_finite_avx2(b));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i),
-                                _mm256_permute4x64_epi64(packed, 0xD8));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), packed);
         }
     }
     const int size = dtype == RT_F32 ? 4 : 2; /* the tail, fewer than 16 elements */
