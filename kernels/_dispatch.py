@@ -21,6 +21,7 @@ from rng_tracker._torch_private import (
     dispatch_mode_depth,
     functorch_transforms_active,
     profiler_enabled,
+    unchecked_apply,
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import _cpu_kernel
@@ -186,8 +187,10 @@ def _execute(
     ):
         if seed is None:
             seed = host_seed(words)
-        # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower)
-        return _DirectDropout.apply(x, bias, residual, seed, call.p, call.index_map, words, kernel)
+        # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower).
+        # A straight route means no functorch transform is active (_nothing_intercepts), the
+        # check Function.apply makes in Python before this call.
+        return _direct_dropout_apply(x, bias, residual, seed, call.p, call.index_map, words, kernel)
     return _direct(kernel, call, seed, words)
 
 
@@ -232,3 +235,6 @@ class _DirectDropout(torch.autograd.Function):
             return _execute(kernel, call, seed, None)
 
         return *dropout_backward(ctx, grad, regenerate), None, None, None, None, None
+
+
+_direct_dropout_apply = unchecked_apply(_DirectDropout)

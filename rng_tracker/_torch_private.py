@@ -52,6 +52,27 @@ def functorch_transforms_active() -> bool | None:
     return None if _functorch_active is None else bool(_functorch_active())
 
 
+# torch._C._FunctionBase.apply: an autograd.Function's apply in C++, which torch's Python
+# Function.apply calls once it has found no functorch transform active. The straight kernel
+# routes have found that already, and call it directly: the Python wrapper is ~7 us of a
+# ~160 us forward+backward at 256 elements (scripts/bench_dropout.py --sections fixed).
+# Without it, they call Function.apply.
+_function_base = getattr(torch._C, "_FunctionBase", None)
+
+
+def unchecked_apply(function: type[torch.autograd.Function]) -> Any:
+    """``function.apply`` without torch's Python wrapper and its functorch checks, for callers
+    that have found no functorch transform active (``function`` takes ctx in forward: with a
+    ``setup_context`` the wrapper also binds default arguments, so it is kept)."""
+    if (
+        _function_base is None
+        or not issubclass(function, _function_base)
+        or function.setup_context is not torch.autograd.Function.setup_context
+    ):
+        return function.apply
+    return super(torch.autograd.Function, function).apply
+
+
 # torch._C._autograd._profiler_enabled: whether a torch profiler records. The CPU kernel names
 # its eager calls in a trace only then (record_function costs microseconds per call). Without
 # it, the calls are always named.
