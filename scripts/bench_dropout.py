@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -377,12 +378,13 @@ def _fixed_rows(p: float, repeats: int) -> None:
         xg = torch.randn(256, requires_grad=True)
         grad = torch.randn(256)
         calls = 200  # per timed sample: microsecond calls need a loop to time
-        ours_f, base_f, ours_fb, base_fb = _interleaved_medians(
+        ours_f, base_f, ours_fb, base_fb, floor_fb = _interleaved_medians(
             [
                 _looped(lambda: dropout(x, p), calls),
                 _looped(lambda: F.dropout(x, p), calls),
                 _looped(lambda: dropout(xg, p).backward(grad), calls),
                 _looped(lambda: F.dropout(xg, p).backward(grad), calls),
+                _looped(lambda: _Doubled.apply(xg).backward(grad), calls),
             ],
             repeats,
             clock=time.thread_time,
@@ -400,8 +402,24 @@ def _fixed_rows(p: float, repeats: int) -> None:
             print(
                 f"{label:<18}{ours / calls * 1e6:9.1f}{base / calls * 1e6:14.1f}{ours / base:16.2f}"
             )
+        print(
+            f"floor: any Python autograd.Function (one that doubles x), forward+backward: "
+            f"{floor_fb / calls * 1e6:.1f} us, {floor_fb / base_fb:.2f}x F.dropout's"
+        )
     finally:
         torch.set_num_threads(threads)
+
+
+class _Doubled(torch.autograd.Function):
+    """The least a Python autograd.Function costs (ours is one): x * 2 and its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2.0
 
 
 _SECTIONS = ("limit", "core", "fixed", "eager", "startup")
