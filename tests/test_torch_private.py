@@ -1,0 +1,55 @@
+"""The private torch entry points in rng_tracker/_torch_private.py behave as their callers need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rng_tracker._torch_private import unchecked_apply
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x * factor
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _ScaledWithSetupContext(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, factor: float = 3.0) -> torch.Tensor:
+        return x * factor
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def test_unchecked_apply_is_the_functions_own_apply_without_the_python_wrapper():
+    """A Function whose forward takes ctx gets torch's C++ apply: the same output, gradient and
+    graph node as Function.apply. One with setup_context keeps Function.apply, whose wrapper
+    binds its default arguments."""
+    apply = unchecked_apply(_Scaled)
+    # a built-in (C++) method bound to the class, not the Python Function.apply
+    assert apply != _Scaled.apply and apply.__self__ is _Scaled
+    assert type(apply).__name__ == "builtin_function_or_method"
+    x = torch.arange(4.0, requires_grad=True)
+    out = apply(x, 2.5)
+    assert type(out.grad_fn).__name__ == "_ScaledBackward"
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    want = _Scaled.apply(x, 2.5)
+    (want_grad,) = torch.autograd.grad(want.sum(), x)
+    assert torch.equal(out, want) and torch.equal(grad, want_grad)
+
+    kept = unchecked_apply(_ScaledWithSetupContext)
+    assert kept == _ScaledWithSetupContext.apply
+    assert torch.equal(kept(x), x * 3.0)  # the default argument, bound by the wrapper
