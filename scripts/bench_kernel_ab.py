@@ -38,15 +38,18 @@ def _files_at(revision: str | None) -> dict[str, bytes]:
     names = (SOURCE, *_c_build.HEADERS)
     if revision is None:
         return {name: (REPOSITORY / "kernels" / name).read_bytes() for name in names}
-    return {
-        name: subprocess.run(
-            ["git", "show", f"{revision}:kernels/{name}"],
-            cwd=REPOSITORY,
-            capture_output=True,
-            check=True,
-        ).stdout
-        for name in names
-    }
+    files = {}
+    for name in names:
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:kernels/{name}"], cwd=REPOSITORY, capture_output=True
+        )
+        if shown.returncode != 0:
+            raise SystemExit(
+                f"kernels/{name} is not at {revision!r} ({shown.stderr.decode().strip()}); pick "
+                "a revision that has the kernel and every header it includes today"
+            )
+        files[name] = shown.stdout
+    return files
 
 
 def _build(files: dict[str, bytes], directory: Path) -> ctypes.CDLL:
