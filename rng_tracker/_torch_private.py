@@ -54,9 +54,9 @@ def functorch_transforms_active() -> bool | None:
 
 # torch._C._FunctionBase.apply: an autograd.Function's apply in C++, which torch's Python
 # Function.apply calls once it has found no functorch transform active. The straight kernel
-# routes have found that already, and call it directly: the Python wrapper is ~7 us of a
-# ~160 us forward+backward at 256 elements (scripts/bench_dropout.py --sections fixed).
-# Without it, they call Function.apply.
+# routes have found that already, and call it directly, without the wrapper's Python (its
+# effect on the fixed cost: docs/benchmarks.md, "Fixed cost: the C++ apply"). Without the base
+# class, they call Function.apply.
 _function_base = getattr(torch._C, "_FunctionBase", None)
 
 
