@@ -104,13 +104,18 @@ def _calls(
 
 
 def _best_of_interleaved(
-    calls: list[Callable[[], int]], repeats: int, clock: Callable[[], float], flush: Callable
+    calls: list[Callable[[], int]],
+    repeats: int,
+    clock: Callable[[], float],
+    flush: Callable[[], object],
 ) -> list[float]:
     for call in calls:  # warm-up: pages mapped, code paged in
         call()
     best = [float("inf")] * len(calls)
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
+    for repeat in range(repeats):
+        order = range(len(calls)) if repeat % 2 == 0 else reversed(range(len(calls)))
+        for i in order:  # each goes first as often: neither inherits the other's cache more
+            call = calls[i]
             flush()
             start = clock()
             status = call()
@@ -135,8 +140,11 @@ def main() -> None:
 
     # one thread: its CPU time (descheduled time does not count); more: the wall clock
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    junk = torch.empty(16 << 20, dtype=torch.float32)  # 64 MiB: beyond this machine's caches
-    flush = (lambda: junk.add_(1.0)) if args.cold else (lambda: None)
+    junk = torch.zeros(16 << 20 if args.cold else 0)  # 64 MiB: beyond this machine's caches
+
+    def flush() -> object:
+        return junk.add_(1.0) if args.cold else None
+
     with tempfile.TemporaryDirectory() as scratch:
         base = _build(_files_at(args.base), Path(scratch) / "base")
         new = _build(_files_at(None), Path(scratch) / "new")
