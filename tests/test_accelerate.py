@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
+import accelerate  # noqa: F401  scripts/test.sh installs it (scripts/frameworks.txt): never skipped
 import torch
-
-pytest.importorskip("accelerate")
 
 _ROWS, _HIDDEN, _P = 8, 16, 0.5  # the global batch of a step: 8 rows, split over the processes
 

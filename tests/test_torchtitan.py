@@ -19,9 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("torchtitan")  # scripts/test.sh installs it; see scripts/frameworks.txt
-
+import torchtitan  # noqa: F401  scripts/test.sh installs it (scripts/frameworks.txt): never skipped
 from _torchtitan_model import build_llama3_debug
 
 _BATCH, _SEQ, _P = 2, 16, 0.25

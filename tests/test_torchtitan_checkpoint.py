@@ -18,11 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
-
-pytest.importorskip("torchtitan")  # scripts/test.sh installs it; see scripts/frameworks.txt
-
+import torchtitan  # noqa: F401  scripts/test.sh installs it (scripts/frameworks.txt): never skipped
 from _torchtitan_model import build_llama3_debug
 
 _BATCH, _SEQ, _P, _SITE = 2, 16, 0.25, "layers.0.feed_forward.w1"
