@@ -340,3 +340,22 @@ class CompiledKernelFallbackWarning(UserWarning):
 
 
 __all__ += ["CompiledKernelFallbackWarning"]
+
+
+# Wrong types where no narrower error of the area fits.
+class ArgumentTypeError(RNGTrackerError, TypeError):
+    """An argument of the wrong type: a flag that is not a bool, a tracker that is not an
+    ``RNGStatesTracker``, a layout that is not a parallel layout."""
+
+
+class ParallelConfigTypeError(ParallelConfigError, TypeError):
+    """A parallel size or layout entry that is not an int (a bool, a float, a string); also a
+    :class:`ParallelConfigError`."""
+
+
+class StateDictTypeError(StateDictError, TypeError):
+    """A state or state dict of the wrong type (not a mapping, a name that is not a str, a
+    state that is not a uint8 tensor); also a :class:`StateDictError`."""
+
+
+__all__ += ["ArgumentTypeError", "ParallelConfigTypeError", "StateDictTypeError"]

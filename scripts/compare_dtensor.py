@@ -238,8 +238,7 @@ def report(steps: int) -> str:
         "with `nn.init` on its DTensor parameters and trained with AdamW. A dropout site's mask "
         "is its gathered output's nonzeros in the first step; init compares every gathered "
         "parameter after `init_weights()`. The 10 LayerNorm tensors are ones and zeros (no "
-        "draw). `scripts/compare_layouts.py` rewrites this file above this section: rerun "
-        "this script after it.",
+        "draw).",
         "",
     ]
     for invariant in (False, True):
