@@ -3,6 +3,8 @@ backward through its outputs (``activation_checkpoint`` and ``checkpoint_without
 
 from __future__ import annotations
 
+import reprlib
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,13 +22,33 @@ def resolve_trackers(
     else raises :class:`CheckpointTypeError`."""
     if tracker is None:
         return all_trackers()
-    trackers = [tracker] if isinstance(tracker, RNGStatesTracker) else list(tracker)
+    if isinstance(tracker, RNGStatesTracker):
+        return [tracker]
+    if not isinstance(tracker, Iterable):
+        raise CheckpointTypeError(
+            "tracker must be an RNGStatesTracker, an iterable of them, or None (every tracker), "
+            f"got {type(tracker).__name__}"
+        )
+    trackers = list(tracker)
     for t in trackers:
         if not isinstance(t, RNGStatesTracker):
             raise CheckpointTypeError(
                 f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
             )
     return trackers
+
+
+def checked_flag(value: object, what: str) -> bool:
+    """``value`` as a bool: a Python or numpy bool, else :class:`CheckpointTypeError` naming
+    ``what`` (a string or an int as a flag is a mistake, not a truth value)."""
+    if isinstance(value, bool):
+        return value
+    numpy = sys.modules.get("numpy")  # a numpy bool exists only once numpy is imported
+    if numpy is not None and isinstance(value, numpy.bool_):
+        return bool(value)
+    raise CheckpointTypeError(
+        f"{what} must be a bool (True or False), got {type(value).__name__} {reprlib.repr(value)}"
+    )
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

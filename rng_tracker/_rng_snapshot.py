@@ -9,17 +9,22 @@ there before.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from rng_tracker._device_rng import RNGState, device_rng
 from rng_tracker._tracker import RNGStatesTracker
-from rng_tracker.errors import CheckpointUsageError
+from rng_tracker.errors import ArgumentTypeError, CheckpointUsageError
 
 _CPU = torch.device("cpu")
+_T = TypeVar("_T")
+_DEVICES = "torch.device objects (torch.device('cuda'), not 'cuda')"
+_TRACKERS = "RNGStatesTracker objects (e.g. get_rng_tracker('cuda'))"
 
 
 def _accelerators(
@@ -36,6 +41,22 @@ def _accelerators(
     return sorted(found, key=str) if len(found) > 1 else found
 
 
+def _all_of(values: Iterable[_T], kind: type[_T], what: str, wanted: str) -> tuple[_T, ...]:
+    """``values`` as a tuple, each a ``kind``, else :class:`ArgumentTypeError` naming the
+    argument ``what`` and the ``wanted`` items."""
+    if not isinstance(values, (tuple, list)) and not isinstance(values, Iterable):  # ABC: slow
+        raise ArgumentTypeError(
+            f"{what} must be an iterable of {wanted}, got {type(values).__name__}"
+        )
+    items = tuple(values)
+    for item in items:
+        if type(item) is not kind and not isinstance(item, kind):
+            raise ArgumentTypeError(
+                f"{what} must hold only {wanted}, got {type(item).__name__} {reprlib.repr(item)}"
+            )
+    return items
+
+
 @dataclass(frozen=True, slots=True)
 class RNGSnapshot:
     """The CPU generator, device generators and tracker streams at one moment (copies, or
@@ -50,7 +71,8 @@ class RNGSnapshot:
         cls, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
     ) -> RNGSnapshot:
         """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
-        trackers = tuple(trackers)
+        devices = _all_of(devices, torch.device, "devices", _DEVICES)
+        trackers = _all_of(trackers, RNGStatesTracker, "trackers", _TRACKERS)
         wanted = _accelerators(devices, trackers)
         device_states: tuple[tuple[torch.device, RNGState], ...] = ()
         if wanted:
@@ -88,6 +110,10 @@ class RNGSnapshot:
 
     def differences(self, other: RNGSnapshot) -> list[str]:
         """Names of the generators and streams whose states differ between two snapshots."""
+        if not isinstance(other, RNGSnapshot):
+            raise ArgumentTypeError(
+                f"differences() compares with another RNGSnapshot, got {type(other).__name__}"
+            )
         names = []
         if not torch.equal(self.cpu, other.cpu):
             names.append("the CPU generator")

@@ -65,6 +65,9 @@ __getattr__ = deprecated_names(
     },
 )
 
+# torch's documented determinism checks (torch.utils.checkpoint.checkpoint's determinism_check).
+_DETERMINISM_CHECKS = ("default", "none")
+
 _DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
 
 
@@ -391,7 +394,7 @@ def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
-    use_reentrant: bool = False,
+    use_reentrant: bool | None = False,
     preserve_rng_state: bool = True,
     context_fn: Callable[[], tuple[Any, Any]] = torch_checkpoint.noop_context_fn,
     determinism_check: str = "default",
@@ -437,6 +440,19 @@ def checkpoint(
     layout = renamed_keyword("checkpoint", "parallel_state", "layout", parallel_state, layout)
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
+    # None: this library's default, non-reentrant (torch's own warns and takes True).
+    use_reentrant = use_reentrant is not None and recompute.checked_flag(
+        use_reentrant, "use_reentrant"
+    )
+    preserve_rng_state = recompute.checked_flag(preserve_rng_state, "preserve_rng_state")
+    debug = recompute.checked_flag(debug, "debug")
+    early_stop = None if early_stop is None else recompute.checked_flag(early_stop, "early_stop")
+    distribute_saved_activations = recompute.checked_flag(
+        distribute_saved_activations, "distribute_saved_activations"
+    )
+    offload_to_cpu = recompute.checked_flag(offload_to_cpu, "offload_to_cpu")
+    check_rng = recompute.checked_flag(check_rng, "check_rng")
+    _check_parallel_options(tp_group, layout)
     if use_reentrant:
         _refuse_non_reentrant_options(context_fn, debug, kwargs)
     if check_rng and not preserve_rng_state:
@@ -449,6 +465,8 @@ def checkpoint(
             "check_rng=True compares the whole recompute with the forward, but early_stop=True "
             "stops the recompute early; drop one of them"
         )
+    if not use_reentrant:
+        _check_determinism_check(determinism_check)
     devices = _input_devices(args, kwargs)
     trackers = recompute.resolve_trackers(tracker)
     if tracker is not None and devices:  # a tracker given must drive the inputs' device
@@ -486,6 +504,37 @@ def checkpoint(
         )
 
 
+def _check_group(group: object, what: str) -> None:
+    """Refuse a ``group`` that is neither None nor a process group, before anything runs."""
+    process_group = getattr(dist, "ProcessGroup", None)  # absent where torch has no distributed
+    if group is not None and (process_group is None or not isinstance(group, process_group)):
+        raise CheckpointTypeError(
+            f"{what} must be a torch.distributed.ProcessGroup (e.g. the TP group of your "
+            f"parallel state) or None, got {type(group).__name__}"
+        )
+
+
+def _check_parallel_options(tp_group: object, layout: object) -> None:
+    _check_group(tp_group, "tp_group")
+    if layout is not None and not callable(getattr(layout, "group", None)):
+        raise CheckpointTypeError(
+            "layout must be a ParallelLayout, which provides group(axis) (the process group of "
+            "an axis; distribute_saved_activations splits over group('tp')) besides rank(axis), "
+            "size(axis) and world_size, e.g. rng_tracker.parallel's ParallelState; got "
+            f"{type(layout).__name__}"
+        )
+
+
+def _check_determinism_check(determinism_check: object) -> None:
+    """torch's ValueError for a determinism check it does not know, typed, before anything runs."""
+    if not (isinstance(determinism_check, str) and determinism_check in _DETERMINISM_CHECKS):
+        raise CheckpointConfigError(
+            f"determinism_check should be one of {list(_DETERMINISM_CHECKS)}, but got "
+            f"{determinism_check}: pass 'default' to compare the recompute's saved tensors with "
+            "the forward's, or 'none' to skip the check"
+        )
+
+
 def _refuse_non_reentrant_options(
     context_fn: Callable[[], tuple[Any, Any]], debug: bool, kwargs: dict[str, Any]
 ) -> None:
@@ -516,6 +565,7 @@ def reentrant_checkpoint(
     """
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
+    _check_group(split_group, "split_group")
     if split_group is not None:
         saved_inputs.check_split_input(args)
     record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
@@ -545,4 +595,5 @@ def _input_saver(
     first = first_tensor(args)
     if group is None:
         group = _tp_group_of(layout)
+        _check_group(group, "layout.group('tp')")
     return InputSaver(distribute=first, group=group, offload=offload)

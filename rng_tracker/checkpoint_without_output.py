@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rng_tracker._recompute import backward_recomputed, resolve_trackers
+from rng_tracker._recompute import backward_recomputed, checked_flag, resolve_trackers
 from rng_tracker._rng_snapshot import RNGSnapshot, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker._tracker import RNGStatesTracker
@@ -45,6 +45,17 @@ def _refcount_of_an_unheld_base() -> int:
     view = torch.empty(2).view(2)
     base = view._base
     return sys.getrefcount(base)
+
+
+def _check_hook_tensor(hook_tensor: object, method: str) -> None:
+    """Refuse a ``hook_tensor`` that is not a tensor before any output is freed: the freed
+    storage could then never be refilled."""
+    if not isinstance(hook_tensor, torch.Tensor):
+        raise CheckpointTypeError(
+            f"{method}(hook_tensor) needs the tensor whose backward triggers the recompute (the "
+            f"consumer's output, e.g. y in y = fc2(h)), got {type(hook_tensor).__name__}; "
+            "nothing was freed"
+        )
 
 
 def _held_elsewhere(outputs: list[torch.Tensor]) -> bool:
@@ -126,6 +137,7 @@ class CheckpointWithoutOutput:
                 "ckpt_manager must be a CheckpointWithoutOutputManager, got "
                 f"{type(ckpt_manager).__name__}"
             )
+        retain_input_tensors = checked_flag(retain_input_tensors, "retain_input_tensors")
         self.fp8 = fp8
         self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
@@ -186,6 +198,7 @@ class CheckpointWithoutOutput:
         Megatron; a ``hook_tensor`` that needs no grad (e.g. under ``torch.no_grad``) gets
         no hook, since no backward will come.
         """
+        _check_hook_tensor(hook_tensor, "discard_output_and_register_recompute")
         if self.outputs is None:
             raise CheckpointUsageError(
                 "call checkpoint(...) before discard_output_and_register_recompute()"
@@ -263,6 +276,7 @@ class CheckpointWithoutOutputManager:
     def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor) -> None:
         """Free every registered output now; recompute them all when backward reaches
         ``hook_tensor``."""
+        _check_hook_tensor(hook_tensor, "discard_all_outputs_and_register_unified_recompute")
         for ckpt in self.checkpoints:
             ckpt._discard_outputs()
         if hook_tensor.requires_grad:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from rng_tracker import (
     rng_context_fn,
 )
 from rng_tracker import megatron as mg
-from rng_tracker.activation_checkpoint import is_checkpointing
+from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointTypeError,
@@ -382,13 +383,142 @@ def test_a_tracker_that_is_not_one_is_refused_up_front_in_every_entry_point():
     from rng_tracker import CheckpointWithoutOutput
 
     tracker = make_tracker()
-    for bad in ("model-parallel-rng", [tracker, 3]):
-        with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
+    before = _states(tracker)
+    for bad in ("model-parallel-rng", [tracker, 3], 5, 2.5, object()):
+        with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker") as info:
             checkpoint(torch.sin, torch.ones(1, requires_grad=True), tracker=bad)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
         with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
             rng_context_fn(bad)
         with pytest.raises(CheckpointTypeError, match="must be an RNGStatesTracker"):
             CheckpointWithoutOutput(tracker=bad)
+    assert_same_end_states(before, _states(tracker))
+
+
+class _LayoutOfNoGroups:
+    """A layout whose group() answers a name, not a process group."""
+
+    world_size = 2
+
+    def rank(self, axis: str) -> int:
+        return 0
+
+    def size(self, axis: str) -> int:
+        return 2
+
+    def group(self, axis: str) -> str:
+        return axis
+
+
+_NOT_A_FLAG = ("no", 1, 0, None, torch.tensor(True))
+_FLAGS = (
+    "preserve_rng_state",
+    "debug",
+    "distribute_saved_activations",
+    "offload_to_cpu",
+    "check_rng",
+)
+_BAD_OPTIONS = [
+    *[
+        ({flag: bad}, CheckpointTypeError, f"{flag} must be a bool")
+        for flag in _FLAGS
+        for bad in _NOT_A_FLAG
+    ],
+    ({"early_stop": "yes"}, CheckpointTypeError, "early_stop must be a bool"),
+    ({"tracker": 5}, CheckpointTypeError, "tracker must be an RNGStatesTracker, an iterable"),
+    (
+        {"tp_group": "tp"},
+        CheckpointTypeError,
+        r"tp_group must be a torch\.distributed\.ProcessGroup",
+    ),
+    (
+        {"layout": object(), "distribute_saved_activations": True},
+        CheckpointTypeError,
+        r"layout must be a ParallelLayout, which provides group\(axis\)",
+    ),
+    ({"layout": "tp"}, CheckpointTypeError, "layout must be a ParallelLayout"),
+    (
+        {"layout": _LayoutOfNoGroups(), "distribute_saved_activations": True},
+        CheckpointTypeError,
+        r"layout\.group\('tp'\) must be a torch\.distributed\.ProcessGroup",
+    ),
+]
+# (mode, options, error, match); reentrant mode ignores determinism_check, as torch's does.
+_BAD_CALLS = [
+    *[(mode, *case) for mode in MODES for case in _BAD_OPTIONS],
+    *[
+        (
+            "non-reentrant",
+            {"determinism_check": bad},
+            CheckpointConfigError,
+            "determinism_check should be one of",
+        )
+        for bad in ("bogus", 5)
+    ],
+    *[
+        (None, {"use_reentrant": bad}, CheckpointTypeError, "use_reentrant must be a bool")
+        for bad in ("no", 1, 0)
+    ],
+]
+
+
+def _states(tracker: RNGStatesTracker):
+    return torch.get_rng_state(), tracker.get_states()
+
+
+@pytest.mark.parametrize(("mode", "options", "error", "match"), _BAD_CALLS)
+def test_bad_options_are_typed_and_refused_before_anything_runs(mode, options, error, match):
+    """Every option of checkpoint is checked up front: a flag must be a bool (not a string,
+    an int, None or a tensor), tracker/tp_group/layout/determinism_check of their type; the
+    function never runs and no RNG state moves."""
+    if mode is not None:
+        options = {"use_reentrant": MODES[mode], **options}
+    tracker = make_tracker()
+    x = torch.randn(4, requires_grad=True)
+    before = _states(tracker)
+    calls: list[int] = []
+    with pytest.raises(error, match=match) as info:
+        checkpoint(lambda t: calls.append(1) or F.dropout(t, 0.5), x, **options)
+    assert isinstance(info.value, RNGTrackerError)
+    assert isinstance(info.value, ValueError if error is CheckpointConfigError else TypeError)
+    assert not calls
+    assert_same_end_states(before, _states(tracker))
+
+
+def test_flags_take_python_and_numpy_bools_and_use_reentrant_none_is_the_default():
+    """np.bool_ flags mean their bool; use_reentrant=None is non-reentrant (this library's
+    default), as before: bitwise the same grads, masks and end states."""
+    reference = run("non-reentrant")
+    for options in (
+        {"use_reentrant": None},
+        {"use_reentrant": np.False_, "preserve_rng_state": np.True_, "check_rng": np.False_},
+    ):
+        tracker, x, w = fixed_start()
+        masks: list[torch.Tensor] = []
+        out = checkpoint(dropout_block, x, w, tracker, masks, tracker=tracker, **options)
+        assert out.grad_fn.name() != "_ReentrantCheckpointBackward"
+        (out * torch.linspace(-1, 1, 16)).sum().backward()
+        assert torch.equal(x.grad, reference[0]) and torch.equal(w.grad, reference[1])
+        assert all(torch.equal(a, b) for a, b in zip(masks, reference[2], strict=True))
+        assert_same_end_states(reference[3], (torch.get_rng_state(), tracker.get_states()))
+
+
+@pytest.mark.parametrize("group", ["tp", object(), 0])
+def test_reentrant_checkpoint_refuses_a_split_group_that_is_no_group_before_the_forward(group):
+    """split_group is checked before the forward runs (the forward draws from the CPU
+    generator), with a typed error; the caller's tensor keeps its data."""
+    tracker = make_tracker()
+    x = torch.randn(16, requires_grad=True)
+    data = x.detach().clone()
+    before = _states(tracker)
+    calls: list[int] = []
+    with pytest.raises(
+        CheckpointTypeError, match=r"split_group must be a torch\.distributed"
+    ) as info:
+        reentrant_checkpoint(lambda t: calls.append(1) or F.dropout(t, 0.5), x, split_group=group)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert not calls and torch.equal(x.detach(), data)
+    assert_same_end_states(before, _states(tracker))
 
 
 def test_rng_context_fn_default_replays_trackers_created_after_it():

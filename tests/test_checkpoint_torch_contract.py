@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from rng_tracker import RNGStatesTracker, checkpoint, rng_context_fn
+from rng_tracker import RNGStatesTracker, RNGTrackerError, checkpoint, rng_context_fn
 from rng_tracker.errors import CheckpointConfigError, CheckpointUsageError
 from rng_tracker.megatron import checkpoint as megatron_checkpoint
 
@@ -248,14 +248,22 @@ def _changes_dtype(x, calls):
 
 def test_determinism_check_is_torchs():
     """ "default" catches a recompute that saves other metadata (torch's CheckpointError),
-    "none" lets it pass, anything else is torch's ValueError."""
+    "none" lets it pass, anything else is torch's ValueError (typed, raised before the function
+    runs); reentrant mode ignores it, as torch's does."""
     x = torch.randn(4, 3, requires_grad=True)
     with pytest.raises(torch_checkpoint.CheckpointError, match="different metadata"):
         checkpoint(_changes_dtype, x, []).sum().backward()
     checkpoint(_changes_dtype, x, [], determinism_check="none").sum().backward()
     assert torch.equal(x.grad, (2 * (2 * x.detach().double()).exp()).float())
-    with pytest.raises(ValueError, match="determinism_check should be one of"):
-        checkpoint(_changes_dtype, x, [], determinism_check="strict")
+    tracker = make_tracker()
+    before = end_state(tracker)
+    calls: list[int] = []
+    with pytest.raises(ValueError, match="determinism_check should be one of") as info:
+        checkpoint(_changes_dtype, x, calls, determinism_check="strict")
+    assert isinstance(info.value, CheckpointConfigError)
+    assert isinstance(info.value, RNGTrackerError)
+    assert same(before, end_state(tracker)) and not calls
+    checkpoint(_changes_dtype, x, calls, use_reentrant=True, determinism_check="strict")
 
 
 def test_debug_mode_works_and_logs_only_the_users_ops():

@@ -8,11 +8,12 @@ plain run.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rng_tracker import CheckpointWithoutOutput, RNGStatesTracker
+from rng_tracker import CheckpointWithoutOutput, RNGStatesTracker, RNGTrackerError
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 
@@ -257,3 +258,64 @@ def test_discard_under_no_grad_registers_nothing_and_raises_nothing():
         y = h * 2
         ckpt.discard_output_and_register_recompute(y)
     assert h.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("use_manager", [False, True], ids=["alone", "manager"])
+@pytest.mark.parametrize("hook_tensor", [None, 3.0, "y"], ids=["None", "float", "str"])
+def test_a_hook_tensor_that_is_no_tensor_is_refused_before_anything_is_freed(
+    use_manager, hook_tensor
+):
+    """Discarding with no tensor to hook would free outputs nothing could refill (a later read
+    touches freed storage): refused typed, nothing freed, and the right call still works."""
+    tracker = make_tracker()
+    manager = CheckpointWithoutOutputManager() if use_manager else None
+    ckpt = CheckpointWithoutOutput(ckpt_manager=manager, tracker=tracker)
+    w = torch.randn(4, 4, requires_grad=True)
+    w2 = torch.randn(4, 4, requires_grad=True)
+
+    def gelu_dropout(t):
+        with tracker.fork(STREAM):
+            return F.dropout(F.gelu(t), 0.5)
+
+    start = [torch.get_rng_state(), *tracker.get_states().values()]
+    h = ckpt.checkpoint(gelu_dropout, w)
+    y = h @ w2
+    nbytes, data = h.untyped_storage().nbytes(), h.detach().clone()
+    before = [torch.get_rng_state(), *tracker.get_states().values()]
+    names = set(tracker.get_states())
+    discard = (
+        manager.discard_all_outputs_and_register_unified_recompute
+        if use_manager
+        else ckpt.discard_output_and_register_recompute
+    )
+    with pytest.raises(CheckpointTypeError, match=r"needs the tensor .*nothing was freed") as info:
+        discard(hook_tensor)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert h.untyped_storage().nbytes() == nbytes  # checked before h is read: no crash
+    assert torch.equal(h.detach(), data)
+    assert same(before, [torch.get_rng_state(), *tracker.get_states().values()])
+    assert set(tracker.get_states()) == names
+
+    discard(y)
+    assert h.untyped_storage().nbytes() == 0
+    y.sum().backward()
+    assert torch.equal(h.detach(), data)  # recomputed with the forward's mask
+    expected = torch.autograd.grad((gelu_dropout_replayed(w, start, tracker) @ w2).sum(), w)[0]
+    assert torch.equal(w.grad, expected)
+
+
+def gelu_dropout_replayed(w, states, tracker):
+    """The checkpointed block again from the states it started from (a plain, saved run)."""
+    cpu, *streams = states
+    torch.set_rng_state(cpu)
+    tracker.set_states(dict(zip(tracker.get_states(), streams, strict=True)))
+    with tracker.fork(STREAM):
+        return F.dropout(F.gelu(w), 0.5)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_retain_input_tensors_must_be_a_bool(bad):
+    with pytest.raises(CheckpointTypeError, match="retain_input_tensors must be a bool") as info:
+        CheckpointWithoutOutput(retain_input_tensors=bad)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert CheckpointWithoutOutput(retain_input_tensors=np.True_).retain_input_tensors is True

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rng_tracker import RNGStatesTracker
+from rng_tracker import RNGStatesTracker, RNGTrackerError
 from rng_tracker._rng_snapshot import RNGSnapshot, replaying
+from rng_tracker.errors import ArgumentTypeError
 
 
 def _tracker() -> RNGStatesTracker:
@@ -48,3 +50,32 @@ def test_replaying_restores_the_states_found_on_entry_even_when_the_body_raises(
     except RuntimeError:
         pass
     assert entry.differences(RNGSnapshot.capture((), [tracker])) == []
+
+
+@pytest.mark.parametrize(
+    ("devices", "trackers", "match"),
+    [
+        (["cuda"], [], r"devices must hold only torch\.device objects .*got str 'cuda'"),
+        ([], [5], "trackers must hold only RNGStatesTracker objects .*got int 5"),
+        (None, [], r"devices must be an iterable of torch\.device objects"),
+        ((), 5, "trackers must be an iterable of RNGStatesTracker objects"),
+    ],
+)
+def test_capture_refuses_what_is_not_devices_and_trackers_typed(devices, trackers, match) -> None:
+    tracker = _tracker()
+    before = (torch.get_rng_state(), tracker.get_states())
+    with pytest.raises(ArgumentTypeError, match=match) as info:
+        RNGSnapshot.capture(devices, trackers)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    with pytest.raises(ArgumentTypeError, match=match):
+        RNGSnapshot.capture((), [tracker]).swap_in(devices, trackers)
+    assert torch.equal(before[0], torch.get_rng_state())
+    after = tracker.get_states()
+    assert after.keys() == before[1].keys()
+    assert all(torch.equal(after[k], before[1][k]) for k in after)
+
+
+def test_differences_refuses_what_is_not_a_snapshot() -> None:
+    with pytest.raises(ArgumentTypeError, match="another RNGSnapshot, got dict") as info:
+        RNGSnapshot.capture((), []).differences({})
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
