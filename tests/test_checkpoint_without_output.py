@@ -258,6 +258,7 @@ def test_discard_under_no_grad_registers_nothing_and_raises_nothing():
         y = h * 2
         ckpt.discard_output_and_register_recompute(y)
     assert h.untyped_storage().nbytes() == 0
+    assert not y._backward_hooks  # no recompute hook: no backward will come
 
 
 @pytest.mark.parametrize("use_manager", [False, True], ids=["alone", "manager"])

@@ -43,12 +43,9 @@ def test_replaying_restores_the_states_found_on_entry_even_when_the_body_raises(
     snapshot = RNGSnapshot.capture((), [tracker])
     first = _draw(tracker)
     entry = RNGSnapshot.capture((), [tracker])
-    try:
-        with replaying(snapshot, (), [tracker]):
-            assert torch.equal(_draw(tracker), first)
-            raise RuntimeError("early stop")
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError, match="early stop"), replaying(snapshot, (), [tracker]):
+        assert torch.equal(_draw(tracker), first)
+        raise RuntimeError("early stop")
     assert entry.differences(RNGSnapshot.capture((), [tracker])) == []
 
 
