@@ -14,7 +14,10 @@ from typing import TypeAlias
 
 import torch
 
+from rng_tracker._validate import checked_flag, checked_int
 from rng_tracker.errors import TrackerDeviceError
+
+_MAX_DEVICE_INDEX = 127  # torch keeps a device index in 8 signed bits: 128 would wrap to -128
 
 # A saved generator state: a ``torch.Generator`` (graph-safe handle on CUDA, clone
 # elsewhere) or a uint8 CPU tensor.
@@ -65,7 +68,15 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
     if isinstance(device, bool):
         raise TrackerDeviceError(f"device must be a torch.device, str or int, got {device!r}")
     if isinstance(device, int):
-        device = torch.device("cuda", device)
+        index = checked_int(
+            device,
+            "device index",
+            type_error=TrackerDeviceError,
+            minimum=0,
+            maximum=_MAX_DEVICE_INDEX,
+            note="; pass the index of a visible device (or None for the current one)",
+        )
+        device = torch.device("cuda", index)
     elif isinstance(device, (str, torch.device)):
         try:
             device = torch.device(device)
@@ -119,7 +130,7 @@ class DeviceRNG:
             elsewhere). False: uint8 tensors on every device, CUDA included.
     """
 
-    __slots__ = ("device", "generator", "generator_states", "graph_safe")
+    __slots__ = ("_state_size", "device", "generator", "generator_states", "graph_safe")
 
     def __init__(
         self,
@@ -132,6 +143,7 @@ class DeviceRNG:
         has_handles = self.device.type == "cuda" and hasattr(self.generator, "graphsafe_get_state")
         self.generator_states = has_handles if generator_states is None else bool(generator_states)
         self.graph_safe = self.generator_states and has_handles  # states are live handles
+        self._state_size: int | None = None  # elements of a uint8 state, read on first check
 
     def _state_of(self, generator: torch.Generator) -> RNGState:
         # The form this device's states take: a graph-safe handle, a cloned generator or a
@@ -189,6 +201,43 @@ class DeviceRNG:
         """Whether two saved states would draw the same values."""
         return torch.equal(self.to_bytes(a), self.to_bytes(b))
 
+    def check(
+        self,
+        state: object,
+        *,
+        type_error: type[Exception] = TrackerDeviceError,
+        value_error: type[Exception] = TrackerDeviceError,
+    ) -> None:
+        """Refuse, without converting or copying it, what is not a saved state of this device
+        type: anything but a ``torch.Generator`` of this device type or a CPU uint8 tensor of
+        the generator's state size (what ``get_state()`` returns). Not a type: ``type_error``;
+        a generator or tensor that does not fit: ``value_error``."""
+        kind = self.device.type
+        if isinstance(state, torch.Tensor):  # the common case first: restores run per checkpoint
+            size = self._state_size or self._read_state_size()
+            if state.dtype is not torch.uint8 or not state.is_cpu or state.numel() != size:
+                raise value_error(
+                    f"the tensor is not a {kind} generator state (dtype {state.dtype} on "
+                    f"{state.device}, {state.numel()} elements; a {kind} state is a CPU uint8 "
+                    f"tensor of {size}); pass what get_rng_state() or get_states() of the {kind} "
+                    "device returns"
+                )
+            return
+        if not isinstance(state, torch.Generator):
+            raise type_error(
+                f"a generator state is a torch.Tensor or a torch.Generator, got "
+                f"{type(state).__name__}"
+            )
+        if state.device.type != kind:
+            raise value_error(
+                f"a generator of {state.device} holds no {kind} state; pass a state of a {kind} "
+                "generator"
+            )
+
+    def _read_state_size(self) -> int:
+        self._state_size = torch.Generator(device=self.device).get_state().numel()
+        return self._state_size
+
     def convert(self, state: object) -> RNGState:
         """A copy of ``state`` (a state tensor or a generator of this device type) in this
         object's form; raises :class:`TrackerDeviceError` if it is neither."""
@@ -222,7 +271,10 @@ _DEVICE_RNGS: dict[tuple[torch.device, bool | None], DeviceRNG] = {}
 def device_rng(
     device: torch.device | str | int | None = None, *, generator_states: bool | None = None
 ) -> DeviceRNG:
-    """The cached :class:`DeviceRNG` of ``device`` for the given state form."""
+    """The cached :class:`DeviceRNG` of ``device`` for the given state form (None or a bool,
+    else :class:`~rng_tracker.errors.ArgumentTypeError`)."""
+    if generator_states is not None:
+        generator_states = checked_flag(generator_states, "generator_states")
     device = normalize_device(device)
     key = (device, generator_states)
     rng = _DEVICE_RNGS.get(key)

@@ -137,7 +137,7 @@ class KeyedRNG:
 
     def site_id(self, name: str) -> int:
         """The id of a registered site."""
-        site = self._ids.get(name)
+        site = self._ids.get(name) if isinstance(name, str) else None
         if site is None:
             raise self._unknown(name)
         return site
@@ -163,7 +163,7 @@ class KeyedRNG:
         pass ``site_id=`` to resolve a hash collision. Two names never share an id.
         """
         known = self._ids.get(name) if isinstance(name, str) else None
-        if known is not None and (site_id is None or site_id == known):
+        if known is not None and (site_id is None or _check_site_id(site_id) == known):
             return known
         _check_name(name)
         wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
@@ -211,7 +211,7 @@ class KeyedRNG:
         A fresh tensor (one device add, no host sync): a later :meth:`advance` does not
         change it, so the backward of this step's call still regenerates this step's mask.
         """
-        site_words = self._site_words.get(name)
+        site_words = self._site_words.get(name) if isinstance(name, str) else None
         if site_words is None:
             raise self._unknown(name)
         if self._seed is None:
@@ -250,7 +250,8 @@ class KeyedRNG:
                 f"a keyed state dict has the keys {sorted(_STATE_KEYS)}, got {sorted(state_dict)}; "
                 "was it written by KeyedRNG.state_dict()?"
             )
-        if state_dict["version"] != _STATE_DICT_VERSION:
+        version = state_dict["version"]
+        if isinstance(version, bool) or version != _STATE_DICT_VERSION:
             raise StateDictError(
                 f"keyed state dict version {state_dict['version']!r} is not the supported "
                 f"version {_STATE_DICT_VERSION}"
@@ -287,7 +288,12 @@ class KeyedRNG:
             if name not in self._ids:
                 self._add(name, site_id)
 
-    def _unknown(self, name: object) -> UnknownSiteError:
+    def _unknown(self, name: object) -> UnknownSiteError | KeyedTypeError:
+        if not isinstance(name, str):
+            return KeyedTypeError(
+                f"a keyed site name must be a str, got {type(name).__name__}; pass the name "
+                "the site was registered under"
+            )
         return UnknownSiteError(
             f"no keyed site named {name!r}; register it first with register(name) "
             f"(registered: {sorted(self._ids)})"

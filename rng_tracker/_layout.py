@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from rng_tracker.errors import ArgumentTypeError
+
 if TYPE_CHECKING:
     import torch.distributed as dist
 
@@ -47,3 +49,19 @@ def process_layout() -> ParallelLayout | None:
     from rng_tracker.parallel._megatron_state import current_layout  # lazy: core stays torch-only
 
     return current_layout()
+
+
+def checked_layout(
+    layout: object, caller: str, members: tuple[str, ...] = ("rank",)
+) -> ParallelLayout:
+    """``layout`` when it has the methods of :class:`ParallelLayout` that ``caller`` calls
+    (``members``), else :class:`~rng_tracker.errors.ArgumentTypeError`: a layout-like object
+    with just those methods is accepted, as the calls never read more of it."""
+    lacking = [name for name in members if not callable(getattr(layout, name, None))]
+    if lacking:
+        raise ArgumentTypeError(
+            f"{caller}(layout=...) takes a parallel layout (a ParallelLayout such as "
+            f"rng_tracker.parallel.ParallelState), got {type(layout).__name__}, which has no "
+            f"{', '.join(f'{name}(axis)' for name in lacking)}; pass a layout or None"
+        )
+    return layout  # type: ignore[return-value]

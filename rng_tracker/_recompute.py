@@ -3,13 +3,12 @@ backward through its outputs (``activation_checkpoint`` and ``checkpoint_without
 
 from __future__ import annotations
 
-import reprlib
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from rng_tracker import _validate as validate
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -39,16 +38,8 @@ def resolve_trackers(
 
 
 def checked_flag(value: object, what: str) -> bool:
-    """``value`` as a bool: a Python or numpy bool, else :class:`CheckpointTypeError` naming
-    ``what`` (a string or an int as a flag is a mistake, not a truth value)."""
-    if isinstance(value, bool):
-        return value
-    numpy = sys.modules.get("numpy")  # a numpy bool exists only once numpy is imported
-    if numpy is not None and isinstance(value, numpy.bool_):
-        return bool(value)
-    raise CheckpointTypeError(
-        f"{what} must be a bool (True or False), got {type(value).__name__} {reprlib.repr(value)}"
-    )
+    """``value`` as a bool (a Python or numpy bool), else :class:`CheckpointTypeError`."""
+    return validate.checked_flag(value, what, type_error=CheckpointTypeError)
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

@@ -28,6 +28,7 @@ from rng_tracker.errors import (
     InvalidSeedTypeError,
     SeedReuseError,
     StateDictError,
+    StateDictTypeError,
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
@@ -342,11 +343,15 @@ class RNGStatesTracker:
 
     def restore_states(self, states: Mapping[str, RNGState]) -> None:
         """Replace every stream with ``states``, a dict that :meth:`get_states` or
-        :meth:`held_states` of this tracker returned (a checkpoint's snapshot): no conversion, and no new generator for a uint8
-        state (a stream's state tensor is replaced, never written in place, so the snapshot
-        stays intact and replays again); a generator state is copied, since draws advance it.
-        Open forks must be among ``states`` (the snapshot of a call made inside them)."""
+        :meth:`held_states` of this tracker returned (a checkpoint's snapshot): no conversion,
+        and no new generator for a uint8 state (a stream's state tensor is replaced, never
+        written in place, so the snapshot stays intact and replays again); a generator state
+        is copied, since draws advance it. Open forks must be among ``states`` (the snapshot
+        of a call made inside them). Names that are not str, and states that are not states of
+        this device type, are refused (:class:`StreamNameError`, :class:`StateDictTypeError`,
+        :class:`StateDictError`) and nothing changes."""
         rng = self._rng
+        self._check_snapshot(states)
         missing = [name for name in self._open_forks if name not in states]
         if missing:
             raise TrackerBusyError(
@@ -444,6 +449,20 @@ class RNGStatesTracker:
                 "own seed"
             ),
         )
+
+    def _check_snapshot(self, states: object) -> None:
+        """Refuse what :meth:`restore_states` cannot put back, without copying anything."""
+        if not isinstance(states, Mapping):
+            raise StateDictTypeError(
+                f"restore_states() takes a mapping of stream name to state (what get_states() "
+                f"or held_states() returned), got {type(states).__name__}"
+            )
+        for name, state in states.items():
+            _check_name(name)
+            try:
+                self._rng.check(state, type_error=StateDictTypeError, value_error=StateDictError)
+            except StateDictError as error:
+                raise type(error)(f"restore_states(): stream {_shown(name)}: {error}") from None
 
     def _unknown(self, name: object) -> UnknownStreamError:
         return UnknownStreamError(

@@ -1,14 +1,18 @@
 """The checks every module shares: one integer check for every argument the library takes as an
-int (ranks, sizes, seeds, steps), and the search for two names given one value."""
+int (ranks, sizes, seeds, steps), one flag check for every argument it takes as a bool, and the
+search for two names given one value."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Iterable
 
-from rng_tracker.errors import SeedReuseError
+import torch
+
+from rng_tracker.errors import ArgumentTypeError, SeedReuseError
 
 _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
+_SHOWN_VALUE_CHARS = 60  # a refused value's repr in a message is cut to this many characters
 
 
 def _power_of_two_exponent(value: int) -> int | None:
@@ -45,11 +49,12 @@ def checked_int(
     """``value`` as an int in [``minimum``, ``maximum``] (either bound optional).
 
     Anything with ``__index__`` is accepted (numpy and 0-dim integer tensors included); a bool is
-    refused, since ``True`` as a rank or a size is a mistake, not a 1. A non-int raises
-    ``type_error``, an int out of range ``value_error`` (``type_error`` when not given); both
-    messages name ``what``, and the range message ends with ``note`` (why the range is what it is).
+    refused (a 0-dim bool tensor too), since ``True`` as a rank or a size is a mistake, not a 1.
+    A non-int raises ``type_error``, an int out of range ``value_error`` (``type_error`` when not
+    given); both messages name ``what``, and the range message ends with ``note`` (why the range
+    is what it is).
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise type_error(f"{what} must be an int, got the bool {value!r}")
     try:
         result = operator.index(value)
@@ -60,6 +65,26 @@ def checked_int(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
         )
     return result
+
+
+def _is_numpy_bool(value: object) -> bool:
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+
+
+def checked_flag(
+    value: object, what: str, *, type_error: type[Exception] = ArgumentTypeError
+) -> bool:
+    """``value`` as a bool: a Python or numpy bool. Anything else (the str ``'no'``, an int, a
+    tensor) raises ``type_error`` naming ``what``: its truth value would decide silently."""
+    if isinstance(value, bool):
+        return value
+    if _is_numpy_bool(value):
+        return bool(value)
+    shown = repr(value)
+    if len(shown) > _SHOWN_VALUE_CHARS:
+        shown = f"{shown[: _SHOWN_VALUE_CHARS - 3]}..."
+    raise type_error(f"{what} must be a bool, got {type(value).__name__} {shown}")
 
 
 def first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:

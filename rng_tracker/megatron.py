@@ -54,12 +54,16 @@ from rng_tracker._streams import (
     MODEL_PARALLEL_RNG,
 )
 from rng_tracker._tracker import RNGStatesTracker, process_tracker, set_process_tracker
+from rng_tracker._validate import checked_int
 from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
 from rng_tracker.errors import (
     CheckpointConfigError,
     InvariantSeedError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
     ParallelStateError,
+    RankError,
     RNGTrackerError,
     SeedOverflowError,
     SeedReuseError,
@@ -153,7 +157,10 @@ def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGSt
     if isinstance(state, torch.Generator):
         return state if to_graphable else state.get_state()
     if isinstance(state, torch.Tensor):
-        return device_rng(None, generator_states=True).convert(state) if to_graphable else state
+        if to_graphable:
+            return device_rng(None, generator_states=True).convert(state)
+        device_rng(None, generator_states=False).check(state)
+        return state
     raise TrackerDeviceError(
         f"convert_cuda_rng_state takes a torch.Tensor or a torch.Generator, got "
         f"{type(state).__name__}"
@@ -329,8 +336,16 @@ def _parallel_ranks(
 def _gtp_seed(
     axis: str, rank: int | None, world_size: int | None, base: int, offset: int
 ) -> int | None:
-    """Megatron's GTP-remat stream seed, or None when the axis is inactive."""
-    size = 1 if world_size is None else checked_rank(f"{axis}_world_size", world_size)
+    """Megatron's GTP-remat stream seed, or None when the axis is inactive (world size None or
+    1). A world size below 1, or a rank outside [0, world size), is refused even then."""
+    size = 1 if world_size is None else _checked_world_size(f"{axis}_world_size", world_size)
+    if rank is not None:
+        rank = checked_rank(f"{axis}_rank", rank)
+        if world_size is not None and rank >= size:
+            raise RankError(
+                f"{axis}_rank must be below {axis}_world_size={size}, got {rank}; pass this "
+                f"rank's coordinate in [0, {size})"
+            )
     if size <= 1:
         return None
     if rank is None:
@@ -338,7 +353,18 @@ def _gtp_seed(
             f"{axis}_world_size={size} needs {axis}_rank: rng_tracker's parallel state has no "
             f"{axis} axis, so pass the rank explicitly"
         )
-    return base + offset + 65536 * (1 + checked_rank(f"{axis}_rank", rank))
+    return base + offset + 65536 * (1 + rank)
+
+
+def _checked_world_size(what: str, value: object) -> int:
+    return checked_int(
+        value,
+        what,
+        type_error=ParallelConfigTypeError,
+        value_error=ParallelConfigError,
+        minimum=1,
+        note="; pass None or 1 when the axis is not used",
+    )
 
 
 def _megatron_seeds(
@@ -558,10 +584,23 @@ def _set_all_rng_states(
     cuda_rng_state: RNGState,
     cuda_rng_state_tracker: Mapping[str, RNGState],
 ) -> None:
-    """Install what :func:`_get_all_rng_states` returned."""
+    """Install what :func:`_get_all_rng_states` returned; all three are checked first, so a
+    refused one (:class:`~rng_tracker.errors.TrackerDeviceError`) changes nothing."""
+    _check_cpu_state(cpu_rng_state)
+    device = device_rng(None, generator_states=False)
+    device_state = device.convert(cuda_rng_state)
     get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
-    _set_cuda_rng_state(cuda_rng_state)
+    device.install(device_state)
     torch.set_rng_state(cpu_rng_state)
+
+
+def _check_cpu_state(state: object) -> None:
+    if not isinstance(state, torch.Tensor):
+        raise TrackerDeviceError(
+            f"the CPU RNG state is a uint8 tensor (what torch.get_rng_state() returns), got "
+            f"{type(state).__name__}"
+        )
+    device_rng("cpu", generator_states=False).check(state)
 
 
 @contextlib.contextmanager

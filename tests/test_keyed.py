@@ -3,6 +3,7 @@ keyed dropout sites in TinyGPT that draw the same masks on every layout and unde
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,7 @@ import torch.utils.checkpoint
 from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import rng_tracker._keyed as keyed_module
 from rng_tracker import KeyedRNG, RNGSnapshot, RNGStatesTracker, RNGTrackerError, get_keyed_rng
 from rng_tracker._device_rng import DeviceRNG
 from rng_tracker._keyed import STEP_LIMIT, _philox_key, site_id_of
@@ -25,6 +27,7 @@ from rng_tracker.errors import (
     SiteIdError,
     StateDictError,
     StepRangeError,
+    TrackerDeviceError,
     UnknownSiteError,
 )
 from rng_tracker.kernels import _rng_source
@@ -58,12 +61,14 @@ def test_site_ids_are_stable_nonzero_and_registration_is_idempotent():
     rng = KeyedRNG("cpu")
     first = rng.register("layer.3.attention")
     assert first == site_id_of("layer.3.attention") == rng.register("layer.3.attention")
+    digest = hashlib.blake2b(b"layer.3.attention", digest_size=4, person=b"rng_tracker.site")
+    assert first == int.from_bytes(digest.digest(), "little") % (2**32 - 1) + 1  # docs/keyed.md
     assert 1 <= first < 2**32
     assert KeyedRNG("cpu").register("layer.3.attention") == first
     assert rng.register("layer.4.attention") != first
     assert rng.sites == {
         "layer.3.attention": first,
-        "layer.4.attention": rng.sites["layer.4.attention"],
+        "layer.4.attention": site_id_of("layer.4.attention"),
     }
 
 
@@ -104,6 +109,8 @@ def test_explicit_site_ids_collide_and_names_cannot_change_their_id():
         ("x", -1, SiteIdError),
         ("x", True, KeyedTypeError),
         ("x", 1.0, KeyedTypeError),
+        ("kept", 1.0, KeyedTypeError),  # checked before the re-registration shortcut
+        ("x", torch.tensor(True), KeyedTypeError),
     ],
 )
 def test_bad_site_names_and_ids_are_typed_errors(name, site_id, error):
@@ -125,6 +132,30 @@ def test_unknown_sites_and_unseeded_use_are_typed_errors():
     assert isinstance(info.value, KeyError)
     with pytest.raises(UnknownSiteError):
         rng.site_id("b")
+
+
+@pytest.mark.parametrize("name", [["a"], {}, ("a",), 7, None, b"a"])
+def test_site_names_that_are_not_str_are_keyed_type_errors(name):
+    """site_id(['a']) and seed_tensor({}) raised a bare 'unhashable type' TypeError."""
+    rng = _seeded("a")
+    before = _snapshot(rng)
+    for call in (lambda: rng.site_id(name), lambda: rng.seed_tensor(name)):
+        with pytest.raises(KeyedTypeError, match="a keyed site name must be a str, got") as info:
+            call()
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+        assert "registered under" in str(info.value)
+    assert _snapshot(rng) == before
+
+
+@pytest.mark.parametrize("index", [-1, 2**70])
+def test_a_keyed_rng_of_a_bad_device_index_is_a_typed_error(index):
+    """KeyedRNG(-1) and get_keyed_rng(-1) raised torch's bare RuntimeError."""
+    registered = set(keyed_module._KEYED_RNGS)
+    for call in (lambda: KeyedRNG(index), lambda: get_keyed_rng(index)):
+        with pytest.raises(TrackerDeviceError, match="device index must be in") as info:
+            call()
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    assert set(keyed_module._KEYED_RNGS) == registered
 
 
 # -- the words, steps and seeds ----------------------------------------------------------
@@ -173,6 +204,8 @@ def test_keys_are_a_bijection_of_seeds_and_differ_from_the_seed():
         (5, lambda r: r.set_step(-1), StepRangeError),
         (5, lambda r: r.set_step(True), KeyedTypeError),
         (5, lambda r: r.set_step(2.0), KeyedTypeError),
+        (5, lambda r: r.set_step(torch.tensor(True)), KeyedTypeError),
+        (5, lambda r: r.advance(torch.tensor(True)), KeyedTypeError),
         (5, lambda r: r.advance(-1), StepRangeError),
         (STEP_LIMIT - 1, lambda r: r.advance(), StepRangeError),
         (5, lambda r: r.manual_seed(-1), InvalidSeedError),
@@ -254,6 +287,7 @@ def _bad_states() -> list[tuple[object, type]]:
     return [
         ([1, 2], StateDictError),
         ({**good, "version": 2}, StateDictError),
+        ({**good, "version": True}, StateDictError),
         ({k: v for k, v in good.items() if k != "step"}, StateDictError),
         ({**good, "extra": 1}, StateDictError),
         ({**good, "step": STEP_LIMIT}, StepRangeError),

@@ -31,7 +31,10 @@ from rng_tracker import megatron
 from rng_tracker._device_rng import default_device, default_generator
 from rng_tracker._tracker import get_rng_tracker
 from rng_tracker.errors import (
+    ParallelConfigError,
+    ParallelConfigTypeError,
     ParallelStateError,
+    RankError,
     RNGTrackerError,
     SeedReuseError,
     TrackerDeviceError,
@@ -380,13 +383,13 @@ def test_checkpoint_without_output_view_sharing_regression(mg):
     weight2 = weight1.detach().clone().requires_grad_(True)
     output1 = normal_forward(input1, weight1)
     output2 = checkpoint_forward(input2, weight2)
-    assert torch.allclose(output1, output2)
+    assert torch.equal(output1, output2)  # [port] Megatron: allclose; the same ops here, bitwise
 
     grad = torch.randn_like(output1)
     output1.backward(grad, retain_graph=True)
     output2.backward(grad, retain_graph=True)
-    assert torch.allclose(input1.grad, input2.grad)
-    assert torch.allclose(weight1.grad, weight2.grad)
+    assert torch.equal(input1.grad, input2.grad)
+    assert torch.equal(weight1.grad, weight2.grad)
 
 
 class _NormAndResidual(torch.autograd.Function):
@@ -427,10 +430,13 @@ def test_checkpoint_without_output_retain_input_tensors(use_manager):
         normed, residual = fused_norm(x)
         return normed + residual
 
+    kept = {}
+
     def checkpoint_forward(x):
         manager = CheckpointWithoutOutputManager() if use_manager else None
         ckpt = CheckpointWithoutOutput(ckpt_manager=manager, retain_input_tensors=True)
         normed, residual = ckpt.checkpoint(fused_norm, x)
+        kept["normed"], kept["residual"] = normed, residual
         y = normed + residual
         if manager is None:
             ckpt.discard_output_and_register_recompute(y)
@@ -444,14 +450,19 @@ def test_checkpoint_without_output_retain_input_tensors(use_manager):
     input2 = input_ref.detach().clone().requires_grad_(True)
     weight.grad = None
     output2 = checkpoint_forward(input2)
-    assert torch.allclose(output1, output2)
+    # the residual aliases the input: kept, with the input's values; the normed output freed
+    assert kept["residual"].untyped_storage().nbytes() > 0
+    assert torch.equal(kept["residual"], input_ref)
+    assert kept["normed"].untyped_storage().nbytes() == 0
+    assert torch.equal(output1, output2)  # [port] Megatron: allclose; the same ops here, bitwise
 
     grad = torch.randn_like(output1)
     output1.backward(grad)
-    ref_input_grad = input1.grad.clone()
+    ref_input_grad, ref_weight_grad = input1.grad.clone(), weight.grad.clone()
     weight.grad = None
     output2.backward(grad)
-    assert torch.allclose(ref_input_grad, input2.grad)
+    assert torch.equal(ref_input_grad, input2.grad)
+    assert torch.equal(ref_weight_grad, weight.grad)
 
 
 # ----------------------------------------------------------------------------------------
@@ -854,3 +865,116 @@ def test_ranks_come_from_the_parallel_state_and_are_never_guessed(rank):
         assert not torch.equal(gathered[0], gathered[1])
     finally:
         destroy_model_parallel()
+
+
+def _every_state() -> tuple:
+    """The CPU, device and Megatron tracker states, with the stream names, to compare bitwise."""
+    tracker = get_cuda_rng_tracker()
+    streams = {name: tracker._rng.to_bytes(state) for name, state in tracker.get_states().items()}
+    return torch.get_rng_state(), device_generator().get_state(), streams
+
+
+def _unchanged(before: tuple) -> bool:
+    after = _every_state()
+    return (
+        torch.equal(before[0], after[0])
+        and torch.equal(before[1], after[1])
+        and before[2].keys() == after[2].keys()
+        and all(torch.equal(before[2][name], after[2][name]) for name in before[2])
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "builtin", "words"),
+    [
+        ({"gtp_remat_world_size": 0}, ParallelConfigError, ValueError, "positive int, got 0"),
+        ({"egtp_remat_world_size": -2}, ParallelConfigError, ValueError, "positive int, got -2"),
+        ({"gtp_remat_world_size": "2"}, ParallelConfigTypeError, TypeError, "must be an int"),
+        ({"egtp_remat_world_size": True}, ParallelConfigTypeError, TypeError, "the bool True"),
+        ({"gtp_remat_rank": -7}, RankError, ValueError, "gtp_remat_rank must be >= 0, got -7"),
+        ({"egtp_remat_rank": 1.0}, RankError, ValueError, "egtp_remat_rank must be an int"),
+        (
+            {"gtp_remat_world_size": 2, "gtp_remat_rank": 2},
+            RankError,
+            ValueError,
+            "gtp_remat_rank must be below gtp_remat_world_size=2, got 2",
+        ),
+        (
+            {"egtp_remat_world_size": 1, "egtp_remat_rank": 1},
+            RankError,
+            ValueError,
+            "below egtp_remat_world_size=1",
+        ),
+    ],
+)
+def test_gtp_remat_arguments_are_checked_before_seeding(kwargs, error, builtin, words):
+    """A GTP-remat world size of 0 was taken as 'off', a rank of -7 was ignored, and rank 2 of
+    a world of 2 seeded a stream no rank should have; each is a typed error that changes
+    nothing."""
+    model_parallel_cuda_manual_seed(5, tp_rank=1, ep_rank=0, etp_rank=0)
+    before = _every_state()
+    with pytest.raises(error, match=words) as info:
+        model_parallel_cuda_manual_seed(
+            7, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True, **kwargs
+        )
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert _unchanged(before)
+
+
+@pytest.mark.parametrize(
+    ("cpu_state", "words"),
+    [
+        (torch.zeros(3, dtype=torch.uint8), "3 elements; a cpu state is a CPU uint8 tensor"),
+        (torch.zeros(5056), "dtype torch.float32"),
+        ("x", "got str"),
+        (torch.Generator(), "got Generator"),
+    ],
+)
+def test_set_all_rng_states_checks_the_cpu_state_before_installing_anything(cpu_state, words):
+    """_set_all_rng_states(bad_cpu, ...) installed the tracker streams and the device state,
+    then failed on the CPU state with a bare RuntimeError: a partial change."""
+    model_parallel_cuda_manual_seed(123)
+    tracker = get_cuda_rng_tracker()
+    other = {name: seeded_state(999 + i) for i, name in enumerate(tracker.names())}
+    before = _every_state()
+    with pytest.raises(TrackerDeviceError, match=words) as info:
+        megatron._set_all_rng_states(cpu_state, seeded_state(5), other)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    assert _unchanged(before)
+    with pytest.raises(TrackerDeviceError, match="not a"):
+        megatron._set_all_rng_states(torch.get_rng_state(), torch.zeros(3), other)
+    assert _unchanged(before)
+
+
+@pytest.mark.parametrize(
+    ("state", "words"),
+    [
+        (torch.zeros(3), "dtype torch.float32"),
+        (torch.zeros(3, dtype=torch.uint8), "3 elements"),
+        (torch.zeros(2, 3, dtype=torch.int64), "dtype torch.int64"),
+    ],
+)
+def test_convert_cuda_rng_state_refuses_a_tensor_that_is_no_state(state, words):
+    """convert_cuda_rng_state(torch.zeros(3)) returned the float tensor as if it were a state."""
+    before = _every_state()
+    for to_graphable in (False, True):
+        with pytest.raises(TrackerDeviceError, match="is not a") as info:
+            convert_cuda_rng_state(state, to_graphable=to_graphable)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    with pytest.raises(TrackerDeviceError, match=words):
+        convert_cuda_rng_state(state)
+    assert _unchanged(before)
+    good = device_generator().get_state()
+    assert convert_cuda_rng_state(good) is good
+
+
+@pytest.mark.parametrize("device", [-5, 2**70])
+def test_device_state_helpers_refuse_a_bad_device_index(device):
+    """_get_cuda_rng_state(-5) raised torch's bare RuntimeError."""
+    before = _every_state()
+    with pytest.raises(TrackerDeviceError, match="device index must be in") as info:
+        megatron._get_cuda_rng_state(device)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    with pytest.raises(TrackerDeviceError, match="device index must be in"):
+        megatron._set_cuda_rng_state(torch.get_rng_state(), device=device)
+    assert _unchanged(before)

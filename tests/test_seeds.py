@@ -7,9 +7,11 @@ arithmetic would carry past 2**64 - 1. Each refusal names what to do and changes
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ from rng_tracker import _seeds as seeds_module
 from rng_tracker import megatron as mg
 from rng_tracker._streams import AXES
 from rng_tracker.errors import (
+    ArgumentTypeError,
     InvalidSeedError,
+    InvalidSeedTypeError,
     RankError,
     SeedCoordinateError,
     SeedCoordinateTypeError,
@@ -271,6 +275,7 @@ def test_unknown_coordinate_axes_are_refused(scheme, coordinates):
         ({"pp": 1.0}, RankError, ValueError, "pp_rank must be an int"),
         ({"dp": True}, RankError, ValueError, "dp_rank must be an int"),
         ({"ep": "2"}, RankError, ValueError, "ep_rank must be an int"),
+        ({"tp": torch.tensor(True)}, RankError, ValueError, "tp_rank must be an int, got the bool"),
     ],
 )
 def test_bad_coordinates_are_typed_errors(coordinates, error, builtin, words):
@@ -345,3 +350,53 @@ def test_seeding_calls_refuse_the_overflow_before_touching_anything(call, tracke
     with pytest.raises(SeedOverflowError, match="pass a seed of at most"):
         call(tracker)
     assert (_state(tracker), _state(process)) == before
+
+
+class _NoRanks:
+    """Not a layout: no rank(axis)."""
+
+    world_size = 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "builtin", "words"),
+    [
+        ({"layout": object()}, ArgumentTypeError, TypeError, "got object, which has no rank(axis)"),
+        ({"layout": _NoRanks()}, ArgumentTypeError, TypeError, "got _NoRanks"),
+        ({"state": "tp=1"}, ArgumentTypeError, TypeError, "takes a parallel layout"),
+        ({"tracker": "x"}, ArgumentTypeError, TypeError, "tracker=...) takes an RNGStatesTracker"),
+        ({"data_parallel_random_init": "no"}, ArgumentTypeError, TypeError, "got str 'no'"),
+        ({"data_parallel_random_init": 1}, ArgumentTypeError, TypeError, "must be a bool"),
+        ({"tp_rank": torch.tensor(True)}, RankError, ValueError, "got the bool tensor(True)"),
+    ],
+)
+def test_model_parallel_seed_refuses_bad_arguments_before_seeding(
+    kwargs, error, builtin, words, tracker
+):
+    """layout=object() and tracker='x' ended in AttributeError; data_parallel_random_init='no'
+    turned DP random init on and stored 'no' in the plan. Each is a typed error now, and no
+    generator or stream changes (the process tracker's neither)."""
+    tracker.add("mine", 5)
+    process = get_rng_tracker()
+    before = _state(tracker), _state(process), process.names()
+    kwargs = {"tracker": tracker, **kwargs}
+    renamed = pytest.warns(DeprecationWarning) if "state" in kwargs else contextlib.nullcontext()
+    with renamed, pytest.raises(error) as info:
+        model_parallel_seed(3, **kwargs)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert words in str(info.value)
+    assert (_state(tracker), _state(process), process.names()) == before
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(True), torch.tensor(False)])
+def test_plan_seeds_refuses_a_bool_tensor_seed_and_non_bool_flags(bad):
+    """plan_seeds(torch.tensor(True)) planned base seed 1: a 0-dim bool tensor read as an int."""
+    with pytest.raises(InvalidSeedTypeError, match="seed must be an int, got the bool") as info:
+        plan_seeds(bad)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    with pytest.raises(ArgumentTypeError, match="data_parallel_random_init must be a bool"):
+        plan_seeds(1, data_parallel_random_init="no")
+    assert plan_seeds(1, data_parallel_random_init=np.True_).data_parallel_random_init is True
+    assert plan_seeds(1, data_parallel_random_init=np.True_) == plan_seeds(
+        1, data_parallel_random_init=True
+    )

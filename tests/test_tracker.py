@@ -14,6 +14,8 @@ import textwrap
 import pytest
 import torch
 
+import rng_tracker._device_rng as device_rng_module
+import rng_tracker._tracker as tracker_module
 from rng_tracker import (
     RNGStatesTracker,
     RNGTrackerError,
@@ -23,11 +25,13 @@ from rng_tracker import (
 )
 from rng_tracker._device_rng import default_generator
 from rng_tracker.errors import (
+    ArgumentTypeError,
     DuplicateStreamError,
     ForkOrderError,
     InvalidSeedError,
     InvalidSeedTypeError,
     StateDictError,
+    StateDictTypeError,
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
@@ -201,6 +205,7 @@ def test_get_rng_tracker_is_one_per_device():
         (lambda t: t.add("b", 2**64), InvalidSeedError, ValueError, "[0, 2**64)"),
         (lambda t: t.add("b", True), InvalidSeedTypeError, TypeError, "bool"),
         (lambda t: t.add("b", 1.5), InvalidSeedTypeError, TypeError, "float"),
+        (lambda t: t.add("b", torch.tensor(True)), InvalidSeedTypeError, TypeError, "the bool"),
         (lambda t: t.add("", 3), StreamNameError, TypeError, "non-empty str"),
         (
             lambda t: t.set_states({"a": torch.zeros(3)}),
@@ -217,6 +222,43 @@ def test_get_rng_tracker_is_one_per_device():
         (lambda t: t.set_states([("a", 1)]), TrackerDeviceError, ValueError, "mapping"),
         (lambda t: t.set_states({7: torch.get_rng_state()}), StreamNameError, TypeError, "str"),
         (lambda t: t.load_state_dict({"version": 99}), StateDictError, ValueError, "version 99"),
+        # restore_states puts no state in that a later fork or get_states() could not use
+        (
+            lambda t: t.restore_states({"a": "garbage"}),
+            StateDictTypeError,
+            TypeError,
+            "stream 'a': a generator state is a torch.Tensor or a torch.Generator, got str",
+        ),
+        (
+            lambda t: t.restore_states([("a", torch.get_rng_state())]),
+            StateDictTypeError,
+            TypeError,
+            "takes a mapping of stream name to state",
+        ),
+        (
+            lambda t: t.restore_states({7: torch.get_rng_state()}),
+            StreamNameError,
+            TypeError,
+            "non-empty str, got 7",
+        ),
+        (
+            lambda t: t.restore_states({"a": torch.zeros(3)}),
+            StateDictError,
+            ValueError,
+            "not a cpu generator state (dtype torch.float32",
+        ),
+        (
+            lambda t: t.restore_states({"a": torch.zeros(3, dtype=torch.uint8)}),
+            StateDictError,
+            ValueError,
+            "3 elements; a cpu state is a CPU uint8 tensor of",
+        ),
+        (
+            lambda t: t.restore_states({"a": t.get_states()["a"], "b": None}),
+            StateDictTypeError,
+            TypeError,
+            "stream 'b'",
+        ),
         (
             lambda t: t.load_state_dict(
                 {**t.state_dict(), "streams": {**t.state_dict()["streams"], 7: {"state": None}}}
@@ -528,3 +570,49 @@ def test_a_tracker_of_an_unavailable_device_is_a_typed_error(kind):
         message = str(info.value)
         assert f"'{kind}" in message and "not available" in message and "device='cpu'" in message
     assert torch.equal(torch.get_rng_state(), before)
+
+
+# -- device indices and flags of the wrong kind ---------------------------------------------------
+
+
+def _registries() -> tuple:
+    return set(tracker_module._PROCESS_TRACKERS), set(device_rng_module._DEVICE_RNGS)
+
+
+@pytest.mark.parametrize("index", [-1, -5, 128, 2**70])
+def test_a_device_index_out_of_range_is_a_typed_error(index):
+    """get_rng_tracker(-1) raised torch's bare RuntimeError, 2**70 a bare ValueError, and 256
+    wrapped round to device 0; all are refused and no tracker is made."""
+    before, registries = torch.get_rng_state(), _registries()
+    for call in (lambda: get_rng_tracker(index), lambda: RNGStatesTracker(index)):
+        with pytest.raises(TrackerDeviceError, match=r"device index must be in \[0, 127\]") as info:
+            call()
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+        assert f"got {index}" in str(info.value) and "visible device" in str(info.value)
+    assert torch.equal(torch.get_rng_state(), before) and _registries() == registries
+
+
+@pytest.mark.parametrize("flag", ["no", "", 1, 0, torch.tensor(True)])
+def test_generator_states_must_be_a_bool_or_none(flag):
+    """generator_states='no' made a tracker of generator states (a non-empty str is true)."""
+    registries = _registries()
+    with pytest.raises(ArgumentTypeError, match="generator_states must be a bool") as info:
+        RNGStatesTracker("cpu", generator_states=flag)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert _registries() == registries
+
+
+@pytest.mark.parametrize("generator_states", [False, True])
+def test_a_refused_restore_leaves_every_stream_usable(generator_states):
+    """restore_states({'a': 'garbage'}) used to drop stream 'b' and leave 'a' a str that made
+    get_states(), state_dict() and fork() raise AttributeError; now it changes nothing, and a
+    real snapshot still restores in both state forms."""
+    tracker = _seeded(generator_states)
+    snapshot = tracker.get_states()
+    bad = {"a": "garbage"} if generator_states else {"a": torch.zeros(3)}
+    _refused(tracker, lambda: tracker.restore_states(bad), StateDictError, ValueError)
+    assert tracker.names() == ["a", "b"]
+    with tracker.fork("a"):
+        torch.rand(3)
+    tracker.restore_states(snapshot)
+    assert full_state(tracker)[2] == full_state(_seeded(generator_states))[2]

@@ -1,12 +1,19 @@
-"""The one integer check: bools refused, __index__ accepted, bounds named, typed errors."""
+"""The one integer check: bools refused, __index__ accepted, bounds named, typed errors; and the
+one flag check: only real bools."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from rng_tracker._validate import checked_int
-from rng_tracker.errors import InvalidSeedError, InvalidSeedTypeError
+from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    InvalidSeedError,
+    InvalidSeedTypeError,
+    RNGTrackerError,
+)
 
 
 def test_accepts_index_types_and_refuses_bools_and_floats() -> None:
@@ -38,3 +45,25 @@ def test_range_messages_read_as_the_docs_write_them() -> None:
     with pytest.raises(InvalidSeedTypeError, match="size must be an int, got the bool True"):
         checked_int(True, "size", minimum=1, **kwargs)
     assert checked_int(2**64 - 1, "seed", minimum=0, maximum=2**64 - 1, **kwargs) == 2**64 - 1
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(True), torch.tensor(False), np.True_])
+def test_bools_in_any_form_are_refused_as_ints(bad) -> None:
+    """A 0-dim bool tensor has __index__ (True reads as 1): it is a bool, not an int."""
+    with pytest.raises(InvalidSeedTypeError, match="seed must be an int, got") as info:
+        checked_int(bad, "seed", type_error=InvalidSeedTypeError, minimum=0)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert checked_int(torch.tensor(1), "seed", type_error=InvalidSeedTypeError) == 1
+    assert checked_int(np.int64(1), "seed", type_error=InvalidSeedTypeError) == 1
+
+
+def test_flags_take_python_and_numpy_bools_only() -> None:
+    assert checked_flag(True, "flag") is True
+    assert checked_flag(np.False_, "flag") is False
+    for bad in ("no", "", 1, 0, None, torch.tensor(True), 1.0):
+        with pytest.raises(ArgumentTypeError, match="flag must be a bool, got"):
+            checked_flag(bad, "flag")
+    with pytest.raises(ArgumentTypeError, match=r"got str 'x{10}.*\.\.\.$") as info:
+        checked_flag("x" * 10_000, "flag")
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    assert len(str(info.value)) < 200
