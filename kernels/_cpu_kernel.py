@@ -31,7 +31,7 @@ from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
-from rng_tracker.kernels.reference import keep_scale, keep_threshold
+from rng_tracker.kernels.reference import keep_scale_unchecked, keep_threshold_unchecked
 
 MAX_DIMS = 64  # RT_MAX_DIMS of cpu_dropout.c: the merged dims of an index map it places
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -102,7 +102,9 @@ def _library() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=64)
 def _p_words(p: float) -> tuple[int, int]:
     """(keep threshold, fp32 bits of the scale) of ``p``: computed once per p."""
-    return keep_threshold(p), struct.unpack("<I", struct.pack("<f", keep_scale(p)))[0]
+    return keep_threshold_unchecked(p), struct.unpack(
+        "<I", struct.pack("<f", keep_scale_unchecked(p))
+    )[0]
 
 
 _ARG_KEY = 4  # the slot of the key in the kernel's argument array; base, c2, c3 follow

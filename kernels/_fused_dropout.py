@@ -8,29 +8,18 @@ explicit ``seed`` tensor [key, base, c2, c3] (keyed randomness), and nothing is 
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from rng_tracker._validate import checked_flag
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import dropout_call
 from rng_tracker.kernels._dispatch import Impl, run
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
 from rng_tracker.kernels._rng_source import Words
+from rng_tracker.kernels.reference import check_p
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_p(p: object) -> float:
-    """``p`` as a float in [0, 1], or a typed error (shared with the DTensor ops)."""
-    if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
-        return p
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise KernelInputTypeError(f"p must be a float, got {type(p).__name__} {p!r}")
-    p = float(p)
-    if not 0.0 <= p <= 1.0:
-        raise KernelInputError(f"dropout probability p must be in [0, 1], got {p}")
-    return p
+_IMPLS = ("auto", "triton", "cpu", "torch")
 
 
 def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,6 +35,22 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
             "move/cast it to match x"
         )
     return t
+
+
+def _check_training(training: object) -> None:
+    if type(training) is not bool:  # the usual case costs one type check
+        checked_flag(training, "training", type_error=KernelInputTypeError)
+
+
+def _check_skipped_call(generator: object, impl: object) -> None:
+    """What a call that draws nothing (training=False or p == 0) does not reach: the generator's
+    type and impl, checked as a call that runs checks them (_rng_source, _dispatch.route)."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise KernelInputTypeError(
+            f"generator must be a torch.Generator, got {type(generator).__name__}"
+        )
+    if impl not in _IMPLS:
+        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
 
 
 def _check_seed(
@@ -109,7 +114,9 @@ def dropout(
     p = check_p(p)
     index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
     seed, words = _check_seed(seed, generator, x)
+    _check_training(training)
     if not training or p == 0.0:
+        _check_skipped_call(generator, impl)
         return x
     return run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
 
@@ -142,6 +149,8 @@ def bias_dropout_add(
     p = check_p(p)
     index_map = index_map_of(x.shape, shard)
     seed, words = _check_seed(seed, generator, x)
+    _check_training(training)
     if not training or p == 0.0:
+        _check_skipped_call(generator, impl)
         return residual + (x if bias is None else x + bias)
     return run(dropout_call(x, bias, residual, p, index_map), impl, generator, seed, words)

@@ -18,7 +18,7 @@ import torch
 
 from rng_tracker.errors import KernelUnavailableError
 from rng_tracker.kernels._call import DropoutCall
-from rng_tracker.kernels.reference import keep_scale, keep_threshold
+from rng_tracker.kernels.reference import keep_scale_unchecked, keep_threshold_unchecked
 
 TRITON_IMPORT_ERROR: str | None = None
 try:
@@ -190,8 +190,8 @@ def fused_dropout_triton(
         *(seed if in_args else (0, 0, 0, 0)),
         x.numel(),
         1 if bias is None else bias.numel(),
-        keep_threshold(p),
-        keep_scale(p),
+        keep_threshold_unchecked(p),
+        keep_scale_unchecked(p),
         index_map.offset,
         last_stride,
         *divisions,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from rng_tracker.errors import KernelInputError
+from rng_tracker._validate import checked_int
+from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
 __all__ = ["PHILOX_KEY_A", "PHILOX_KEY_B", "PHILOX_ROUND_A", "PHILOX_ROUND_B", "philox4x32"]
 
@@ -35,13 +36,61 @@ def philox4x32(
     """Philox4x32-``rounds`` of ``counters`` (…, 4) under ``key`` (k0, k1); returns (…, 4) words.
 
     ``key`` is a pair of ints or an int tensor broadcastable to (…, 2); words are int64
-    tensors holding values in [0, 2**32).
+    tensors holding values in [0, 2**32). Word values are checked where that reads no device
+    memory (CPU tensors, outside torch.compile).
     """
-    counters = counters.to(torch.int64)
-    if counters.shape[-1:] != (4,):
-        raise KernelInputError(
-            f"counters must have a last dim of 4, got shape {tuple(counters.shape)}"
+    counters = _checked_words("counters", counters, 4)
+    rounds = checked_int(
+        rounds, "rounds", type_error=KernelInputTypeError, value_error=KernelInputError, minimum=0
+    )
+    if isinstance(key, torch.Tensor):
+        key = _checked_words("key", key, 2)
+    elif isinstance(key, tuple | list) and len(key) == 2:
+        key = tuple(
+            checked_int(
+                k,
+                f"key[{i}]",
+                type_error=KernelInputTypeError,
+                value_error=KernelInputError,
+                minimum=0,
+                maximum=_MASK32,
+            )
+            for i, k in enumerate(key)
         )
+    else:
+        raise KernelInputTypeError(
+            f"key must be a pair of 32-bit ints (k0, k1) or an int tensor of last dim 2, got "
+            f"{type(key).__name__} {key!r}"
+        )
+    return philox4x32_unchecked(key, counters, rounds)
+
+
+def _checked_words(name: str, words: object, last: int) -> torch.Tensor:
+    """``words`` if it is an integer tensor of last dim ``last`` holding 32-bit words."""
+    if not isinstance(words, torch.Tensor):
+        raise KernelInputTypeError(
+            f"{name} must be an int64 tensor of 32-bit words, got {type(words).__name__}"
+        )
+    if words.dtype.is_floating_point or words.dtype.is_complex or words.dtype == torch.bool:
+        raise KernelInputError(f"{name} must be an integer tensor (int64), got {words.dtype}")
+    if words.shape[-1:] != (last,):
+        raise KernelInputError(
+            f"{name} must have a last dim of {last}, got shape {tuple(words.shape)}"
+        )
+    if words.device.type == "cpu" and words.numel() and not torch.compiler.is_compiling():
+        low, high = (int(v) for v in torch.aminmax(words.to(torch.int64)))
+        if low < 0 or high > _MASK32:
+            raise KernelInputError(
+                f"{name} must hold 32-bit words in [0, 2**32), got values in [{low}, {high}]"
+            )
+    return words
+
+
+def philox4x32_unchecked(
+    key: tuple[int, int] | torch.Tensor, counters: torch.Tensor, rounds: int = 10
+) -> torch.Tensor:
+    """:func:`philox4x32` of arguments it would accept, unchecked (the kernels' hot path)."""
+    counters = counters.to(torch.int64)
     c0, c1, c2, c3 = counters.unbind(-1)
     if isinstance(key, torch.Tensor):
         k0, k1 = key.to(device=counters.device, dtype=torch.int64).unbind(-1)

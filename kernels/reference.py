@@ -10,27 +10,71 @@ only, so a seed on a GPU costs no host sync.
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 
 import torch
 
+from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._index_map import IndexMap
-from rng_tracker.kernels.philox import philox4x32
+from rng_tracker.kernels.philox import philox4x32_unchecked
 
 __all__ = ["fused_dropout_reference", "keep_mask", "keep_scale", "keep_threshold"]
 
 _MASK32 = 0xFFFFFFFF
 
 
+def check_p(p: object) -> float:
+    """``p`` as a float in [0, 1], or a typed error (every kernel and the DTensor ops share it)."""
+    if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
+        return p
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise KernelInputTypeError(f"p must be a float, got {type(p).__name__} {p!r}")
+    p = float(p)
+    if not 0.0 <= p <= 1.0:
+        raise KernelInputError(f"dropout probability p must be in [0, 1], got {p}")
+    return p
+
+
 def keep_threshold(p: float) -> int:
     """The smallest 32-bit word that is kept: ceil(p * 2**32) (exact in float64)."""
-    return math.ceil(p * 4294967296.0)
+    return keep_threshold_unchecked(check_p(p))
 
 
 def keep_scale(p: float) -> float:
     """The scale of kept elements: 1 / (1 - p) rounded to fp32 (0 for p = 1), as a Python float
     that every kernel's fp32 argument holds exactly."""
+    return keep_scale_unchecked(check_p(p))
+
+
+def keep_threshold_unchecked(p: float) -> int:
+    """:func:`keep_threshold` of a ``p`` that :func:`check_p` already passed."""
+    return math.ceil(p * 4294967296.0)
+
+
+def keep_scale_unchecked(p: float) -> float:
+    """:func:`keep_scale` of a ``p`` that :func:`check_p` already passed."""
     return struct.unpack("<f", struct.pack("<f", 1.0 / (1.0 - p) if p < 1 else 0.0))[0]
+
+
+def _check_seed(seed: object) -> None:
+    """Refuse a seed that is not an int64 tensor [key, base, c2, c3] (its values are not read)."""
+    if not isinstance(seed, torch.Tensor):
+        raise KernelInputTypeError(f"seed must be an int64 tensor, got {type(seed).__name__}")
+    if seed.dtype != torch.int64 or seed.shape != (4,):
+        raise KernelInputError(
+            f"seed must be an int64 tensor of 4 words [key, base, c2, c3], got {seed.dtype} of "
+            f"shape {tuple(seed.shape)}"
+        )
+
+
+def _check_index_map(index_map: object) -> IndexMap:
+    if not isinstance(index_map, IndexMap):
+        raise KernelInputTypeError(
+            f"index_map must be an IndexMap (e.g. index_map_of(x.shape, shard)), got "
+            f"{type(index_map).__name__}"
+        )
+    return index_map
 
 
 def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -48,13 +92,24 @@ def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         ),
         dim=-1,
     )
-    return philox4x32(philox_key, counters)
+    return philox4x32_unchecked(philox_key, counters)
 
 
 def keep_mask(
     seed: torch.Tensor, p: float, index_map: IndexMap, device: torch.device
 ) -> torch.Tensor:
     """Bool mask (local flat order) of the elements kept, from the seed tensor [key, base, c2, c3]."""
+    _check_seed(seed)
+    p = check_p(p)
+    _check_index_map(index_map)
+    if not isinstance(device, torch.device):
+        raise KernelInputTypeError(f"device must be a torch.device, got {type(device).__name__}")
+    return _keep_mask(seed, p, index_map, device)
+
+
+def _keep_mask(
+    seed: torch.Tensor, p: float, index_map: IndexMap, device: torch.device
+) -> torch.Tensor:
     if index_map.numel == 0:
         return torch.zeros(0, dtype=torch.bool, device=device)
     if index_map.aligned:  # one Philox call per group of 4 local elements
@@ -70,7 +125,7 @@ def keep_mask(
     else:
         g = index_map.global_indices(device)
         words = _words(seed, g // 4).gather(-1, (g % 4).unsqueeze(-1)).squeeze(-1)
-    return words >= keep_threshold(p)
+    return words >= keep_threshold_unchecked(p)
 
 
 def fused_dropout_reference(
@@ -82,12 +137,39 @@ def fused_dropout_reference(
     index_map: IndexMap,
 ) -> torch.Tensor:
     """residual + keep * (x + bias) / (1 - p), computed in fp32 and rounded once to x's dtype."""
-    keep = keep_mask(seed, p, index_map, x.device).view(x.shape)
+    p = _check_reference_call(x, bias, residual, seed, p, index_map)
+    keep = _keep_mask(seed, p, index_map, x.device).view(x.shape)
     value = x.float()
     if bias is not None:
         value = value + bias.float()
-    scale = torch.tensor(keep_scale(p), dtype=torch.float32, device=x.device)
+    scale = torch.tensor(keep_scale_unchecked(p), dtype=torch.float32, device=x.device)
     value = torch.where(keep, value * scale, torch.zeros((), dtype=torch.float32, device=x.device))
     if residual is not None:
         value = residual.float() + value
     return value.to(x.dtype)
+
+
+def _check_reference_call(
+    x: object, bias: object, residual: object, seed: object, p: object, index_map: object
+) -> float:
+    """Refuse what fused_dropout_reference cannot compute; ``p`` as checked."""
+    if not isinstance(x, torch.Tensor):
+        raise KernelInputTypeError(f"x must be a tensor, got {type(x).__name__}")
+    for name, t, shape in (("bias", bias, x.shape[-1:]), ("residual", residual, x.shape)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise KernelInputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+        if t.shape != shape or (name == "bias" and x.dim() == 0):
+            raise KernelInputError(
+                f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)} (x has shape "
+                f"{tuple(x.shape)})"
+            )
+    _check_seed(seed)
+    p = check_p(p)
+    if _check_index_map(index_map).numel != x.numel():
+        raise KernelInputError(
+            f"the IndexMap covers {index_map.numel} local elements but x has {x.numel()} "
+            f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"
+        )
+    return p

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rng_tracker._deprecation import warn_deprecated
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker.errors import ArgumentTypeError, ParallelConfigError, ParallelConfigTypeError
 from rng_tracker.parallel._tp_mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -57,6 +58,26 @@ def shard_param(
     return param
 
 
+def _check_layer(features: dict[str, object], init: object, flags: dict[str, object]) -> None:
+    """Refuse sizes that are not positive ints, an ``init`` that is not a generator and flags
+    that are not bools, before anything is drawn from ``init``."""
+    for name, value in features.items():
+        checked_int(
+            value,
+            name,
+            type_error=ParallelConfigTypeError,
+            value_error=ParallelConfigError,
+            minimum=1,
+        )
+    if not isinstance(init, torch.Generator):
+        raise ArgumentTypeError(
+            f"init must be the torch.Generator the logical weights are drawn from, got "
+            f"{type(init).__name__}"
+        )
+    for name, value in flags.items():
+        checked_flag(value, name)
+
+
 def _init_weight(out_features: int, in_features: int, init: torch.Generator) -> torch.Tensor:
     bound = 1.0 / math.sqrt(in_features)
     return torch.empty(out_features, in_features).uniform_(-bound, bound, generator=init)
@@ -79,6 +100,11 @@ class ColumnParallelLinear(torch.nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
     ) -> None:
+        _check_layer(
+            {"in_features": in_features, "out_features": out_features},
+            init,
+            {"bias": bias, "gather_output": gather_output, "sequence_parallel": sequence_parallel},
+        )
         super().__init__()
         self.group = group
         self.gather_output = gather_output
@@ -117,6 +143,11 @@ class RowParallelLinear(torch.nn.Module):
         skip_bias_add: bool = False,
         sequence_parallel: bool = False,
     ) -> None:
+        _check_layer(
+            {"in_features": in_features, "out_features": out_features},
+            init,
+            {"bias": bias, "skip_bias_add": skip_bias_add, "sequence_parallel": sequence_parallel},
+        )
         super().__init__()
         self.group = group
         self.skip_bias_add = skip_bias_add
@@ -152,6 +183,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         init: torch.Generator,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        _check_layer({"vocab": vocab, "hidden": hidden}, init, {})
         super().__init__()
         self.group = group
         rank, size = tp_rank_and_size(group)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rng_tracker._validate import checked_int
-from rng_tracker.errors import ParallelConfigError, ParallelStateError
+from rng_tracker.errors import ParallelConfigError, ParallelConfigTypeError, ParallelStateError
 
 _DENSE_AXES = ("pp", "dp", "cp", "tp")
 _EXPERT_AXES = ("pp", "edp", "ep", "etp")
@@ -82,6 +82,27 @@ _GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes create
 
 def _positive(name: str, value: object) -> int:
     return checked_int(value, name, type_error=ParallelConfigError, minimum=1)
+
+
+def _check_device_type(device_type: object) -> None:
+    """Refuse a device type torch does not know (or a device with an index, such as "cuda:0")."""
+    if device_type is None:
+        return
+    if not isinstance(device_type, str):
+        raise ParallelConfigTypeError(
+            f"device_type must be a str such as 'cuda' or 'cpu', or None, got "
+            f"{type(device_type).__name__} {device_type!r}"
+        )
+    try:
+        known = torch.device(device_type).type == device_type
+    except (RuntimeError, ValueError):
+        known = False
+    if not known:
+        raise ParallelConfigError(
+            f"device_type {device_type!r} is not a torch device type; pass one such as 'cuda' "
+            "or 'cpu' (no index: each rank uses its current device), or None to pick cuda when "
+            "available, else cpu"
+        )
 
 
 def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:
@@ -176,6 +197,7 @@ def init_model_parallel(
             "model parallel is already initialised; call destroy_model_parallel() first"
         )
     tp, pp = _positive("tensor", tensor), _positive("pipeline", pipeline)
+    _check_device_type(device_type)
     cp, ep = _positive("context", context), _positive("expert", expert)
     world = dist.get_world_size()
     if world % (tp * pp * cp):

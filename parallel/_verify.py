@@ -29,7 +29,8 @@ from rng_tracker._streams import (
     stream_axes,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
-from rng_tracker.errors import ParallelStateError, RNGConsistencyError
+from rng_tracker._validate import checked_flag
+from rng_tracker.errors import ArgumentTypeError, ParallelStateError, RNGConsistencyError
 from rng_tracker.parallel._megatron_state import current_layout
 
 # Megatron seeds the default generator and data-parallel-rng from one seed, by design.
@@ -76,6 +77,25 @@ def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
     return ", ".join(f"{a}={coords[a]}" for a in axes) or "everywhere"
 
 
+def _check_arguments(layout: object, tracker: object, plan: object, strict: object) -> None:
+    """Refuse arguments of the wrong type, and a call before torch.distributed is set up."""
+    wanted = (
+        ("layout", layout, ParallelLayout, "a ParallelLayout (e.g. init_model_parallel()'s state)"),
+        ("tracker", tracker, RNGStatesTracker, "an RNGStatesTracker (e.g. get_rng_tracker())"),
+        ("plan", plan, SeedPlan, "the SeedPlan model_parallel_seed(...) returned"),
+    )
+    for name, value, kind, what in wanted:
+        if value is not None and not isinstance(value, kind):
+            raise ArgumentTypeError(f"{name} must be {what} or None, got {type(value).__name__}")
+    checked_flag(strict, "strict")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ParallelStateError(
+            "verify_rng_consistency is collective over the default process group, and "
+            "torch.distributed is not initialised; call torch.distributed.init_process_group "
+            "first (torchrun sets up the environment for it)"
+        )
+
+
 def verify_rng_consistency(
     layout: ParallelLayout | None = None,
     *,
@@ -96,6 +116,7 @@ def verify_rng_consistency(
     :class:`RNGConsistencyError` carrying the report.
     """
     layout = renamed_keyword("verify_rng_consistency", "state", "layout", state, layout)
+    _check_arguments(layout, tracker, plan, strict)
     tracker = tracker if tracker is not None else get_rng_tracker()
     layout = layout if layout is not None else current_layout()
     claimed: dict[str, int] = {}

@@ -13,6 +13,7 @@ recompute.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -23,9 +24,15 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_flag, checked_int
 from rng_tracker.activation_checkpoint import checkpoint
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    InvalidSeedError,
+    InvalidSeedTypeError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+)
 from rng_tracker.parallel._layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -69,6 +76,28 @@ class GPTConfig:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "heads", "layers", "ffn", "seq_len"):
+            _positive(f"GPTConfig.{name}", getattr(self, name))
+        if self.hidden % self.heads:
+            raise ParallelConfigError(
+                f"GPTConfig.heads={self.heads} must divide hidden={self.hidden} (each head gets "
+                "hidden / heads features)"
+            )
+        for name in ("attention_dropout", "hidden_dropout", "embedding_dropout"):
+            _probability(f"GPTConfig.{name}", getattr(self, name))
+        checked_flag(
+            self.sequence_parallel,
+            "GPTConfig.sequence_parallel",
+            type_error=ParallelConfigTypeError,
+        )
+        checked_int(
+            self.init_seed,
+            "GPTConfig.init_seed",
+            type_error=InvalidSeedTypeError,
+            value_error=InvalidSeedError,
+            minimum=0,
+            maximum=2**64 - 1,
+        )
         if self.rng_mode not in get_args(RNGMode):
             raise ParallelConfigError(
                 f"rng_mode must be 'megatron', 'invariant' or 'keyed', got {self.rng_mode!r}"
@@ -77,6 +106,23 @@ class GPTConfig:
             raise ParallelConfigError(
                 f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}"
             )
+
+
+def _positive(what: str, value: object) -> int:
+    return checked_int(
+        value, what, type_error=ParallelConfigTypeError, value_error=ParallelConfigError, minimum=1
+    )
+
+
+def _probability(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParallelConfigTypeError(
+            f"{what} must be a float in [0, 1], got {type(value).__name__} {value!r}"
+        )
+    if not 0.0 <= value <= 1.0:
+        raise ParallelConfigError(
+            f"{what} is a dropout probability: it must be in [0, 1], got {value}"
+        )
 
 
 class _LayerNorm(torch.nn.LayerNorm):
@@ -214,6 +260,8 @@ class TinyGPT(torch.nn.Module):
     """
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(config, GPTConfig):
+            raise ArgumentTypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         super().__init__()
         self.config, self.group = config, group
         init = torch.Generator().manual_seed(config.init_seed)

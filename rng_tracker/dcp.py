@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import operator
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -58,11 +59,16 @@ from rng_tracker._rng_entries import (
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
+    ArgumentTypeError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+    RankError,
     RNGStateConfigError,
     RNGStateLayoutError,
     RNGStateRederivedWarning,
     RNGStateSaveError,
     StateDictError,
+    StateDictTypeError,
     TrackerBusyError,
 )
 
@@ -71,6 +77,7 @@ __all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 SavedBy = Literal["auto", "each_rank", "main_process"]
 _SAVED_BY = ("auto", "each_rank", "main_process")
 _AXES = ("tp", "cp", "dp", "pp", "ep", "etp")  # a ParallelState's axes, in a fixed order
+_MAX_RANK = 10**9 - 1  # the largest r a ``rank<r>`` key holds (_rng_entries.is_rank_key)
 _WORD = (1 << 62) - 1  # digest words are 62-bit, so -word fits an int64 (MAX gives min and max)
 
 
@@ -85,20 +92,71 @@ class RankStates:
     def __init__(
         self, per_rank: dict[int, dict[str, Any]] | None = None, keyed: str | None = None
     ) -> None:
+        _check_per_rank(per_rank)
+        _check_keyed_text(keyed)
         self.per_rank = per_rank or {}
         self.keyed = keyed
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f"rank{r}": states for r, states in self.per_rank.items()}
+        out: dict[str, Any] = {
+            f"rank{operator.index(r)}": states for r, states in self.per_rank.items()
+        }
         if self.keyed is not None:
             out["keyed"] = self.keyed
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.per_rank = {
-            int(key[4:]): value for key, value in state_dict.items() if key.startswith("rank")
-        }
-        self.keyed = state_dict.get("keyed")
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise StateDictTypeError(
+                f"expected the mapping RankStates.state_dict() returns, got "
+                f"{type(state_dict).__name__}"
+            )
+        unknown = [k for k in state_dict if k != "keyed" and not is_rank_key(k)]
+        if unknown:
+            raise StateDictError(
+                f"RankStates entries are 'rank<r>' (r a global rank) and 'keyed'; got "
+                f"{', '.join(sorted(map(repr, unknown))[:8])}: it was not written by "
+                "RankStates.state_dict()"
+            )
+        per_rank = {int(key[4:]): value for key, value in state_dict.items() if key != "keyed"}
+        _check_per_rank(per_rank)
+        keyed = state_dict.get("keyed")
+        _check_keyed_text(keyed)
+        self.per_rank = per_rank
+        self.keyed = keyed
+
+
+def _check_per_rank(per_rank: object) -> None:
+    """Refuse a ``per_rank`` that is not a mapping of global rank to a mapping of states."""
+    if per_rank is None:
+        return
+    if not isinstance(per_rank, Mapping):
+        raise StateDictTypeError(
+            f"per_rank must map each global rank to its states (a dict), got "
+            f"{type(per_rank).__name__}"
+        )
+    for rank, states in per_rank.items():
+        checked_int(
+            rank,
+            "a per_rank key (a global rank)",
+            type_error=StateDictTypeError,
+            value_error=RankError,
+            minimum=0,
+            maximum=_MAX_RANK,
+        )
+        if not isinstance(states, Mapping):
+            raise StateDictTypeError(
+                f"per_rank[{rank!r}] must be a mapping of states (a dict of tensors), got "
+                f"{type(states).__name__}"
+            )
+
+
+def _check_keyed_text(keyed: object) -> None:
+    if keyed is not None and not isinstance(keyed, str):
+        raise StateDictTypeError(
+            f"keyed must be the keyed RNG's state as a str (e.g. JSON) or None, got "
+            f"{type(keyed).__name__}"
+        )
 
 
 def _layout_text(layout: object) -> str:
@@ -107,13 +165,31 @@ def _layout_text(layout: object) -> str:
     if isinstance(layout, str):
         return layout
     if isinstance(layout, Mapping):
-        return ",".join(f"{k}={int(v)}" for k, v in layout.items())
+        return ",".join(f"{_axis_name(k)}={_axis_size(k, v)}" for k, v in layout.items())
     shape = getattr(layout, "shape", None)  # a DeviceMesh
     if shape is not None:
         names = getattr(layout, "mesh_dim_names", None) or [f"dim{i}" for i in range(len(shape))]
         return ",".join(f"{n}={int(s)}" for n, s in zip(names, shape, strict=True))
-    raise StateDictError(
+    raise StateDictTypeError(
         f"layout must be a str, a mapping of axis sizes or a DeviceMesh, got {type(layout).__name__}"
+    )
+
+
+def _axis_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ParallelConfigTypeError(
+            f"layout's axis names must be non-empty strs (e.g. {{'tp': 2}}), got {name!r}"
+        )
+    return name
+
+
+def _axis_size(name: str, size: object) -> int:
+    return checked_int(
+        size,
+        f"layout[{name!r}] (an axis size)",
+        type_error=ParallelConfigTypeError,
+        value_error=ParallelConfigError,
+        minimum=1,
     )
 
 
@@ -261,10 +337,20 @@ class RNGStateful:
             )
         if not isinstance(strict, bool):
             raise RNGStateConfigError(f"strict must be a bool, got {type(strict).__name__}")
+        if tracker is not None and not isinstance(tracker, RNGStatesTracker):
+            raise ArgumentTypeError(
+                f"tracker must be an RNGStatesTracker (e.g. get_rng_tracker()) or None, got "
+                f"{type(tracker).__name__}"
+            )
+        if keyed is not None and not isinstance(keyed, KeyedRNG):
+            raise ArgumentTypeError(
+                f"keyed must be a KeyedRNG (e.g. get_keyed_rng()) or None, got "
+                f"{type(keyed).__name__}"
+            )
+        self.layout = _layout_text(layout)
         self._device = default_device()
         self.tracker = tracker if tracker is not None else get_rng_tracker(self._device)
         self.keyed = keyed if keyed is not None else get_keyed_rng(self._device)
-        self.layout = _layout_text(layout)
         self._mesh = layout if getattr(layout, "mesh_dim_names", None) is not None else None
         self.strict = strict
         self.saved_by: SavedBy = saved_by

@@ -536,6 +536,26 @@ def test_malformed_payloads_are_refused_typed_and_change_nothing() -> None:
             "shared": _forged("shared", shared_header, [b"\x00" * len(shared_blob)]),
         },
     }
+    named = {  # what each message names
+        "not a mapping": "expected the mapping RNGStateful.state_dict() returns, got list",
+        "empty": "has the entries 'shared' and 'rank<r>'; got []",
+        "no shared": "has the entries 'shared' and 'rank<r>'; got ['rank0']",
+        "unknown key": "got ['rank-1', 'rank0', 'shared']",
+        "empty entry": "'shared' (0 bytes) does not start with the format-2 marker",
+        "garbage": "'shared' (9 bytes) does not start with the format-2 marker",
+        "truncated": "'shared' does not match its checksum",
+        "not bytes": "'shared' is a int, not bytes",
+        "swapped keys": "'shared' does not match its checksum",
+        "format 1 garbage": "a format-1 RNG state (rng_tracker <= da7a863) that does not decode",
+        "format 1 empty": "a format-1 RNG state (rng_tracker <= da7a863) that does not decode",
+        "format 1 not bytes": "a format-1 RNG state is {'blob': bytes}",
+        "forged: other format": "RNG state of format 3",
+        "forged: bool world": "shared entry's header is malformed",
+        "forged: short blob": "lists 15168 bytes of states but holds 15167",
+        "forged: no cpu": "shared entry's list of states is malformed",
+        "forged: bad cpu state": "belongs to another save than its 'shared' entry",
+    }
+    assert named.keys() == cases.keys()
     torch.manual_seed(4)
     tracker.add("c", 13)
     keyed.set_step(8)
@@ -544,6 +564,7 @@ def test_malformed_payloads_are_refused_typed_and_change_nothing() -> None:
         with pytest.raises(StateDictError) as info:
             RNGStateful(tracker, keyed).load_state_dict(payload)
         assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+        assert named[name] in str(info.value), (name, str(info.value))
         assert _states(tracker, keyed) == before, name
 
 
@@ -564,3 +585,53 @@ def test_options_are_checked_when_built() -> None:
     for kwargs in ({"saved_by": "rank0"}, {"step": 3}, {"strict": "yes"}):
         with pytest.raises(RNGStateConfigError):
             RNGStateful(**kwargs)
+
+
+def _live_states(tracker: RNGStatesTracker, keyed: KeyedRNG) -> tuple:
+    """The CPU generator, the tracker's streams and the keyed state, bitwise."""
+    streams = {name: state.clone() for name, state in tracker.get_states().items()}
+    return torch.get_rng_state(), streams, json.dumps(keyed.state_dict(), sort_keys=True)
+
+
+def _assert_unchanged(before: tuple, after: tuple) -> None:
+    assert torch.equal(before[0], after[0])
+    assert before[1].keys() == after[1].keys()
+    assert all(torch.equal(before[1][name], after[1][name]) for name in before[1])
+    assert before[2] == after[2]
+
+
+_BAD_OPTIONS = [
+    ({"layout": {"tp": 2.7}}, "ParallelConfigTypeError", TypeError, r"layout\['tp'\].*float 2\.7"),
+    ({"layout": {"tp": True}}, "ParallelConfigTypeError", TypeError, "the bool True"),
+    ({"layout": {"tp": "two"}}, "ParallelConfigTypeError", TypeError, "str 'two'"),
+    ({"layout": {"tp": None}}, "ParallelConfigTypeError", TypeError, "NoneType None"),
+    ({"layout": {2: 2}}, "ParallelConfigTypeError", TypeError, "axis names must be non-empty"),
+    ({"layout": {"tp": 0}}, "ParallelConfigError", ValueError, "positive int, got 0"),
+    ({"layout": {"tp": -2}}, "ParallelConfigError", ValueError, "positive int, got -2"),
+    ({"layout": 5}, "StateDictTypeError", TypeError, "layout must be a str, a mapping"),
+    ({"tracker": "x"}, "ArgumentTypeError", TypeError, "tracker must be an RNGStatesTracker"),
+    ({"keyed": 5}, "ArgumentTypeError", TypeError, "keyed must be a KeyedRNG"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "builtin", "match"), _BAD_OPTIONS)
+def test_bad_constructor_arguments_are_refused_typed_and_change_nothing(
+    kwargs: dict, error: str, builtin: type, match: str
+) -> None:
+    """A layout size of 2.7 or True was stored as tp=2 or tp=1 (another layout's key), 'two' and
+    None raised bare errors, and a tracker or keyed RNG of the wrong type failed only in
+    state_dict(): each is refused when built, and nothing changes."""
+    from rng_tracker import errors
+
+    tracker, keyed = _setup()
+    before = _live_states(tracker, keyed)
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        RNGStateful(**{"tracker": tracker, "keyed": keyed, **kwargs})
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    _assert_unchanged(before, _live_states(tracker, keyed))
+
+
+def test_layout_sizes_that_are_ints_keep_their_key() -> None:
+    tracker, keyed = _setup()
+    for layout in ({"tp": 2, "dp": 2}, {"tp": torch.tensor(2), "dp": 2}, "tp=2,dp=2"):
+        assert RNGStateful(tracker, keyed, layout=layout).layout == "tp=2,dp=2"

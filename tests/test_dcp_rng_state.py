@@ -76,3 +76,73 @@ def test_dcp_save_at_one_layout_load_at_another(rank: int, tmp_path) -> None:
     got = _draws(shared, keyed)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+def _unchanged_since(before: torch.Tensor, states: object, keyed: object) -> None:
+    from rng_tracker.dcp import RankStates
+
+    assert torch.equal(torch.get_rng_state(), before)
+    assert isinstance(states, RankStates)
+    assert states.state_dict() == {"rank0": {"cpu": 1}, "keyed": keyed}
+
+
+_BAD_CONTAINERS = [
+    ({"per_rank": [1, 2]}, "StateDictTypeError", TypeError, "per_rank must map each global rank"),
+    ({"per_rank": {-1: {}}}, "RankError", ValueError, r"global rank\) must be in \[0, 999999999\]"),
+    ({"per_rank": {"0": {}}}, "StateDictTypeError", TypeError, "must be an int, got str '0'"),
+    ({"per_rank": {True: {}}}, "StateDictTypeError", TypeError, "the bool True"),
+    ({"per_rank": {0: 5}}, "StateDictTypeError", TypeError, r"per_rank\[0\] must be a mapping"),
+    ({"keyed": 5}, "StateDictTypeError", TypeError, "keyed must be the keyed RNG's state as a str"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "builtin", "match"), _BAD_CONTAINERS)
+def test_rank_states_refuses_bad_ranks_and_states_when_built(
+    kwargs: dict, error: str, builtin: type, match: str
+) -> None:
+    """per_rank={-1: ...} wrote a key 'rank-1' and a list failed in state_dict(); now typed."""
+    from rng_tracker import errors
+    from rng_tracker.dcp import RankStates
+
+    before = torch.get_rng_state()
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        RankStates(**kwargs)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+_BAD_LOADS = [
+    (None, "StateDictTypeError", TypeError, "expected the mapping RankStates.state_dict"),
+    ({"rankX": {}}, "StateDictError", ValueError, "'rankX': it was not written by RankStates"),
+    ({"rank-1": {}}, "StateDictError", ValueError, "'rank-1'"),
+    ({"other": 1}, "StateDictError", ValueError, "'other'"),
+    ({"rank0": 5}, "StateDictTypeError", TypeError, r"per_rank\[0\] must be a mapping"),
+    ({"keyed": 5}, "StateDictTypeError", TypeError, "keyed must be the keyed RNG's state"),
+]
+
+
+@pytest.mark.parametrize(("state_dict", "error", "builtin", "match"), _BAD_LOADS)
+def test_rank_states_refuses_a_malformed_state_dict_and_keeps_its_own(
+    state_dict: object, error: str, builtin: type, match: str
+) -> None:
+    """load_state_dict({'rankX': ...}) raised a bare ValueError, None an AttributeError."""
+    from rng_tracker import errors
+    from rng_tracker.dcp import RankStates
+
+    states = RankStates({0: {"cpu": 1}}, '{"seed": 3}')
+    before = torch.get_rng_state()
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        states.load_state_dict(state_dict)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    _unchanged_since(before, states, '{"seed": 3}')
+
+
+def test_rank_states_round_trips_its_state_dict() -> None:
+    from rng_tracker.dcp import RankStates
+
+    saved = RankStates({0: {"cpu": torch.arange(3)}, 12: {"cpu": torch.ones(2)}}, '{"seed": 3}')
+    loaded = RankStates()
+    loaded.load_state_dict(saved.state_dict())
+    assert sorted(loaded.per_rank) == [0, 12] and loaded.keyed == '{"seed": 3}'
+    assert torch.equal(loaded.per_rank[12]["cpu"], torch.ones(2))
+    assert RankStates().state_dict() == {}

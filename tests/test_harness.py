@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -68,12 +69,12 @@ def test_results_come_back_in_rank_order():
 
 
 def test_a_failing_rank_reports_its_traceback(tmp_path):
-    """The raising rank's traceback is in the error; its peer, left in barrier, is reported too."""
-    start = time.monotonic()
+    """The raising rank's traceback is in the error; its peer, left in barrier, is reported too,
+    stopped early rather than left to the (long) timeout."""
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_fail_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=60)
-    assert time.monotonic() - start < 30
+        run_distributed(_fail_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=600)
     message = str(info.value)
+    assert "hung: no result after" not in message
     assert "rank 1 raised" in message and "ValueError: rank one is unhappy" in message
     assert "_fail_on_rank_1" in message
     assert "barrier" in info.value.failures[0]  # gloo either errors out or the harness stops it
@@ -83,10 +84,8 @@ def test_a_failing_rank_reports_its_traceback(tmp_path):
 
 def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
     """A rank that never returns is reported with the Python frame it was stuck in."""
-    start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_hang_on_rank_0, world_size=2, args=(str(tmp_path),), timeout=6)
-    assert time.monotonic() - start < 6 + 8
     message = str(info.value)
     assert "rank 0 hung: no result after 6 s" in message and "_sleep_forever" in message
     assert set(info.value.failures) == {0}
@@ -97,12 +96,12 @@ def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
     ("how", "words"), [("signal", "killed by SIGKILL"), ("exit", "exited with code 3")]
 )
 def test_a_dying_rank_is_reported(tmp_path, how, words):
-    """A rank killed by a signal or by os._exit is named with how it died, well within the timeout."""
-    start = time.monotonic()
+    """A rank killed by a signal or by os._exit is named with how it died; its peer is stopped
+    early rather than left to the (long) timeout."""
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_die_on_rank_1, world_size=2, args=(str(tmp_path), how), timeout=60)
-    assert time.monotonic() - start < 30
+        run_distributed(_die_on_rank_1, world_size=2, args=(str(tmp_path), how), timeout=600)
     assert f"rank 1 died: {words}" in str(info.value)
+    assert "hung: no result after" not in str(info.value)
     _assert_all_gone(tmp_path)
 
 
@@ -137,3 +136,51 @@ def test_no_rank_exits_before_every_rank_has_returned(tmp_path):
         "returned",
     ]
     _assert_all_gone(tmp_path)
+
+
+def _module_level() -> int:  # pragma: no cover - never runs: every call below is refused
+    return 1
+
+
+_BAD_CALLS = [
+    (
+        {"world_size": "2"},
+        "ParallelConfigTypeError",
+        TypeError,
+        "world_size must be an int, got str",
+    ),
+    ({"world_size": 2.5}, "ParallelConfigTypeError", TypeError, "got float 2.5"),
+    ({"world_size": True}, "ParallelConfigTypeError", TypeError, "got the bool True"),
+    ({"world_size": 0}, "ParallelConfigError", ValueError, "world_size must be a positive int"),
+    ({"fn": 5}, "HarnessUsageError", TypeError, "fn must be a module-level function"),
+    ({"args": (threading.Lock(),)}, "HarnessUsageError", TypeError, "cannot be pickled"),
+    ({"kwargs": {"lock": threading.Lock()}}, "HarnessUsageError", TypeError, "cannot be pickled"),
+    ({"args": 5}, "HarnessUsageError", TypeError, "args must be a tuple or list"),
+    ({"args": "ab"}, "HarnessUsageError", TypeError, "args must be a tuple or list"),
+    ({"kwargs": [("a", 1)]}, "HarnessUsageError", TypeError, "kwargs must be a mapping"),
+    ({"kwargs": {1: 2}}, "HarnessUsageError", TypeError, "kwargs must be a mapping"),
+    ({"backend": 5}, "HarnessUsageError", TypeError, "backend must be"),
+    ({"timeout": "60"}, "HarnessUsageError", TypeError, "timeout must be seconds"),
+    ({"timeout": -1.0}, "ParallelConfigError", ValueError, "timeout must be a positive"),
+    ({"timeout": float("nan")}, "ParallelConfigError", ValueError, "timeout must be a positive"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "builtin", "match"), _BAD_CALLS)
+def test_bad_calls_are_refused_before_anything_is_created(
+    kwargs, error, builtin, match, tmp_path, monkeypatch
+):
+    """world_size='2' or 2.5 and unpicklable arguments raised bare TypeErrors (2.5 after making
+    the rendezvous directory, which stayed behind); fn=5 started a rank that then failed."""
+    import tempfile
+
+    from rng_tracker import errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a work dir would appear
+    before = torch.get_rng_state()
+    call = {"fn": _module_level, "world_size": 1, **kwargs}
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        run_distributed(call.pop("fn"), **call)
+    assert isinstance(info.value, errors.RNGTrackerError) and isinstance(info.value, builtin)
+    assert list(tmp_path.iterdir()) == []
+    assert torch.equal(torch.get_rng_state(), before)

@@ -342,6 +342,38 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
             ValueError,
             "meta",
         ),
+        # calls that draw nothing (training=False, p == 0) check impl, generator and training too
+        *(
+            (call, KernelInputError, ValueError, "impl must be 'auto', 'triton', 'cpu' or 'torch'")
+            for call in (
+                lambda g: dropout(torch.ones(4), 0.1, training=False, impl="bogus", generator=g),
+                lambda g: dropout(torch.ones(4), 0.0, impl="bogus", generator=g),
+                lambda g: bias_dropout_add(
+                    torch.ones(4), None, torch.ones(4), 0.1, training=False, impl="bogus"
+                ),
+            )
+        ),
+        *(
+            (call, KernelInputTypeError, TypeError, "generator must be a torch.Generator, got str")
+            for call in (
+                lambda g: dropout(torch.ones(4), 0.0, generator="g"),
+                lambda g: dropout(torch.ones(4), 0.1, training=False, generator="g"),
+                lambda g: bias_dropout_add(torch.ones(4), None, torch.ones(4), 0.0, generator="g"),
+            )
+        ),
+        *(
+            (call, KernelInputTypeError, TypeError, f"training must be a bool, got {words}")
+            for call, words in (
+                (lambda g: dropout(torch.ones(4), 0.1, training="no", generator=g), "str 'no'"),
+                (lambda g: dropout(torch.ones(4), 0.0, training=1, generator=g), "int 1"),
+                (
+                    lambda g: bias_dropout_add(
+                        torch.ones(4), None, torch.ones(4), 0.1, training=None, generator=g
+                    ),
+                    "NoneType None",
+                ),
+            )
+        ),
     ],
 )
 def test_bad_input_is_typed_and_draws_nothing(call, error, builtin, words):

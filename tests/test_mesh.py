@@ -63,3 +63,28 @@ def test_global_rank_places_a_layout_by_megatrons_order_without_a_mesh():
         global_rank({"ep": 1}, sizes)
     with pytest.raises(ParallelConfigError, match="outside an axis of size 2"):
         global_rank({"tp": 2}, sizes)
+
+
+@pytest.mark.distributed(world_size=1, timeout=90)
+def test_unknown_device_types_are_refused_before_the_mesh_is_built(rank):
+    """device_type='bogus' was accepted and built a mesh of a device torch does not know."""
+    from rng_tracker.errors import ParallelConfigTypeError
+    from rng_tracker.parallel._mesh import get_parallel_state_or_none
+
+    destroy_model_parallel()
+    before = torch.get_rng_state()
+    cases = [
+        ("bogus", ParallelConfigError, ValueError, "'bogus' is not a torch device type"),
+        ("cuda:0", ParallelConfigError, ValueError, "'cuda:0' is not a torch device type"),
+        ("CPU", ParallelConfigError, ValueError, "'CPU' is not a torch device type"),
+        (5, ParallelConfigTypeError, TypeError, "device_type must be a str.*int 5"),
+        (True, ParallelConfigTypeError, TypeError, "device_type must be a str.*bool True"),
+    ]
+    for device_type, error, builtin, match in cases:
+        with pytest.raises(error, match=match) as info:
+            init_model_parallel(device_type=device_type)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+        assert get_parallel_state_or_none() is None
+        assert torch.equal(torch.get_rng_state(), before)
+    assert init_model_parallel(device_type="cpu").mesh.device_type == "cpu"
+    destroy_model_parallel()

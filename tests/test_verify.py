@@ -129,3 +129,52 @@ def test_megatron_seeding_plan_verifies_against_the_mesh():
     for claimed_pp, pp, ok, problems in run_distributed(_megatron_seeding_on_tp2_pp2, world_size=4):
         assert claimed_pp == pp
         assert ok, problems
+
+
+def _tracker_states() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    tracker = get_rng_tracker("cpu")
+    return torch.get_rng_state(), {n: s.clone() for n, s in tracker.get_states().items()}
+
+
+def _assert_states_unchanged(before: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    after = _tracker_states()
+    assert torch.equal(before[0], after[0])
+    assert before[1].keys() == after[1].keys()
+    assert all(torch.equal(before[1][n], after[1][n]) for n in before[1])
+
+
+def test_verify_before_init_process_group_is_a_parallel_state_error():
+    """It raised torch's bare ValueError ("Default process group has not been initialized")."""
+    from rng_tracker._tracker import RNGStatesTracker
+
+    assert not dist.is_initialized()
+    cpu = torch.get_rng_state()
+    plan = model_parallel_seed(3, tracker=RNGStatesTracker("cpu"))  # seeds the CPU generator
+    torch.set_rng_state(cpu)
+    for kwargs in ({}, {"plan": plan}):
+        before = _tracker_states()
+        with pytest.raises(ParallelStateError, match="init_process_group") as info:
+            verify_rng_consistency(**kwargs)
+        assert isinstance(info.value, RuntimeError)
+        _assert_states_unchanged(before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"layout": object()}, "layout must be a ParallelLayout"),
+        ({"tracker": "x"}, "tracker must be an RNGStatesTracker"),
+        ({"plan": "x"}, "plan must be the SeedPlan"),
+        ({"strict": "yes"}, "strict must be a bool, got str 'yes'"),
+        ({"strict": 1}, "strict must be a bool, got int 1"),
+    ],
+)
+def test_verify_refuses_arguments_of_the_wrong_type(kwargs: dict, match: str):
+    """A layout, tracker or plan of the wrong type ended in an AttributeError."""
+    from rng_tracker.errors import ArgumentTypeError, RNGTrackerError
+
+    before = _tracker_states()
+    with pytest.raises(ArgumentTypeError, match=match) as info:
+        verify_rng_consistency(**kwargs)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+    _assert_states_unchanged(before)

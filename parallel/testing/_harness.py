@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import os
 import pickle
 import shutil
@@ -25,7 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from rng_tracker.errors import DistributedTestError, HarnessUsageError, ParallelConfigError
+from rng_tracker._validate import checked_int
+from rng_tracker.errors import (
+    DistributedTestError,
+    HarnessUsageError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+)
 
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
@@ -159,6 +167,50 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+def _payload(fn: object, args: object, kwargs: object) -> bytes:
+    """``(fn, args, kwargs)`` pickled for the ranks, or a :class:`HarnessUsageError` saying why
+    the rank processes could not run them."""
+    if not callable(fn):
+        raise HarnessUsageError(
+            f"fn must be a module-level function the ranks can import, got {type(fn).__name__} "
+            f"{fn!r}"
+        )
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise HarnessUsageError(
+            f"{qualname} is not importable by the rank processes; define it at module level"
+        )
+    if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+        raise HarnessUsageError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and (
+        not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)
+    ):
+        raise HarnessUsageError(
+            f"kwargs must be a mapping of str keyword names or None, got {type(kwargs).__name__}"
+        )
+    try:
+        return pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as exc:  # pickle raises TypeError, AttributeError or PicklingError
+        raise HarnessUsageError(
+            f"{qualname or type(fn).__name__} and its arguments cannot be pickled for the ranks "
+            f"({type(exc).__name__}: {exc}); pass picklable values and build the rest in fn"
+        ) from None
+
+
+def _check_options(backend: object, timeout: object) -> None:
+    if backend is not None and not isinstance(backend, str):
+        raise HarnessUsageError(
+            f"backend must be a torch.distributed backend name such as 'gloo', or None, got "
+            f"{type(backend).__name__}"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise HarnessUsageError(f"timeout must be seconds (a float), got {type(timeout).__name__}")
+    if not 0 < timeout < math.inf:
+        raise ParallelConfigError(
+            f"timeout must be a positive, finite number of seconds, got {timeout}"
+        )
+
+
 def run_distributed(
     fn: Callable[..., Any],
     *,
@@ -175,37 +227,40 @@ def run_distributed(
     when there is a GPU per rank). Raises :class:`DistributedTestError` naming every
     failed rank; no process outlives the call.
     """
-    if world_size < 1:
-        raise ParallelConfigError(f"world_size must be >= 1, got {world_size}")
+    world_size = checked_int(
+        world_size,
+        "world_size",
+        type_error=ParallelConfigTypeError,
+        value_error=ParallelConfigError,
+        minimum=1,
+    )
+    payload = _payload(fn, args, kwargs)
     qualname = getattr(fn, "__qualname__", "")
-    if "<locals>" in qualname or "<lambda>" in qualname:
-        raise HarnessUsageError(
-            f"{qualname} is not importable by the rank processes; define it at module level"
-        )
-    payload = pickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    _check_options(backend, timeout)
     backend = backend or _default_backend(world_size)
-    workdir = tempfile.mkdtemp(prefix="rng_tracker_dist_")
     ctx = _context()
-    processes = [
-        ctx.Process(
-            target=_rank_main,
-            args=(
-                rank,
-                world_size,
-                backend,
-                workdir,
-                dict(os.environ),
-                list(sys.path),
-                payload,
-                timeout,
-            ),
-            name=f"rank{rank}",
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    processes: list[multiprocessing.process.BaseProcess] = []
+    workdir = tempfile.mkdtemp(prefix="rng_tracker_dist_")
     failures: dict[int, str] = {}
     try:
+        processes += [
+            ctx.Process(
+                target=_rank_main,
+                args=(
+                    rank,
+                    world_size,
+                    backend,
+                    workdir,
+                    dict(os.environ),
+                    list(sys.path),
+                    payload,
+                    timeout,
+                ),
+                name=f"rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
         for process in processes:
             process.start()
         deadline = time.monotonic() + timeout
