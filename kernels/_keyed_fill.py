@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import numbers
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,7 @@ _SOURCE = CSource(
 )
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
+_FLOAT32 = torch.finfo(torch.float32)
 _lock = threading.Lock()
 MAX_DIMS = 64  # RT_MAX_DIMS of keyed_fill.c: the dims of a tensor it fills
 # "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), forced only by tests
@@ -119,6 +121,91 @@ def _index_lists(
     return list(indices)
 
 
+def real_number(value: object, what: str) -> float:
+    """``value`` as a float where torch's init takes a number: a real number (a bool, an int, a
+    float, a numpy scalar) or a 0-dim real tensor."""
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex()
+    ):
+        return float(value)
+    raise KernelInputTypeError(
+        f"{what} must be a real number, got {type(value).__name__} {value!r}"
+    )
+
+
+def _check_random_dtype(op: str, dtype: torch.dtype) -> None:
+    if not (dtype.is_floating_point or dtype.is_complex):
+        raise KernelInputTypeError(f"{op} fills floating-point or complex tensors, got {dtype}")
+
+
+def check_uniform(a: object, b: object, dtype: torch.dtype) -> None:
+    """Refuse what torch's ``uniform_(a, b)`` refuses on a ``dtype`` tensor: bounds that are not
+    real numbers, not finite, outside the dtype's range, ``a > b``, or ``b - a`` past its max."""
+    _check_random_dtype("uniform_", dtype)
+    low, high = real_number(a, "a"), real_number(b, "b")
+    limit = torch.finfo(dtype).max
+    if not -limit <= low <= high <= limit or high - low > limit:
+        raise KernelInputError(
+            f"uniform_ needs finite bounds a <= b with a, b and b - a within +-{limit:.6g} (the "
+            f"range of {dtype}), as torch requires; got a={low}, b={high}"
+        )
+
+
+def check_normal(mean: object, std: object, dtype: torch.dtype) -> None:
+    """Refuse what torch's ``normal_(mean, std)`` refuses on a ``dtype`` tensor: numbers that are
+    not real, or ``std`` not >= 0 (NaN included); an infinite mean or std torch allows."""
+    _check_random_dtype("normal_", dtype)
+    real_number(mean, "mean")
+    if not real_number(std, "std") >= 0.0:
+        raise KernelInputError(f"normal_ needs std >= 0, as torch requires; got std={std}")
+
+
+def check_trunc_normal(mean: object, std: object, a: object, b: object) -> None:
+    """Refuse a keyed truncated normal's parameters: not real numbers, or not a finite mean,
+    ``std > 0`` and ``a < b``."""
+    names = ("mean", "std", "a", "b")
+    m, s, low, high = (real_number(v, n) for v, n in zip((mean, std, a, b), names, strict=True))
+    if not (math.isfinite(m) and math.isfinite(s) and s > 0 and low < high):
+        raise KernelInputError(
+            f"a truncated normal needs a finite mean, std > 0 and a < b; got mean={mean}, "
+            f"std={std}, a={a}, b={b}"
+        )
+
+
+def _keyed_limit(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose range bounds a keyed fill of ``dtype``: its own, or float32's where
+    wider, since the kernel computes in float32."""
+    return dtype if torch.finfo(dtype).max <= _FLOAT32.max else torch.float32
+
+
+def check_fill(kind: str, dtype: torch.dtype, dims: int, params: Sequence[object]) -> None:
+    """Raise what a keyed fill of ``kind`` ("uniform", "normal" or "trunc_normal") refuses for a
+    ``dims``-dim tensor of ``dtype`` with ``params``, before anything is named or written."""
+    if not dtype.is_floating_point:
+        raise KernelInputTypeError(f"keyed init fills floating tensors, got {dtype}")
+    if dims > MAX_DIMS:
+        raise KernelInputError(
+            f"keyed init takes tensors of at most {MAX_DIMS} dims, got {dims}; reshape or fill "
+            "a flat view"
+        )
+    if kind == "uniform":
+        check_uniform(*params, _keyed_limit(dtype))
+    elif kind == "normal":
+        check_normal(*params, dtype)
+    else:
+        check_trunc_normal(*params)
+
+
+def _check_local(local: object, kind: str, params: Sequence[object]) -> torch.Tensor:
+    if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
+        raise KernelInputError(
+            "keyed init runs on CPU tensors (materialise on CPU, then move); got "
+            f"{type(local).__name__} on {getattr(local, 'device', None)}"
+        )
+    check_fill(kind, local.dtype, local.dim(), params)
+    return local
+
+
 @torch.no_grad()
 def _fill(
     local: torch.Tensor,
@@ -136,13 +223,6 @@ def _fill(
     (per dim, the global indices it holds; None: all) of a ``global_shape`` tensor (None:
     local's own shape). The public fills take these four keywords as ``**target``.
     """
-    if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
-        raise KernelInputError(
-            "keyed init runs on CPU tensors (materialise on CPU, then move); got "
-            f"{type(local).__name__} on {getattr(local, 'device', None)}"
-        )
-    if not local.is_floating_point():
-        raise KernelInputTypeError(f"keyed init fills floating tensors, got {local.dtype}")
     global_shape = tuple(local.shape) if global_shape is None else tuple(global_shape)
     lists = _index_lists(local.shape, global_shape, indices)
     library = _library()
@@ -191,6 +271,7 @@ def keyed_uniform_(
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
+    _check_local(local, "uniform", (a, b))
     return _fill(local, _UNIFORM, (b - a, a), **target)
 
 
@@ -198,6 +279,7 @@ def keyed_normal_(
     local: torch.Tensor, mean: float = 0.0, std: float = 1.0, **target: Any
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
+    _check_local(local, "normal", (mean, std))
     return _fill(local, _NORMAL, (std, mean), **target)
 
 
@@ -218,11 +300,7 @@ def keyed_trunc_normal_(
     One draw per element (no rejection loop), so no rank ever needs another's answer: the cost
     is the shard's, whatever the index map. ``std`` must be positive and ``a < b``.
     """
-    if not (math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b):
-        raise KernelInputError(
-            f"a truncated normal needs a finite mean, std > 0 and a < b; got mean={mean}, "
-            f"std={std}, a={a}, b={b}"
-        )
+    _check_local(local, "trunc_normal", (mean, std, a, b))
     lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
     params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
     return _fill(local, _TRUNCATED_NORMAL, params, **target)

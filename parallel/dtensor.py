@@ -27,11 +27,20 @@ from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker.errors import DTensorPlacementError, KernelInputError, RNGConsistencyError
+from rng_tracker._validate import checked_flag
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    DTensorPlacementError,
+    KernelInputError,
+    KernelInputTypeError,
+    KeyedTypeError,
+    RNGConsistencyError,
+)
 from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels._fused_dropout import check_p
+from rng_tracker.kernels._keyed_fill import check_normal, check_uniform
+from rng_tracker.kernels.reference import check_p
 from rng_tracker.parallel._placement import (
     LocalIndex,
     fill_from_full,
@@ -141,6 +150,11 @@ def _keyed_seed(x: DTensor, seed: torch.Tensor | None, site: str | None) -> torc
     """The seed words of a keyed call: ``seed`` itself, or keyed site ``site``'s at its step."""
     if site is None:
         return seed
+    if not isinstance(site, str):
+        raise KeyedTypeError(
+            f"site must be the name (a str) of a keyed site of get_keyed_rng, got "
+            f"{type(site).__name__} {site!r}"
+        )
     if seed is not None:
         raise KernelInputError(
             "pass site= (a keyed site of get_keyed_rng) or seed= (its seed words), not both"
@@ -167,7 +181,7 @@ def dropout(
     """
     require_dtensor("x", x)
     seed = _keyed_seed(x, seed, site)
-    if not training or check_p(p) == 0.0:
+    if not checked_flag(training, "training") or check_p(p) == 0.0:
         return x  # as torch and the kernel: nothing drawn, x itself
     x = without_partial(x)
     index = local_index_of(x)
@@ -211,6 +225,7 @@ def bias_dropout_add(
     ``seed``/``site``: keyed, as in :func:`dropout`.
     """
     seed = _keyed_seed(require_dtensor("x", x), seed, site)
+    checked_flag(training, "training")
     x = without_partial(x)
     residual = require_dtensor("residual", residual)
     if bias is not None:
@@ -260,21 +275,35 @@ def bias_dropout_add(
     return wrap_local(_run_kernel(local, index, call), x)
 
 
+def _check_init(t: object, generator: object) -> DTensor:
+    """``t`` itself after the checks of an init op's arguments, made before anything is drawn."""
+    t = require_dtensor("tensor", t)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise KernelInputTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
+    return t
+
+
 def uniform_(
     t: DTensor, a: float = 0.0, b: float = 1.0, *, generator: torch.Generator | None = None
 ) -> DTensor:
     """Fill ``t`` in place from U(a, b): its full tensor is what ``full.uniform_(a, b)`` draws.
 
     Every rank draws the whole logical tensor and keeps its part (a transient full-size
-    buffer per rank), so the generator ends where the full draw leaves it.
+    buffer per rank), so the generator ends where the full draw leaves it. Bounds torch
+    refuses (a > b, not finite, past the dtype's range) raise :class:`KernelInputError`.
     """
+    check_uniform(a, b, _check_init(t, generator).dtype)
     return fill_from_full(t, lambda full: full.uniform_(a, b, generator=generator))
 
 
 def normal_(
     t: DTensor, mean: float = 0.0, std: float = 1.0, *, generator: torch.Generator | None = None
 ) -> DTensor:
-    """Fill ``t`` in place from N(mean, std²): its full tensor is what ``full.normal_(mean, std)`` draws."""
+    """Fill ``t`` in place from N(mean, std²): its full tensor is what ``full.normal_(mean, std)``
+    draws. A std torch refuses (< 0, NaN) raises :class:`KernelInputError`."""
+    check_normal(mean, std, _check_init(t, generator).dtype)
     return fill_from_full(t, lambda full: full.normal_(mean, std, generator=generator))
 
 
@@ -287,8 +316,16 @@ def assert_same_generator_state(
     axis, so call it at start-up or after suspect code, not per op. ``generator`` defaults
     to the default generator of the mesh's device type.
     """
+    if not isinstance(mesh, DeviceMesh):
+        raise ArgumentTypeError(
+            f"mesh must be a DeviceMesh (e.g. from init_device_mesh), got {type(mesh).__name__}"
+        )
     if generator is None:
         generator = default_generator(mesh.device_type)
+    elif not isinstance(generator, torch.Generator):
+        raise ArgumentTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+        )
     digest = state_digest(generator.get_state())
     for axis in range(mesh.ndim):
         digests = all_gather_json(digest, mesh.get_group(axis))

@@ -38,10 +38,16 @@ from rng_tracker.errors import (
     InvariantRandomConfigError,
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
+    KernelInputError,
 )
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels._fused_dropout import check_p
-from rng_tracker.kernels.reference import keep_scale
+from rng_tracker.kernels._keyed_fill import (
+    check_normal,
+    check_trunc_normal,
+    check_uniform,
+    real_number,
+)
+from rng_tracker.kernels.reference import check_p, keep_scale_unchecked
 from rng_tracker.parallel._placement import (
     fill_from_full,
     local_index_of,
@@ -49,12 +55,7 @@ from rng_tracker.parallel._placement import (
     wrap_local,
 )
 from rng_tracker.parallel.dtensor import dropout
-from rng_tracker.parallel.keyed_init import (
-    KeyedInit,
-    keyed_normal_,
-    keyed_trunc_normal_,
-    keyed_uniform_,
-)
+from rng_tracker.parallel.keyed_init import KeyedInit
 
 __all__ = [
     "InitMode",
@@ -170,7 +171,11 @@ def _mask_route(
         x = without_partial(input) if isinstance(input, DTensor) else input
         local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
         keep = keep_of(x, p)
-        out = _alpha(local, keep, p) if alpha else local * (keep.to(local.dtype) * keep_scale(p))
+        out = (
+            _alpha(local, keep, p)
+            if alpha
+            else local * (keep.to(local.dtype) * keep_scale_unchecked(p))
+        )
         return _inplace(input, wrap_local(out, x) if isinstance(x, DTensor) else out, inplace)
 
     return route
@@ -199,20 +204,23 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
     full tensor (a DTensor keeps its part; a plain tensor is the full tensor)."""
 
     def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
+        for i, value in enumerate(args[:2]):
+            values[i] = value
+        for i, key in enumerate(names):
+            values[i] = kwargs.get(key, values[i])
+        low, high = (real_number(v, key) for v, key in zip(values, names, strict=True))
         if ctx.keyed is not None and kwargs.get("generator") is None:
-            name = ctx.keyed.name_of(tensor)
-            values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
-            for i, value in enumerate(args[:2]):
-                values[i] = value
-            for i, key in enumerate(names):
-                values[i] = kwargs.get(key, values[i])
-            fill = keyed_uniform_ if kind == "uniform" else keyed_normal_
-            return fill(tensor, float(values[0]), float(values[1]), name=name, seed=ctx.keyed.seed)
+            return ctx.keyed.fill(tensor, kind, low, high)
+        _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
         if isinstance(tensor, DTensor):
             return fill_from_full(tensor, lambda full: torch_func(full, *args, **kwargs))
         return torch_func(tensor, *args, **kwargs)
 
     return route
+
+
+_TORCH_CHECKS = {"uniform": check_uniform, "normal": check_normal}
 
 
 def _init_kaiming_uniform(
@@ -348,11 +356,19 @@ def _keyed_trunc_normal(
     ``generator=`` call or invalid bounds run torch's own."""
     blocks = _keyed_blocks()
     keyed = blocks[-1].keyed if blocks else None
-    valid = math.isfinite(mean) and math.isfinite(std) and std > 0 and a < b
-    if keyed is None or generator is not None or not valid:
+    if keyed is None or generator is not None or not _keyed_bounds(mean, std, a, b):
         return _TRUNC_ROUTE["torch"](tensor, mean, std, a, b, generator=generator)
-    name = keyed.name_of(tensor)
-    return keyed_trunc_normal_(tensor, mean, std, a, b, name=name, seed=keyed.seed)
+    return keyed.fill(tensor, "trunc_normal", mean, std, a, b)
+
+
+def _keyed_bounds(mean: object, std: object, a: object, b: object) -> bool:
+    """Whether the keyed truncated normal takes these (real) numbers; bounds it refuses run
+    torch's own, which answers them as torch does. Numbers that are not real raise."""
+    try:
+        check_trunc_normal(mean, std, a, b)
+    except KernelInputError:
+        return False
+    return True
 
 
 def _open_keyed_block(mode: _InvariantRandomMode) -> None:

@@ -16,12 +16,13 @@ docs/dtensor.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from rng_tracker._validate import checked_int
-from rng_tracker.errors import InvariantRandomConfigError
+from rng_tracker.errors import InvariantRandomConfigError, KernelInputTypeError
 from rng_tracker.kernels import _keyed_fill as _kernel
 from rng_tracker.parallel._placement import holds_values, local_index_of
 
@@ -39,12 +40,30 @@ _WRAPPER_PARTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wr
 
 def stable_name(fqn: str) -> str:
     """``fqn`` without the parts activation checkpointing, torch.compile and FSDP1 insert."""
+    if not isinstance(fqn, str):
+        raise KernelInputTypeError(
+            f"fqn must be a str (a parameter's qualified name), got {type(fqn).__name__} {fqn!r}"
+        )
     return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_PARTS)
 
 
-def _fill(
-    t: torch.Tensor, draw: Callable[..., torch.Tensor], *params: float, name: str, seed: int
-) -> None:
+FillKind = Literal["uniform", "normal", "trunc_normal"]
+
+
+def check_keyed_fill(t: object, kind: FillKind, *params: object) -> None:
+    """Raise what filling ``t`` with ``kind`` of ``params`` would refuse (the tensor, its dtype,
+    the parameters as torch's op checks them), before a name is taken or anything written."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelInputTypeError(
+            f"keyed init fills a tensor or a DTensor, got {type(t).__name__}"
+        )
+    _kernel.check_fill(kind, t.dtype, t.dim(), params)
+
+
+def _fill(t: torch.Tensor, kind: FillKind, *params: object, name: str, seed: int) -> None:
+    check_keyed_fill(t, kind, *params)
+    _kernel.name_hash(name)  # a bad name or seed raises here, on the meta device too
+    _kernel.init_key(seed)
     if isinstance(t, DTensor):
         index = local_index_of(t)
         holds = holds_values(t)
@@ -60,16 +79,25 @@ def _fill(
             local.zero_()
             return
         target = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
-        draw(target, *params, seed=seed, name=name, global_shape=global_shape, indices=indices)
+        _DRAWS[kind](
+            target, *params, seed=seed, name=name, global_shape=global_shape, indices=indices
+        )
         if target is not local:
             local.copy_(target)
+
+
+_DRAWS: dict[str, Callable[..., torch.Tensor]] = {
+    "uniform": _kernel.keyed_uniform_,
+    "normal": _kernel.keyed_normal_,
+    "trunc_normal": _kernel.keyed_trunc_normal_,
+}
 
 
 def keyed_uniform_(
     t: torch.Tensor, a: float = 0.0, b: float = 1.0, *, name: str, seed: int
 ) -> torch.Tensor:
     """Fill ``t`` (a plain tensor or a DTensor of any placements) from U[a, b), keyed by ``name``."""
-    _fill(t, _kernel.keyed_uniform_, a, b, name=name, seed=seed)
+    _fill(t, "uniform", a, b, name=name, seed=seed)
     return t
 
 
@@ -77,7 +105,7 @@ def keyed_normal_(
     t: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, name: str, seed: int
 ) -> torch.Tensor:
     """Fill ``t`` (a plain tensor or a DTensor) from N(mean, std²), keyed by ``name``."""
-    _fill(t, _kernel.keyed_normal_, mean, std, name=name, seed=seed)
+    _fill(t, "normal", mean, std, name=name, seed=seed)
     return t
 
 
@@ -93,8 +121,15 @@ def keyed_trunc_normal_(
 ) -> torch.Tensor:
     """Fill ``t`` (a plain tensor or a DTensor) from N(mean, std²) truncated to [a, b], keyed by
     ``name``: one inverse-CDF draw per element, so a rank never waits on another's values."""
-    _fill(t, _kernel.keyed_trunc_normal_, mean, std, a, b, name=name, seed=seed)
+    _fill(t, "trunc_normal", mean, std, a, b, name=name, seed=seed)
     return t
+
+
+_FILLS: dict[str, Callable[..., torch.Tensor]] = {
+    "uniform": keyed_uniform_,
+    "normal": keyed_normal_,
+    "trunc_normal": keyed_trunc_normal_,
+}
 
 
 def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
@@ -170,6 +205,13 @@ class KeyedInit:
             key = _local_key(t)
             name = None if key is None else self._by_storage.get(key)
         return name
+
+    def fill(self, t: torch.Tensor, kind: FillKind, *params: object) -> torch.Tensor:
+        """Fill ``t`` with the keyed values of ``kind`` (see :data:`FillKind`) under its name
+        (:meth:`name_of`); a refused call is refused before it takes a name, so it leaves the
+        names of later draws as they were."""
+        check_keyed_fill(t, kind, *params)
+        return _FILLS[kind](t, *params, name=self.name_of(t), seed=self.seed)
 
     def name_of(self, t: torch.Tensor) -> str:
         """``t``'s stable name in the model, or, for a tensor that is none of its parameters or

@@ -32,12 +32,22 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._device_rng import default_generator
-from rng_tracker._keyed import get_keyed_rng
+from rng_tracker._keyed import KeyedRNG, get_keyed_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._tracker import get_rng_tracker
-from rng_tracker._validate import checked_int
-from rng_tracker.errors import ParallelConfigError, RNGConsistencyError
+from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    KernelInputTypeError,
+    KeyedTypeError,
+    KeyedUnseededError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+    RNGConsistencyError,
+    SiteIdError,
+)
 from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
+from rng_tracker.kernels.reference import check_p
 from rng_tracker.parallel._tp_mappings import tp_rank_and_size
 
 __all__ = [
@@ -78,8 +88,8 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
     does not need it: capture :func:`current_batch_position` at forward time and pass it on.
     """
     position = BatchPosition(
-        checked_int(sample_offset, "sample_offset", type_error=ParallelConfigError, minimum=0),
-        checked_int(global_batch, "global_batch", type_error=ParallelConfigError, minimum=1),
+        _checked_count(sample_offset, "sample_offset", minimum=0),
+        _checked_count(global_batch, "global_batch", minimum=1),
     )
     if position.sample_offset >= position.global_batch:
         raise ParallelConfigError(
@@ -93,11 +103,33 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
         _POSITION.value = previous
 
 
+def _checked_count(value: object, what: str, *, minimum: int) -> int:
+    return checked_int(
+        value,
+        what,
+        type_error=ParallelConfigTypeError,
+        value_error=ParallelConfigError,
+        minimum=minimum,
+    )
+
+
 def current_batch_position(local_batch: int) -> BatchPosition:
     """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
     else the whole batch. Read it in a layer's forward and pass it to :func:`site_dropout`
     through a checkpointed function, whose recompute runs outside ``batch_position``."""
+    local_batch = _checked_count(local_batch, "local_batch", minimum=0)
     position = getattr(_POSITION, "value", None) or BatchPosition(0, local_batch)
+    return _fitting(position, local_batch)
+
+
+def _fitting(position: object, local_batch: int) -> BatchPosition:
+    """``position`` itself, if it is a :class:`BatchPosition` that a microbatch of
+    ``local_batch`` samples fits."""
+    if not isinstance(position, BatchPosition):
+        raise ParallelConfigTypeError(
+            f"position must be a BatchPosition (from current_batch_position or batch_position), "
+            f"got {type(position).__name__} {position!r}"
+        )
     if position.sample_offset + local_batch > position.global_batch:
         raise ParallelConfigError(
             f"a microbatch of {local_batch} samples at offset {position.sample_offset} does not "
@@ -160,6 +192,10 @@ def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
     """
     placed: dict[str, torch.Tensor] = {}
     for record in records:
+        if not isinstance(record, MaskRecord):
+            raise ArgumentTypeError(
+                f"records must be MaskRecords (from record_masks()), got {type(record).__name__}"
+            )
         region = record.region
         logical = placed.get(record.site)
         if logical is None:
@@ -190,27 +226,42 @@ def _region(
 
 
 def _check_site_options(
-    x: torch.Tensor,
+    site: object,
+    x: object,
     rng_mode: object,
-    sharded_dim: int | None,
-    batch_dim: int,
+    sharded_dim: object,
+    batch_dim: object,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-) -> None:
+) -> tuple[int | None, int]:
+    """The checked (sharded_dim, batch_dim) of a site's call, after every check of its options."""
+    if not isinstance(site, str):
+        raise KeyedTypeError(
+            f"site must be a str (a stable global name), got {type(site).__name__} {site!r}"
+        )
+    if not site:
+        raise SiteIdError("site must not be empty; use a stable global name")
+    if not isinstance(x, torch.Tensor):
+        raise KernelInputTypeError(f"x must be a tensor, got {type(x).__name__}")
     if rng_mode not in _RNG_MODES:
         raise ParallelConfigError(
             f"rng_mode must be 'megatron', 'invariant' or 'keyed', got {rng_mode!r}"
         )
+    dims = []
     for name, dim in (("sharded_dim", sharded_dim), ("batch_dim", batch_dim)):
-        if dim is not None and not -x.dim() <= dim < x.dim():
-            raise ParallelConfigError(
-                f"{name}={dim} is not a dim of x, which has shape {tuple(x.shape)}"
-            )
+        if dim is not None:
+            dim = checked_int(dim, name, type_error=ParallelConfigTypeError)
+            if not -x.dim() <= dim < x.dim():
+                raise ParallelConfigError(
+                    f"{name}={dim} is not a dim of x, which has shape {tuple(x.shape)}"
+                )
+        dims.append(dim)
     if bias is not None and residual is None:
         raise ParallelConfigError(
             "bias= is added by the fused bias-dropout-add, which needs residual= too; add the "
             "bias to x yourself for a plain dropout"
         )
+    return dims[0], dims[1]
 
 
 def site_dropout(
@@ -247,9 +298,15 @@ def site_dropout(
             position=position, training=self.training, bias=bias, residual=x,
         )
     """
-    _check_site_options(x, rng_mode, sharded_dim, batch_dim, bias, residual)
+    sharded_dim, batch_dim = _check_site_options(
+        site, x, rng_mode, sharded_dim, batch_dim, bias, residual
+    )
+    training, p = checked_flag(training, "training"), check_p(p)
+    local_batch = x.shape[batch_dim]
     if position is None:
-        position = current_batch_position(x.shape[batch_dim])
+        position = current_batch_position(local_batch)
+    else:
+        position = _fitting(position, local_batch)
     tp_rank, tp = tp_rank_and_size(group)
     placement = None  # the TP/SP shard of x (an even split)
     if sharded_dim is not None and tp > 1:
@@ -299,11 +356,36 @@ def _keyed_site(
     """A keyed site (training, p > 0): no generator is read or written, the mask is
     (seed, step, site, box)'s."""
     rng = get_keyed_rng(x.device)
+    region = _region(x.shape, shard, batch_dim, position)
+    if site not in rng.sites:
+        _check_first_draw(rng, x, p, region, bias, residual)
     rng.register(site)
     seed = rng.seed_tensor(site)  # (4,) [key, 0, site id, step]
-    region = _region(x.shape, shard, batch_dim, position)
     if _PROBE is not None:
         _probe(site, x, p, shard, region, batch_dim, shard=region, seed=seed)
     if residual is None:
         return dropout(x, p, shard=region, seed=seed)
     return bias_dropout_add(x, bias, residual, p, shard=region, seed=seed)
+
+
+def _check_first_draw(
+    rng: KeyedRNG,
+    x: torch.Tensor,
+    p: float,
+    region: Region,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    """Refuse a new keyed site's first call before the site registers: keyed randomness needs
+    a seed, and the kernel's checks of its inputs (a call with ``training=False`` makes them
+    all and draws nothing)."""
+    if rng.seed is None:
+        raise KeyedUnseededError(
+            "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "
+            "the run's seed (the same on every rank) first"
+        )
+    with torch.no_grad():
+        if residual is None:
+            dropout(x, p, training=False, shard=region)
+        else:
+            bias_dropout_add(x, bias, residual, p, training=False, shard=region)

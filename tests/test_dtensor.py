@@ -3,8 +3,9 @@
 Invariant: for any mesh and placements, the gathered result of an op on a DTensor equals
 bitwise the same op on the full tensor from the same generator state, and every rank's
 generator ends where the full op leaves it; keyed (``seed=``/``site=``), it equals the kernels'
-keyed op on the full tensor and draws nothing. Plain tensors and placements the library cannot
-place exactly are typed errors that draw nothing.
+keyed op on the full tensor and draws nothing. Plain tensors, placements the library cannot
+place exactly, and arguments of a wrong type or value (bounds torch refuses, a site that is not
+a name, a mesh that is not a DeviceMesh) are typed errors that draw nothing.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _check_op(name, mesh, placements, shape, dtype, gen) -> None:
 @pytest.mark.distributed(world_size=4, timeout=300)
 def test_ops_gathered_equal_full_tensor_ops(rank: int) -> None:
     """dropout/bias_dropout_add/uniform_/normal_ on every layout gather to the full-tensor op,
-    bitwise, gradients too; and the edge cases of :func:`_check_edges`."""
+    bitwise, gradients too (the bias gradient up to summation order: it sums rows that other
+    ranks hold); and the edge cases of :func:`_check_edges`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes = {s: init_device_mesh("cpu", s) for s in [(4,), (2, 2)]}
@@ -237,12 +239,21 @@ def _check_keyed(mesh, placements, shape, gen) -> None:
 
     bias_full = torch.randn(shape[-1:], generator=gen)
     residual_full = torch.randn(shape, generator=gen)
-    bias = distribute_tensor(bias_full, mesh, [Replicate()] * mesh.ndim)
-    residual = distribute_tensor(residual_full, mesh, [Replicate()] * mesh.ndim)
-    fused = dt.bias_dropout_add(x, bias, residual, _P, site="block.3.attention")
-    want = kernels.bias_dropout_add(full, bias_full, residual_full, _P, seed=seed)
+    bias = distribute_tensor(bias_full, mesh, [Replicate()] * mesh.ndim).requires_grad_()
+    residual = distribute_tensor(residual_full, mesh, [Replicate()] * mesh.ndim).requires_grad_()
+    x_fused = x.detach().requires_grad_()
+    fused = dt.bias_dropout_add(x_fused, bias, residual, _P, site="block.3.attention")
+    refs = [t.clone().requires_grad_() for t in (full, bias_full, residual_full)]
+    want = kernels.bias_dropout_add(*refs, _P, seed=seed)
     assert torch.equal(fused.full_tensor(), want), case
     assert torch.equal(torch.get_rng_state(), before), case
+    grad = torch.randn(shape, generator=gen)
+    fused.backward(distribute_tensor(grad, mesh, fused.placements, src_data_rank=None))
+    want.backward(grad)
+    assert torch.equal(x_fused.grad.full_tensor(), refs[0].grad), case
+    assert torch.equal(residual.grad.full_tensor(), refs[2].grad), case
+    # the bias gradient sums over rows that other ranks hold: equal up to summation order
+    torch.testing.assert_close(bias.grad.full_tensor(), refs[1].grad, rtol=1e-5, atol=1e-5)
 
     # region_of: the public way to place a local shard for the kernels
     boxes = len(local_index_of(x).boxes()) if not partial else 0
@@ -259,7 +270,7 @@ def test_keyed_dropout_on_dtensors_from_public_calls(rank: int) -> None:
     """On a spread of the layouts above (1-d and 2x2 meshes; Shard, Replicate, Partial, even and
     uneven ``_StridedShard``), even and uneven shapes, keyed dropout and bias-dropout-add of a
     DTensor (``site=`` or ``seed=``) gather bitwise to the kernels' keyed op on the full tensor
-    with the same seed words, gradients too, and draw nothing from any generator. Where this
+    with the same seed words, gradients too (bitwise; the bias's up to summation order), and draw nothing from any generator. Where this
     rank's local tensor is one box, ``region_of(x)`` gives the ``Region`` with which
     ``rng_tracker.kernels.dropout(x.to_local(), p, shard=..., seed=...)`` draws exactly the
     DTensor op's local mask (what user code needed torch's private
@@ -282,3 +293,61 @@ def test_keyed_dropout_on_dtensors_from_public_calls(rank: int) -> None:
     x = _make(torch.ones(8, 12), meshes[(4,)], _layouts()[0][1])
     with pytest.raises(KernelInputError, match="not both"):
         dt.dropout(x, _P, site="block.3.attention", seed=keyed.seed_tensor("block.3.attention"))
+
+
+@pytest.mark.distributed(world_size=1, timeout=120)
+def test_bad_arguments_are_typed_errors_that_draw_nothing(rank: int) -> None:
+    """Bounds torch refuses, a generator, site, flag or mesh of the wrong type: typed errors,
+    raised before anything is drawn or written (torch's bare RuntimeError/TypeError, an
+    AttributeError or an unhashable-type TypeError before)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from rng_tracker import get_keyed_rng
+    from rng_tracker.errors import (
+        ArgumentTypeError,
+        KernelInputError,
+        KernelInputTypeError,
+        KeyedTypeError,
+        RNGTrackerError,
+    )
+    from rng_tracker.parallel import dtensor as dt
+
+    mesh = init_device_mesh("cpu", (1,))
+    d = distribute_tensor(torch.full((4, 8), 7.0), mesh, [Shard(0)])
+    ints = distribute_tensor(torch.zeros(4, 8, dtype=torch.int32), mesh, [Shard(0)])
+    keyed = get_keyed_rng("cpu")
+    keyed.manual_seed(3)
+    sites = keyed.sites
+    for call, error, builtin, words in (
+        (lambda: dt.uniform_(d, 1.0, 0.0), KernelInputError, ValueError, "a <= b"),
+        (lambda: dt.uniform_(d, 0.0, float("nan")), KernelInputError, ValueError, "finite"),
+        (lambda: dt.normal_(d, 0.0, -1.0), KernelInputError, ValueError, "std >= 0"),
+        (lambda: dt.normal_(d, "x"), KernelInputTypeError, TypeError, "mean must be a real"),
+        (lambda: dt.uniform_(d, generator="g"), KernelInputTypeError, TypeError,
+         "generator must be a torch.Generator"),
+        (lambda: dt.uniform_(ints), KernelInputTypeError, TypeError, "got torch.int32"),
+        (lambda: dt.dropout(d, _P, site=[1]), KeyedTypeError, TypeError,
+         "site must be the name .*got list"),
+        (lambda: dt.dropout(d, _P, site=5), KeyedTypeError, TypeError, "got int 5"),
+        (lambda: dt.bias_dropout_add(d, None, d, _P, site=("a",)), KeyedTypeError, TypeError,
+         "got tuple"),
+        (lambda: dt.dropout(d, _P, training="no"), ArgumentTypeError, TypeError,
+         "training must be a bool"),
+        (lambda: dt.bias_dropout_add(d, None, d, _P, training=1), ArgumentTypeError, TypeError,
+         "training must be a bool"),
+        (lambda: dt.assert_same_generator_state("mesh"), ArgumentTypeError, TypeError,
+         "mesh must be a DeviceMesh"),
+        (lambda: dt.assert_same_generator_state(mesh, generator="g"), ArgumentTypeError,
+         TypeError, "generator must be a torch.Generator"),
+    ):  # fmt: skip
+        state = torch.get_rng_state()
+        with pytest.raises(error, match=words) as info:
+            call()
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+        assert torch.equal(torch.get_rng_state(), state)
+        assert torch.equal(d.to_local(), torch.full((4, 8), 7.0))
+        assert keyed.sites == sites
+    torch.manual_seed(9)
+    dt.uniform_(d, 2, 2)  # a == b, as torch allows
+    assert torch.equal(d.to_local(), torch.full((4, 8), 2.0))

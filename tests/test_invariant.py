@@ -7,8 +7,9 @@ full tensor the same op gives on a DTensor of any placements (1-D and 2-D meshes
 strided shards), from the same generator state, and leaves the generator in the same state - in
 the default init mode (keyed: O(local shard), nothing drawn) and in the opt-in full-tensor mode
 (torch's values); a ``parallelize_module`` block inits and drops as the unsharded one; keyed
-``trunc_normal_`` is one keyed draw per element, so a rank initialises its shard alone; ops
-without an invariant route are a typed error on a DTensor; the 0.1 names in
+``trunc_normal_`` is one keyed draw per element, so a rank initialises its shard alone; init
+arguments torch refuses are refused (typed) in both init modes, and a refused keyed call takes no
+name from later draws; ops without an invariant route are a typed error on a DTensor; the 0.1 names in
 ``rng_tracker.parallel.dtensor`` still resolve, warning.
 """
 
@@ -26,6 +27,8 @@ from rng_tracker._torch_private import trunc_normal_impl
 from rng_tracker.errors import (
     InvariantRandomConfigError,
     InvariantRandomUnsupportedError,
+    KernelInputError,
+    KernelInputTypeError,
     RNGTrackerError,
 )
 from rng_tracker.kernels import dropout as kernel_dropout
@@ -265,6 +268,84 @@ def test_config_and_unsupported_errors_are_typed() -> None:
         torch.empty(4).bernoulli_(torch.full((4,), 0.5))
     assert torch.equal(torch.get_rng_state(), state)
     assert issubclass(InvariantRandomUnsupportedError, TypeError)
+
+
+_REFUSED_INITS = [
+    (lambda: torch.nn.init.uniform_(torch.empty(4, dtype=torch.int32)), KernelInputTypeError,
+     TypeError, "floating tensors, got torch.int32"),
+    (lambda: torch.nn.init.uniform_(torch.empty(4), 1.0, 0.0), KernelInputError, ValueError,
+     "a <= b .*as torch requires"),
+    (lambda: torch.nn.init.uniform_(torch.empty(4), float("nan")), KernelInputError, ValueError,
+     "finite bounds"),
+    (lambda: torch.nn.init.normal_(torch.empty(4), 0.0, -1.0), KernelInputError, ValueError,
+     "std >= 0, as torch requires"),
+    (lambda: torch.nn.init.uniform_(torch.empty(4), "x"), KernelInputTypeError, TypeError,
+     "a must be a real number, got str"),
+    (lambda: torch.nn.init.normal_(torch.empty(4), std=None), KernelInputTypeError, TypeError,
+     "std must be a real number, got NoneType"),
+    (lambda: torch.nn.init.trunc_normal_(torch.empty(4, dtype=torch.int32)),
+     KernelInputTypeError, TypeError, "floating tensors"),
+    (lambda: torch.nn.init.trunc_normal_(torch.empty(4), "x"), KernelInputTypeError, TypeError,
+     "mean must be a real number"),
+]  # fmt: skip
+
+
+def _later_draws() -> list[torch.Tensor]:
+    return [
+        torch.nn.init.uniform_(torch.empty(4)),
+        torch.nn.init.normal_(torch.empty(4)),
+        torch.nn.init.trunc_normal_(torch.empty(4), std=0.02),
+    ]
+
+
+@pytest.mark.parametrize(
+    "call, error, builtin, words",
+    _REFUSED_INITS,
+    ids=["uniform-int32", "uniform-a>b", "uniform-nan", "normal-std<0", "uniform-str",
+         "normal-std-None", "trunc_normal-int32", "trunc_normal-str"],
+)  # fmt: skip
+def test_a_refused_keyed_init_takes_no_name(
+    call: object, error: type, builtin: type, words: str
+) -> None:
+    """With no model= a draw is named by its place among the block's draws: a refused call
+    (checked before it is named) leaves later draws' values as they were, and draws nothing."""
+    with invariant_random(seed=5):
+        want = _later_draws()
+    state = torch.get_rng_state()
+    with invariant_random(seed=5):
+        with pytest.raises(error, match=words) as info:
+            call()  # type: ignore[operator]
+        got = _later_draws()
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert torch.equal(torch.get_rng_state(), state)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
+    """nn.init.uniform_(t, 1, 0) and normal_(t, 0, -1) raise in plain torch; under
+    invariant_random they raise too (KernelInputError, a ValueError), in keyed and full mode,
+    before anything is written or drawn; valid bounds at the edge (a == b, std == 0) pass."""
+    calls = [
+        (lambda t: torch.nn.init.uniform_(t, 1.0, 0.0), "a <= b"),
+        (lambda t: torch.nn.init.normal_(t, 0.0, -1.0), "std >= 0"),
+        (lambda t: t.uniform_(0.0, float("inf")), "finite bounds"),
+        (lambda t: torch.nn.init.uniform_(t, 0.0, 1e5), r"\+-65504"),
+    ]
+    for call, words in calls:
+        with pytest.raises(RuntimeError):
+            call(torch.empty(4, dtype=torch.float16))  # plain torch refuses it
+        for options in ({"seed": 1}, {"init": "full"}):
+            t = torch.full((4,), 7.0, dtype=torch.float16)
+            state = torch.get_rng_state()
+            with invariant_random(**options), pytest.raises(KernelInputError, match=words):
+                call(t)
+            assert torch.equal(t, torch.full((4,), 7.0, dtype=torch.float16)), (words, options)
+            assert torch.equal(torch.get_rng_state(), state)
+    for options in ({"seed": 1}, {"init": "full"}):
+        with invariant_random(**options):
+            assert torch.equal(torch.nn.init.uniform_(torch.empty(3), 2, 2), torch.full((3,), 2.0))
+            assert torch.equal(torch.nn.init.normal_(torch.empty(3), 1, 0), torch.ones(3))
 
 
 @pytest.mark.distributed(world_size=4, timeout=300)

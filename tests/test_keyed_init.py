@@ -4,7 +4,8 @@ Claims: the compiled kernel's uniform values are bitwise the plain-torch Philox 
 shard (index lists) is bitwise the slice of the full tensor, for uniform and normal; the
 values do not depend on the generator, on meta-device materialisation, on module
 construction order or on which other modules a (pipeline) stage holds; nothing is drawn
-from the generator; keyed ``trunc_normal_`` values follow the truncated normal. The multi-rank
+from the generator; keyed ``trunc_normal_`` values follow the truncated normal; bounds are refused
+exactly where torch's ``uniform_``/``normal_`` refuse them, as typed errors. The multi-rank
 TP, TP x FSDP and torchtitan cases are in tests/test_invariant.py and tests/test_torchtitan.py.
 """
 
@@ -18,6 +19,7 @@ import torch
 from rng_tracker.errors import (
     InvariantRandomConfigError,
     KernelInputError,
+    KernelInputTypeError,
     KernelUnavailableError,
     RNGTrackerError,
 )
@@ -29,6 +31,7 @@ from rng_tracker.kernels._keyed_fill import (
     name_hash,
 )
 from rng_tracker.kernels.philox import philox4x32
+from rng_tracker.parallel import keyed_init
 from rng_tracker.parallel.invariant import invariant_random
 from rng_tracker.parallel.keyed_init import KeyedInit, stable_name
 
@@ -196,6 +199,12 @@ def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.Monk
                 by_path.append(fill(torch.empty(shape), **target))
             for values in by_path[1:]:
                 assert torch.equal(values.view(torch.int32), by_path[0].view(torch.int32))
+    # and each path against the plain-torch definition (so one path alone is checked too)
+    for path in paths:
+        monkeypatch.setitem(_keyed_fill._state, "isa", _c_build.ISA_CODES[path])
+        got = keyed_uniform_(torch.empty(5, 7), -0.5, 2.0, seed=7, name="w")
+        want = keyed_uniform_reference((5, 7), -0.5, 2.0, seed=7, name="w")
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), path
     # each refusal typed for its own cause, and nothing written
     many_dims = torch.full([1] * 65, 3.0)
     with pytest.raises(KernelInputError, match="at most 64 dims, got 65"):
@@ -208,3 +217,106 @@ def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.Monk
     with pytest.raises(KernelUnavailableError, match="path 99, which this CPU does not run"):
         keyed_uniform_(untouched, seed=7, name="w")
     assert torch.equal(untouched, torch.full((4,), 3.0))
+
+
+_NAN, _INF = float("nan"), float("inf")
+_UNIFORM_BOUNDS = [(0.0, 1.0), (1.0, 1.0), (1.0, 0.0), (_NAN, 1.0), (0.0, _INF), (-_INF, 0.0),
+                   (0.0, 1e5), (-3e38, 3e38), (-1, 2)]  # fmt: skip
+_NORMAL_PARAMS = [(0.0, 1.0), (0.0, 0.0), (0.0, -1.0), (0.0, _NAN), (_NAN, 1.0), (_INF, 1.0),
+                  (0.0, _INF)]  # fmt: skip
+
+
+def _torch_refuses(torch_fill: object, dtype: torch.dtype, first: float, second: float) -> bool:
+    try:
+        torch_fill(torch.empty(3, dtype=dtype), first, second)  # type: ignore[operator]
+    except RuntimeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_bounds_are_refused_where_torch_refuses_them(dtype: torch.dtype) -> None:
+    """Plain tensor and module alike: keyed uniform_/normal_ raise KernelInputError (a
+    ValueError) exactly where torch's own raise (a float64 keyed fill, computed in float32, also
+    refuses bounds past float32's range); a refusal writes nothing and draws nothing."""
+    for fill, torch_fill, cases in (
+        (keyed_init.keyed_uniform_, torch.Tensor.uniform_, _UNIFORM_BOUNDS),
+        (keyed_init.keyed_normal_, torch.Tensor.normal_, _NORMAL_PARAMS),
+    ):
+        for first, second in cases:
+            torch_refuses = _torch_refuses(torch_fill, dtype, first, second)
+            beyond_float32 = dtype == torch.float64 and (first, second) == (-3e38, 3e38)
+            t = torch.full((3,), 7.0, dtype=dtype)
+            state = torch.get_rng_state()
+            if not (torch_refuses or beyond_float32):
+                fill(t, first, second, name="w", seed=1)
+                continue
+            with pytest.raises(KernelInputError, match="as torch requires") as info:
+                fill(t, first, second, name="w", seed=1)
+            assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+            assert torch.equal(t, torch.full((3,), 7.0, dtype=dtype)), (fill, first, second)
+            assert torch.equal(torch.get_rng_state(), state)
+
+
+def _assert_refused(call: object, t: torch.Tensor, error: type, builtin: type, words: str) -> None:
+    state = torch.get_rng_state()
+    with pytest.raises(error, match=words) as info:
+        call(t)  # type: ignore[operator]
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert t.is_meta or torch.equal(t, torch.full((3,), 7.0))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_bad_arguments_are_typed_before_anything_is_written() -> None:
+    """Non-numbers are KernelInputTypeError (a TypeError), not bare TypeErrors; the meta device
+    and the kernel's own entry points check alike; a valid call keeps its exact bits."""
+    for call, error, builtin, words in (
+        (lambda t: keyed_init.keyed_uniform_(t, "x", 1.0, name="w", seed=1),
+         KernelInputTypeError, TypeError, "a must be a real number, got str"),
+        (lambda t: keyed_init.keyed_normal_(t, 0.0, None, name="w", seed=1),
+         KernelInputTypeError, TypeError, "std must be a real number, got NoneType"),
+        (lambda t: keyed_init.keyed_trunc_normal_(t, "x", name="w", seed=1),
+         KernelInputTypeError, TypeError, "mean must be a real number"),
+        (lambda t: keyed_init.keyed_uniform_(t, torch.ones(2), name="w", seed=1),
+         KernelInputTypeError, TypeError, "a must be a real number, got Tensor"),
+        (lambda t: keyed_init.keyed_uniform_(t, 1.0, 0.0, name="w", seed=1),
+         KernelInputError, ValueError, "a <= b"),
+        (lambda t: keyed_init.keyed_uniform_(t.int(), name="w", seed=1),
+         KernelInputTypeError, TypeError, "floating tensors, got torch.int32"),
+        (lambda t: keyed_init.keyed_uniform_(t, name=5, seed=1),
+         KernelInputTypeError, TypeError, "name must be a non-empty str"),
+    ):  # fmt: skip
+        for t in (torch.full((3,), 7.0), torch.empty(3, device="meta")):
+            _assert_refused(call, t, error, builtin, words)
+    for call, error, builtin, words in (  # the kernel's entry points (CPU tensors only)
+        (lambda t: keyed_uniform_(t, 1.0, 0.0, name="w", seed=1),
+         KernelInputError, ValueError, "a <= b"),
+        (lambda t: keyed_normal_(t, 0.0, -1.0, name="w", seed=1),
+         KernelInputError, ValueError, "std >= 0"),
+        (lambda t: keyed_trunc_normal_(t, 0.0, 1.0, "x", name="w", seed=1),
+         KernelInputTypeError, TypeError, "a must be a real number"),
+    ):  # fmt: skip
+        _assert_refused(call, torch.full((3,), 7.0), error, builtin, words)
+    with pytest.raises(KernelInputTypeError, match="tensor or a DTensor, got str"):
+        keyed_init.keyed_uniform_("t", name="w", seed=1)  # type: ignore[arg-type]
+    with pytest.raises(KernelInputTypeError, match="fqn must be a str") as info:
+        stable_name(5)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+    # numbers torch takes (ints, a 0-dim tensor) keep the bits of their float values
+    want = keyed_uniform_reference((4, 5), -1.0, 2.0, seed=3, name="w")
+    assert torch.equal(keyed_init.keyed_uniform_(torch.empty(4, 5), -1, 2, name="w", seed=3), want)
+    got = keyed_init.keyed_uniform_(torch.empty(4, 5), torch.tensor(-1.0), 2, name="w", seed=3)
+    assert torch.equal(got, want)
+
+
+def test_a_refused_fill_takes_no_name() -> None:
+    """KeyedInit.fill checks before it names: a refused draw leaves the anonymous names of
+    later draws, so their values, as they were."""
+    keyed = KeyedInit(None, 5)
+    with pytest.raises(KernelInputTypeError, match="floating tensors"):
+        keyed.fill(torch.empty(4, dtype=torch.int32), "uniform", 0.0, 1.0)
+    with pytest.raises(KernelInputError, match="std >= 0"):
+        keyed.fill(torch.empty(4), "normal", 0.0, -1.0)
+    got = keyed.fill(torch.empty(4), "uniform", 0.0, 1.0)
+    assert keyed.anonymous_name() == "<anonymous>.2"
+    assert torch.equal(got, keyed_uniform_reference((4,), seed=5, name="<anonymous>.1"))

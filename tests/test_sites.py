@@ -10,20 +10,35 @@ Claims:
   (different per TP rank, the default generator untouched) and a replicated site a draw from
   the default generator (equal on both ranks).
 - TinyGPT's keyed masks, at every site, are ``site_dropout``'s for the same site and layout.
-- Bad options are typed errors that draw nothing; ``batch_position`` is per thread; the names
-  that moved from ``rng_tracker.parallel.transformer`` still resolve there, warning.
+- Bad options are typed errors that draw nothing and change no state; a refused keyed call
+  registers no site; ``batch_position`` is per thread; the names that moved from
+  ``rng_tracker.parallel.transformer`` still resolve there, warning.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rng_tracker import get_keyed_rng, get_rng_tracker
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker import _keyed, get_keyed_rng, get_rng_tracker
+from rng_tracker._keyed import KeyedRNG
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    KernelInputError,
+    KernelInputTypeError,
+    KeyedTypeError,
+    KeyedUnseededError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+    RNGTrackerError,
+    SiteIdError,
+)
+from rng_tracker.kernels import Region
+from rng_tracker.kernels import bias_dropout_add as kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as kernel_dropout
 from rng_tracker.parallel.sites import (
     BatchPosition,
@@ -192,3 +207,120 @@ def test_batch_position_is_per_thread() -> None:
         assert current_batch_position(2) == BatchPosition(4, 8)
     assert seen["other"] == BatchPosition(0, 2)
     assert current_batch_position(3) == BatchPosition(0, 3)
+
+
+@pytest.fixture
+def keyed(monkeypatch: pytest.MonkeyPatch) -> KeyedRNG:
+    """A fresh, unseeded keyed RNG as the process's CPU one, for this test alone."""
+    rng = KeyedRNG("cpu")
+    monkeypatch.setitem(_keyed._KEYED_RNGS, torch.device("cpu"), rng)
+    return rng
+
+
+def _states(rng: KeyedRNG) -> tuple:
+    """Every state a site call may touch: the CPU generator, the tracker's streams, the keyed
+    seed, step and sites."""
+    streams = get_rng_tracker("cpu").get_states()
+    return torch.get_rng_state(), streams, rng.seed, rng.step, rng.sites
+
+
+def _assert_same(before: tuple, after: tuple) -> None:
+    assert torch.equal(before[0], after[0])
+    assert before[1].keys() == after[1].keys()
+    for name, state in before[1].items():
+        assert torch.equal(state, after[1][name]), name
+    assert before[2:] == after[2:]
+
+
+def _enter_batch_position(sample_offset: object, global_batch: object) -> None:
+    with batch_position(sample_offset, global_batch):  # type: ignore[arg-type]
+        pass
+
+
+_X = torch.ones(2, 4, 8)  # (s, batch, hidden)
+_BAD_INPUTS: list[tuple[str, Callable[[], object], type, type, str]] = [
+    ("site=5", lambda: site_dropout(5, _X, 0.1, rng_mode="megatron"), KeyedTypeError,
+     TypeError, "site must be a str"),
+    ("site=''", lambda: site_dropout("", _X, 0.1, rng_mode="keyed"), SiteIdError, ValueError,
+     "must not be empty"),
+    ("x a list", lambda: site_dropout("s", [1.0], 0.1, rng_mode="keyed"), KernelInputTypeError,
+     TypeError, "x must be a tensor"),
+    ("p='0.1'", lambda: site_dropout("s", _X, "0.1", rng_mode="keyed"), KernelInputTypeError,
+     TypeError, "p must be a float, got str"),
+    ("p=None", lambda: site_dropout("s", _X, None, rng_mode="invariant"), KernelInputTypeError,
+     TypeError, "p must be a float, got NoneType"),
+    ("p=1.5", lambda: site_dropout("s", _X, 1.5, rng_mode="megatron"), KernelInputError,
+     ValueError, r"must be in \[0, 1\], got 1.5"),
+    ("batch_dim=1.0", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", batch_dim=1.0),
+     ParallelConfigTypeError, TypeError, "batch_dim must be an int, got float"),
+    ("batch_dim='1'", lambda: site_dropout("s", _X, 0.1, rng_mode="megatron", batch_dim="1"),
+     ParallelConfigTypeError, TypeError, "batch_dim must be an int, got str"),
+    ("sharded_dim=True", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", sharded_dim=True),
+     ParallelConfigTypeError, TypeError, "sharded_dim must be an int, got the bool"),
+    ("training='yes'", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", training="yes"),
+     ArgumentTypeError, TypeError, "training must be a bool"),
+    ("position=(0, 2)", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", position=(0, 2)),
+     ParallelConfigTypeError, TypeError, "position must be a BatchPosition .*got tuple"),
+    ("position past the batch",
+     lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", position=BatchPosition(3, 6)),
+     ParallelConfigError, ValueError, "4 samples at offset 3 does not fit a global batch of 6"),
+    ("current_batch_position(-3)", lambda: current_batch_position(-3), ParallelConfigError,
+     ValueError, "local_batch must be >= 0, got -3"),
+    ("current_batch_position('2')", lambda: current_batch_position("2"),
+     ParallelConfigTypeError, TypeError, "local_batch must be an int, got str"),
+    ("batch_position(0.5, 4)", lambda: _enter_batch_position(0.5, 4), ParallelConfigTypeError,
+     TypeError, "sample_offset must be an int, got float"),
+    ("place_masks([1])", lambda: place_masks([1]), ArgumentTypeError, TypeError,
+     "records must be MaskRecords .*got int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, error, builtin, words",
+    [case[1:] for case in _BAD_INPUTS],
+    ids=[c[0] for c in _BAD_INPUTS],
+)
+def test_bad_inputs_are_typed_errors_that_change_no_state(
+    keyed: KeyedRNG, call: Callable[[], object], error: type, builtin: type, words: str
+) -> None:
+    keyed.manual_seed(7)
+    before = _states(keyed)
+    with pytest.raises(error, match=words) as info:
+        call()
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    _assert_same(before, _states(keyed))
+    assert keyed.sites == {}
+
+
+def test_a_refused_keyed_call_registers_no_site(keyed: KeyedRNG) -> None:
+    """Every refusal of a keyed site's first call comes before the site registers: before
+    manual_seed, a bad p, x, position, bias or residual; then a valid call registers it and
+    draws the kernel's keyed mask."""
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    before = _states(keyed)
+    with pytest.raises(KeyedUnseededError, match="no seed") as info:
+        site_dropout("s", x, 0.1, rng_mode="keyed")
+    assert isinstance(info.value, RuntimeError)
+    _assert_same(before, _states(keyed))
+    keyed.manual_seed(7)
+    before = _states(keyed)
+    for options, error, builtin, words in (
+        ({"p": 1.5}, KernelInputError, ValueError, r"must be in \[0, 1\]"),
+        ({"x": x.long()}, KernelInputError, ValueError, "x has dtype torch.int64"),
+        ({"position": (0, 2)}, ParallelConfigTypeError, TypeError, "must be a BatchPosition"),
+        ({"residual": x.double()}, KernelInputError, ValueError, "residual has dtype"),
+        ({"residual": x[:1]}, KernelInputError, ValueError, "residual has shape"),
+        ({"bias": torch.ones(3), "residual": x}, KernelInputError, ValueError, "bias must have"),
+    ):
+        call = {"x": x, "p": 0.1, **options}
+        with pytest.raises(error, match=words) as info:
+            site_dropout("s", call.pop("x"), call.pop("p"), rng_mode="keyed", **call)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+        _assert_same(before, _states(keyed))
+    got = site_dropout("s", x, 0.1, rng_mode="keyed")
+    assert keyed.sites == {"s": _keyed.site_id_of("s")}
+    region = Region((2, 4, 8), (0, 0, 0))
+    assert torch.equal(got, kernel_dropout(x, 0.1, shard=region, seed=keyed.seed_tensor("s")))
+    fused = site_dropout("t", x, 0.1, rng_mode="keyed", bias=x[0, 0], residual=x)
+    want = kernel_bias_dropout_add(x, x[0, 0], x, 0.1, shard=region, seed=keyed.seed_tensor("t"))
+    assert torch.equal(fused, want)
