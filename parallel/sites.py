@@ -26,13 +26,13 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
 from rng_tracker._device_rng import default_generator
-from rng_tracker._keyed import KeyedRNG, get_keyed_rng
+from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._tracker import get_rng_tracker
 from rng_tracker._validate import checked_flag, checked_int
@@ -357,35 +357,22 @@ def _keyed_site(
     (seed, step, site, box)'s."""
     rng = get_keyed_rng(x.device)
     region = _region(x.shape, shard, batch_dim, position)
-    if site not in rng.sites:
-        _check_first_draw(rng, x, p, region, bias, residual)
+
+    def draw(**randomness: Any) -> torch.Tensor:
+        if residual is None:
+            return dropout(x, p, shard=region, **randomness)
+        return bias_dropout_add(x, bias, residual, p, shard=region, **randomness)
+
+    if site not in rng.sites:  # a new site registers only once its call has passed every check
+        if rng.seed is None:
+            raise KeyedUnseededError(
+                "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "
+                "the run's seed (the same on every rank) first"
+            )
+        with torch.no_grad():
+            draw(training=False)  # the kernel checks its inputs, and draws nothing
     rng.register(site)
     seed = rng.seed_tensor(site)  # (4,) [key, 0, site id, step]
     if _PROBE is not None:
         _probe(site, x, p, shard, region, batch_dim, shard=region, seed=seed)
-    if residual is None:
-        return dropout(x, p, shard=region, seed=seed)
-    return bias_dropout_add(x, bias, residual, p, shard=region, seed=seed)
-
-
-def _check_first_draw(
-    rng: KeyedRNG,
-    x: torch.Tensor,
-    p: float,
-    region: Region,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> None:
-    """Refuse a new keyed site's first call before the site registers: keyed randomness needs
-    a seed, and the kernel's checks of its inputs (a call with ``training=False`` makes them
-    all and draws nothing)."""
-    if rng.seed is None:
-        raise KeyedUnseededError(
-            "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "
-            "the run's seed (the same on every rank) first"
-        )
-    with torch.no_grad():
-        if residual is None:
-            dropout(x, p, training=False, shard=region)
-        else:
-            bias_dropout_add(x, bias, residual, p, training=False, shard=region)
+    return draw(seed=seed)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rng_tracker._streams import EXPERT_PARALLEL_RNG
+from rng_tracker._validate import checked_flag
 from rng_tracker.errors import MegatronInstallError, MegatronVersionError
 
 # Versions whose tensor_parallel/random.py this was checked against (0.19.0 to 0.19.2 ship
@@ -249,7 +250,10 @@ def install(
     """Replace :func:`replaced_names` of megatron's ``random`` by ``ours`` (the facade's objects
     of those names) in every imported megatron module; see :func:`rng_tracker.megatron.install`,
     which documents the behaviour and calls this."""
-    invariant = bool(invariant)
+    invariant = checked_flag(invariant, "install(invariant=...)")
+    allow_unknown_version = checked_flag(
+        allow_unknown_version, "install(allow_unknown_version=...)"
+    )
     with _LOCK:
         if _SWAPS:
             if _STATE["invariant"] != invariant:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import rng_tracker.megatron
-from rng_tracker.errors import MegatronVersionError, RNGTrackerError
+from rng_tracker.errors import ArgumentTypeError, MegatronVersionError, RNGTrackerError
 
 _ENV = {**os.environ, "NO_VCS_VERSION": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -161,6 +161,16 @@ def test_an_unknown_megatron_core_version_is_refused_by_name_and_nothing_changes
     assert isinstance(caught.value, RNGTrackerError) and isinstance(caught.value, RuntimeError)
     message = str(caught.value)
     assert "0.99.0" in message and "0.19.2" in message
+    assert not rng_tracker.megatron.installed()
+    assert {m for m in sys.modules if m.startswith("megatron")} == loaded
+
+
+@pytest.mark.parametrize("flag", ["invariant", "allow_unknown_version"])
+def test_install_flags_must_be_bools_and_a_refused_call_installs_nothing(flag: str):
+    """install(invariant="no") would have installed invariant mode (a non-empty str is true)."""
+    loaded = {m for m in sys.modules if m.startswith("megatron")}
+    with pytest.raises(ArgumentTypeError, match=f"install\\({flag}=...\\) must be a bool"):
+        rng_tracker.megatron.install(**{flag: "no"})
     assert not rng_tracker.megatron.installed()
     assert {m for m in sys.modules if m.startswith("megatron")} == loaded
 
