@@ -36,7 +36,6 @@ from rng_tracker.kernels._rng_source import (
     Words,
     draw_seed,
     draw_words,
-    host_seed,
     refuse_capture,
     seed_tensor,
 )
@@ -185,8 +184,9 @@ def _execute(
         or (bias is not None and bias.requires_grad)
         or (residual is not None and residual.requires_grad)
     ):
-        if seed is None:
-            seed = host_seed(words)
+        # A drawn call saves no seed tensor: its words ride on the autograd context as ints (no
+        # one else holds them, so nothing can change them before backward); a keyed call saves
+        # the caller's seed tensor, so an in-place change of it is reported.
         # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower).
         # A straight route means no functorch transform is active (_nothing_intercepts), the
         # check Function.apply makes in Python before this call.

@@ -24,21 +24,29 @@ from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
 from rng_tracker.kernels.reference import fused_dropout_reference
 
 
-def save_for_dropout_backward(ctx: Any, bias: torch.Tensor | None, seed: torch.Tensor) -> None:
-    """Keep what ``dropout_backward`` reads: the seed tensor, and the bias's dtype and size."""
-    ctx.save_for_backward(seed)
+def save_for_dropout_backward(
+    ctx: Any, bias: torch.Tensor | None, seed: torch.Tensor | None
+) -> None:
+    """Keep what ``dropout_backward`` reads: the seed tensor (None: the caller keeps the seed
+    words itself), and the bias's dtype and size."""
+    if seed is not None:
+        ctx.save_for_backward(seed)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.bias_numel = None if bias is None else bias.numel()
 
 
 def dropout_backward(
-    ctx: Any, grad: torch.Tensor, regenerate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ctx: Any,
+    grad: torch.Tensor,
+    regenerate: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of (x, bias, residual); ``regenerate(grad, seed)`` applies the forward's mask.
 
-    ``ctx`` holds the seed (saved), ``bias_dtype`` and ``bias_numel`` (``save_for_dropout_backward``).
+    ``ctx`` holds the seed (saved, if there was one), ``bias_dtype`` and ``bias_numel``
+    (``save_for_dropout_backward``); ``regenerate`` gets the seed or None.
     """
-    (seed,) = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    seed = saved[0] if saved else None
     needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
     grad_x = grad_bias = None
     if needs_x or needs_bias:

@@ -10,7 +10,6 @@ With p == 1 nothing is kept, so nothing is drawn: the generator stays put.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import torch
@@ -81,17 +80,6 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
     if generator is None and x.is_cpu:  # the CPU's default generator, without a device lookup
         return _host_draw(torch.default_generator, scratch)
     return _drawn(_generator(x, generator), logical_numel, scratch)
-
-
-_WORDS = ctypes.c_int64 * 4
-
-
-def host_seed(words: Words) -> torch.Tensor:
-    """``words`` as a CPU int64 tensor, by one memcpy (eager callers only: faster than
-    :func:`seed_tensor`, which any trace or mode can follow)."""
-    seed = torch.empty(4, dtype=torch.int64)
-    ctypes.memmove(seed.data_ptr(), _WORDS(*words), 32)
-    return seed
 
 
 def seed_tensor(words: Words, device: torch.device) -> torch.Tensor:

@@ -103,7 +103,8 @@ def test_explicit_seed_words_equal_the_reference():
 
 
 def test_backward_equals_the_reference_and_saves_only_the_seed():
-    """Gradients of x and bias regenerate the forward's mask; the saved tensors are the seed."""
+    """Gradients of x and bias regenerate the forward's mask; the reference's op saves only the
+    seed tensor, and the compiled kernel called straight saves no tensor (its words are ints)."""
     x, bias, residual = _inputs((12, 8), torch.bfloat16)
     grad = torch.randn(12, 8).to(torch.bfloat16)
     grads = {}
@@ -116,7 +117,8 @@ def test_backward_equals_the_reference_and_saves_only_the_seed():
             out = bias_dropout_add(*leaves, 0.3, generator=_gen(9), impl=impl)
         out.backward(grad)
         grads[impl] = [leaf.grad for leaf in leaves]
-        assert [tuple(t.shape) for t in saved] == [(4,)]  # [key, base, c2, c3]
+        want = [(4,)] if impl == "torch" else []  # [key, base, c2, c3]
+        assert [tuple(t.shape) for t in saved] == want
     for a, b in zip(grads["cpu"], grads["torch"], strict=True):
         _assert_bitwise(a, b)
 

@@ -189,26 +189,36 @@ def test_backward_computes_only_the_gradient_asked_for(impl, wanted):
     assert (regenerations, reductions) == {"x": (1, 0), "bias": (1, 1), "residual": (0, 0)}[wanted]
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_saved_bytes_per_call_do_not_grow_with_numel(impl):
-    """Dropout and bias-dropout-add save 32 bytes (the seed words) whatever the size; F.dropout saves a
-    per-element mask (a float mask on CPU, 4 B/element; a bool mask on CUDA)."""
-    ours = [
-        _saved_bytes(lambda x: dropout(x, 0.5, impl=impl), torch.ones(n, requires_grad=True))
-        for n in (64, 4096)
-    ]
-    bda = [
-        _saved_bytes(
-            lambda x: bias_dropout_add(x, torch.ones(8), torch.ones_like(x), 0.5, impl=impl),
-            torch.ones(n // 8, 8, requires_grad=True),
+@pytest.mark.parametrize(("impl", "drawn_bytes"), [("torch", 32), ("cpu", 0), ("triton", 0)])
+def test_saved_bytes_per_call_do_not_grow_with_numel(impl, drawn_bytes):
+    """Dropout and bias-dropout-add save no per-element tensor: a keyed call saves its 32-byte
+    seed tensor, a drawn call the 32-byte seed tensor of its op (the reference) or nothing (a
+    kernel called straight keeps the words as ints); F.dropout saves a per-element mask (a float
+    mask on CPU, 4 B/element; a bool mask on CUDA)."""
+    seed = torch.tensor([5, 0, 0, 0])
+    sizes = (64, 4096)
+
+    def fused(n: int, **randomness: object) -> int:
+        x = torch.ones(n // 8, 8, requires_grad=True)
+        return _saved_bytes(
+            lambda x: bias_dropout_add(
+                x, torch.ones(8), torch.ones_like(x), 0.5, impl=impl, **randomness
+            ),
+            x,
         )
-        for n in (64, 4096)
-    ]
+
+    def plain(n: int, **randomness: object) -> int:
+        return _saved_bytes(
+            lambda x: dropout(x, 0.5, impl=impl, **randomness), torch.ones(n, requires_grad=True)
+        )
+
+    assert [plain(n) for n in sizes] == [drawn_bytes] * 2
+    assert [fused(n) for n in sizes] == [drawn_bytes] * 2
+    assert [plain(n, seed=seed) for n in sizes] == [32, 32]
+    assert [fused(n, seed=seed) for n in sizes] == [32, 32]
     torchs = [
-        _saved_bytes(lambda x: F.dropout(x, 0.5), torch.ones(n, requires_grad=True))
-        for n in (64, 4096)
+        _saved_bytes(lambda x: F.dropout(x, 0.5), torch.ones(n, requires_grad=True)) for n in sizes
     ]
-    assert ours == [32, 32] and bda == [32, 32]
     assert torchs[0] >= 64 and torchs[1] == 64 * torchs[0]
 
 
@@ -224,11 +234,14 @@ def test_dropout_inside_a_fork_draws_from_that_stream():
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpoint_recompute_regenerates_identical_masks(use_reentrant):
-    """Under checkpoint the recompute's kernels draw the forward's key: grads equal the plain run."""
+    """Under checkpoint the recompute's kernels draw the forward's key: grads equal the plain run.
+    (Non-reentrant: early_stop=False, so the recompute runs on past the last tensor backward
+    needs; the dropouts save none, so torch would stop it before them.)"""
     tracker = RNGStatesTracker("cpu")
+    whole = {} if use_reentrant else {"early_stop": False}
 
     def block(x, w, b, masks):
-        h = x @ w
+        h = (x @ w).tanh()  # tanh saves its output: backward needs the recompute
         with tracker.fork("mp"):
             h = dropout(h, 0.3)
         masks.append(h != 0)
@@ -243,7 +256,7 @@ def test_checkpoint_recompute_regenerates_identical_masks(use_reentrant):
         b = torch.randn(16, requires_grad=True)
         masks: list[torch.Tensor] = []
         out = (
-            checkpoint(block, x, w, b, masks, use_reentrant=use_reentrant, tracker=tracker)
+            checkpoint(block, x, w, b, masks, use_reentrant=use_reentrant, tracker=tracker, **whole)
             if ckpt
             else block(x, w, b, masks)
         )
