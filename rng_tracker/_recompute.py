@@ -39,6 +39,8 @@ def resolve_trackers(
 
 def checked_flag(value: object, what: str) -> bool:
     """``value`` as a bool (a Python or numpy bool), else :class:`CheckpointTypeError`."""
+    if type(value) is bool:  # the usual case, one check per flag of every call
+        return value
     return validate.checked_flag(value, what, type_error=CheckpointTypeError)
 
 

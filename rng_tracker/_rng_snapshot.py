@@ -94,7 +94,7 @@ class RNGSnapshot:
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream)."""
         for tracker, states in self.streams:
-            tracker.restore_states(states)
+            tracker.restore_held(states)  # states this snapshot took: no need to check them
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)

@@ -350,8 +350,13 @@ class RNGStatesTracker:
         of a call made inside them). Names that are not str, and states that are not states of
         this device type, are refused (:class:`StreamNameError`, :class:`StateDictTypeError`,
         :class:`StateDictError`) and nothing changes."""
-        rng = self._rng
         self._check_snapshot(states)
+        self.restore_held(states)
+
+    def restore_held(self, states: Mapping[str, RNGState]) -> None:
+        """:meth:`restore_states` of what :meth:`held_states` of this tracker returned, unchecked:
+        a checkpoint's replay puts back its own snapshot at every recompute."""
+        rng = self._rng
         missing = [name for name in self._open_forks if name not in states]
         if missing:
             raise TrackerBusyError(

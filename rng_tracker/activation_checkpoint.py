@@ -440,19 +440,28 @@ def checkpoint(
     layout = renamed_keyword("checkpoint", "parallel_state", "layout", parallel_state, layout)
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
+    if not (  # one expression for the usual call: every flag a bool
+        type(preserve_rng_state) is bool
+        and type(debug) is bool
+        and type(distribute_saved_activations) is bool
+        and type(offload_to_cpu) is bool
+        and type(check_rng) is bool
+        and (use_reentrant is None or type(use_reentrant) is bool)
+        and (early_stop is None or type(early_stop) is bool)
+    ):
+        _check_flags(
+            use_reentrant=use_reentrant,
+            preserve_rng_state=preserve_rng_state,
+            debug=debug,
+            early_stop=early_stop,
+            distribute_saved_activations=distribute_saved_activations,
+            offload_to_cpu=offload_to_cpu,
+            check_rng=check_rng,
+        )
     # None: this library's default, non-reentrant (torch's own warns and takes True).
-    use_reentrant = use_reentrant is not None and recompute.checked_flag(
-        use_reentrant, "use_reentrant"
-    )
-    preserve_rng_state = recompute.checked_flag(preserve_rng_state, "preserve_rng_state")
-    debug = recompute.checked_flag(debug, "debug")
-    early_stop = None if early_stop is None else recompute.checked_flag(early_stop, "early_stop")
-    distribute_saved_activations = recompute.checked_flag(
-        distribute_saved_activations, "distribute_saved_activations"
-    )
-    offload_to_cpu = recompute.checked_flag(offload_to_cpu, "offload_to_cpu")
-    check_rng = recompute.checked_flag(check_rng, "check_rng")
-    _check_parallel_options(tp_group, layout)
+    use_reentrant = bool(use_reentrant)
+    if tp_group is not None or layout is not None:
+        _check_parallel_options(tp_group, layout)
     if use_reentrant:
         _refuse_non_reentrant_options(context_fn, debug, kwargs)
     if check_rng and not preserve_rng_state:
@@ -465,7 +474,7 @@ def checkpoint(
             "check_rng=True compares the whole recompute with the forward, but early_stop=True "
             "stops the recompute early; drop one of them"
         )
-    if not use_reentrant:
+    if not use_reentrant and determinism_check != "default":
         _check_determinism_check(determinism_check)
     devices = _input_devices(args, kwargs)
     trackers = recompute.resolve_trackers(tracker)
@@ -502,6 +511,14 @@ def checkpoint(
             preserve_rng_state=False,  # the record snapshots and replays the generators itself
             **kwargs,
         )
+
+
+def _check_flags(**flags: object) -> None:
+    """Refuse a flag that is not a bool (numpy's passes; ``use_reentrant`` and ``early_stop``
+    may be None), before anything runs."""
+    for name, value in flags.items():
+        if not (value is None and name in ("use_reentrant", "early_stop")):
+            recompute.checked_flag(value, name)
 
 
 def _check_group(group: object, what: str) -> None:
