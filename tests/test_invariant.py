@@ -623,3 +623,20 @@ def test_a_rank_initialises_its_shard_without_the_others(rank: int) -> None:
         full = keyed_trunc_normal_(torch.empty(10, 6), 0.0, 0.5, -0.6, 0.6, seed=4, name="w")
         assert torch.equal(model.w.to_local(), full[:5])
     dist.barrier()
+
+
+@pytest.mark.parametrize(
+    "init",
+    [
+        lambda t, g: torch.nn.init.uniform_(t, -1.0, 1.0, g),
+        lambda t, g: torch.nn.init.normal_(t, 0.0, 1.0, g),
+        lambda t, g: torch.nn.init.kaiming_uniform_(t, 0.0, "fan_in", "leaky_relu", g),
+    ],
+    ids=["uniform_", "normal_", "kaiming_uniform_"],
+)
+def test_a_generator_passed_positionally_runs_torchs_draw_as_generator_keyword_does(init) -> None:
+    """nn.init takes its generator positionally too: under keyed invariant init such a call
+    draws torch's values from that generator, as ``generator=`` does, not keyed values."""
+    with invariant_random(init="keyed", seed=1):
+        routed = init(torch.empty(6, 5), torch.Generator().manual_seed(3))
+    assert torch.equal(routed, init(torch.empty(6, 5), torch.Generator().manual_seed(3)))
