@@ -449,15 +449,7 @@ def checkpoint(
         and (use_reentrant is None or type(use_reentrant) is bool)
         and (early_stop is None or type(early_stop) is bool)
     ):
-        _check_flags(
-            use_reentrant=use_reentrant,
-            preserve_rng_state=preserve_rng_state,
-            debug=debug,
-            early_stop=early_stop,
-            distribute_saved_activations=distribute_saved_activations,
-            offload_to_cpu=offload_to_cpu,
-            check_rng=check_rng,
-        )
+        _check_flags(locals())  # the rare call with a flag that is no bool: name the culprit
     # None: this library's default, non-reentrant (torch's own warns and takes True).
     use_reentrant = bool(use_reentrant)
     if tp_group is not None or layout is not None:
@@ -513,10 +505,22 @@ def checkpoint(
         )
 
 
-def _check_flags(**flags: object) -> None:
-    """Refuse a flag that is not a bool (numpy's passes; ``use_reentrant`` and ``early_stop``
-    may be None), before anything runs."""
-    for name, value in flags.items():
+_FLAGS = (
+    "use_reentrant",
+    "preserve_rng_state",
+    "debug",
+    "early_stop",
+    "distribute_saved_activations",
+    "offload_to_cpu",
+    "check_rng",
+)
+
+
+def _check_flags(arguments: dict[str, Any]) -> None:
+    """Refuse a flag of :func:`checkpoint`'s ``arguments`` that is not a bool (numpy's passes;
+    ``use_reentrant`` and ``early_stop`` may be None), before anything runs."""
+    for name in _FLAGS:
+        value = arguments[name]
         if not (value is None and name in ("use_reentrant", "early_stop")):
             recompute.checked_flag(value, name)
 
