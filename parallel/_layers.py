@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rng_tracker._deprecation import warn_deprecated
-from rng_tracker._validate import checked_flag, checked_int
-from rng_tracker.errors import ArgumentTypeError, ParallelConfigError, ParallelConfigTypeError
+from rng_tracker._validate import checked_flag, checked_instance, checked_size
+from rng_tracker.errors import ParallelConfigError
 from rng_tracker.parallel._tp_mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -62,18 +62,10 @@ def _check_layer(features: dict[str, object], init: object, flags: dict[str, obj
     """Refuse sizes that are not positive ints, an ``init`` that is not a generator and flags
     that are not bools, before anything is drawn from ``init``."""
     for name, value in features.items():
-        checked_int(
-            value,
-            name,
-            type_error=ParallelConfigTypeError,
-            value_error=ParallelConfigError,
-            minimum=1,
-        )
-    if not isinstance(init, torch.Generator):
-        raise ArgumentTypeError(
-            f"init must be the torch.Generator the logical weights are drawn from, got "
-            f"{type(init).__name__}"
-        )
+        checked_size(value, name)
+    checked_instance(
+        init, torch.Generator, "init must be the torch.Generator the logical weights are drawn from"
+    )
     for name, value in flags.items():
         checked_flag(value, name)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_int, checked_size
 from rng_tracker.errors import ParallelConfigError, ParallelConfigTypeError, ParallelStateError
 
 _DENSE_AXES = ("pp", "dp", "cp", "tp")
@@ -78,10 +78,6 @@ class ParallelState:
 
 _STATE: ParallelState | None = None
 _GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes created
-
-
-def _positive(name: str, value: object) -> int:
-    return checked_int(value, name, type_error=ParallelConfigError, minimum=1)
 
 
 def _check_device_type(device_type: object) -> None:
@@ -151,7 +147,7 @@ def global_rank(
     if unknown:
         raise ParallelConfigError(f"global_rank takes the dense axes {_DENSE_AXES}, got {unknown}")
     full = {axis: 1 for axis in _ORDER_TOKENS}
-    full.update({axis: _positive(f"sizes[{axis!r}]", size) for axis, size in sizes.items()})
+    full.update({axis: checked_size(size, f"sizes[{axis!r}]") for axis, size in sizes.items()})
     at = []
     for axis in _DENSE_AXES:
         rank = checked_int(
@@ -196,9 +192,9 @@ def init_model_parallel(
         raise ParallelStateError(
             "model parallel is already initialised; call destroy_model_parallel() first"
         )
-    tp, pp = _positive("tensor", tensor), _positive("pipeline", pipeline)
+    tp, pp = checked_size(tensor, "tensor"), checked_size(pipeline, "pipeline")
     _check_device_type(device_type)
-    cp, ep = _positive("context", context), _positive("expert", expert)
+    cp, ep = checked_size(context, "context"), checked_size(expert, "expert")
     world = dist.get_world_size()
     if world % (tp * pp * cp):
         raise ParallelConfigError(

@@ -29,8 +29,8 @@ from rng_tracker._streams import (
     stream_axes,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
-from rng_tracker._validate import checked_flag
-from rng_tracker.errors import ArgumentTypeError, ParallelStateError, RNGConsistencyError
+from rng_tracker._validate import checked_flag, checked_instance
+from rng_tracker.errors import ParallelStateError, RNGConsistencyError
 from rng_tracker.parallel._megatron_state import current_layout
 
 # Megatron seeds the default generator and data-parallel-rng from one seed, by design.
@@ -85,8 +85,8 @@ def _check_arguments(layout: object, tracker: object, plan: object, strict: obje
         ("plan", plan, SeedPlan, "the SeedPlan model_parallel_seed(...) returned"),
     )
     for name, value, kind, what in wanted:
-        if value is not None and not isinstance(value, kind):
-            raise ArgumentTypeError(f"{name} must be {what} or None, got {type(value).__name__}")
+        if value is not None:
+            checked_instance(value, kind, f"{name} must be {what} or None")
     checked_flag(strict, "strict")
     if not (dist.is_available() and dist.is_initialized()):
         raise ParallelStateError(

@@ -35,7 +35,7 @@ from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._tracker import get_rng_tracker
-from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker._validate import checked_flag, checked_int, checked_size
 from rng_tracker.errors import (
     ArgumentTypeError,
     KernelInputTypeError,
@@ -88,8 +88,8 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
     does not need it: capture :func:`current_batch_position` at forward time and pass it on.
     """
     position = BatchPosition(
-        _checked_count(sample_offset, "sample_offset", minimum=0),
-        _checked_count(global_batch, "global_batch", minimum=1),
+        checked_size(sample_offset, "sample_offset", minimum=0),
+        checked_size(global_batch, "global_batch"),
     )
     if position.sample_offset >= position.global_batch:
         raise ParallelConfigError(
@@ -103,21 +103,11 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
         _POSITION.value = previous
 
 
-def _checked_count(value: object, what: str, *, minimum: int) -> int:
-    return checked_int(
-        value,
-        what,
-        type_error=ParallelConfigTypeError,
-        value_error=ParallelConfigError,
-        minimum=minimum,
-    )
-
-
 def current_batch_position(local_batch: int) -> BatchPosition:
     """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
     else the whole batch. Read it in a layer's forward and pass it to :func:`site_dropout`
     through a checkpointed function, whose recompute runs outside ``batch_position``."""
-    local_batch = _checked_count(local_batch, "local_batch", minimum=0)
+    local_batch = checked_size(local_batch, "local_batch", minimum=0)
     position = getattr(_POSITION, "value", None) or BatchPosition(0, local_batch)
     return _fitting(position, local_batch)
 

@@ -24,7 +24,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker._validate import checked_flag, checked_int, checked_size
 from rng_tracker.activation_checkpoint import checkpoint
 from rng_tracker.errors import (
     ArgumentTypeError,
@@ -77,7 +77,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "heads", "layers", "ffn", "seq_len"):
-            _positive(f"GPTConfig.{name}", getattr(self, name))
+            checked_size(getattr(self, name), f"GPTConfig.{name}")
         if self.hidden % self.heads:
             raise ParallelConfigError(
                 f"GPTConfig.heads={self.heads} must divide hidden={self.hidden} (each head gets "
@@ -106,12 +106,6 @@ class GPTConfig:
             raise ParallelConfigError(
                 f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}"
             )
-
-
-def _positive(what: str, value: object) -> int:
-    return checked_int(
-        value, what, type_error=ParallelConfigTypeError, value_error=ParallelConfigError, minimum=1
-    )
 
 
 def _probability(what: str, value: object) -> None:

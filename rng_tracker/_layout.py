@@ -52,16 +52,22 @@ def process_layout() -> ParallelLayout | None:
 
 
 def checked_layout(
-    layout: object, caller: str, members: tuple[str, ...] = ("rank",)
+    layout: object,
+    caller: str,
+    members: tuple[str, ...],
+    *,
+    error: type[Exception] = ArgumentTypeError,
 ) -> ParallelLayout:
     """``layout`` when it has the methods of :class:`ParallelLayout` that ``caller`` calls
-    (``members``), else :class:`~rng_tracker.errors.ArgumentTypeError`: a layout-like object
-    with just those methods is accepted, as the calls never read more of it."""
+    (``members``), else ``error``: a layout-like object with just those methods is accepted, as
+    the calls never read more of it."""
     lacking = [name for name in members if not callable(getattr(layout, name, None))]
     if lacking:
-        raise ArgumentTypeError(
-            f"{caller}(layout=...) takes a parallel layout (a ParallelLayout such as "
-            f"rng_tracker.parallel.ParallelState), got {type(layout).__name__}, which has no "
-            f"{', '.join(f'{name}(axis)' for name in lacking)}; pass a layout or None"
+        provides = ", ".join(f"{name}(axis)" for name in members)
+        missing = ", ".join(f"{name}(axis)" for name in lacking)
+        raise error(
+            f"{caller}(layout=...) takes a parallel layout: layout must be a ParallelLayout, "
+            f"which provides {provides}, such as rng_tracker.parallel.ParallelState; got "
+            f"{type(layout).__name__}, which has no {missing}; pass a layout or None"
         )
     return layout  # type: ignore[return-value]

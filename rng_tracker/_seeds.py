@@ -28,9 +28,8 @@ from rng_tracker._streams import (
     stream_axes,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker, validate_seed
-from rng_tracker._validate import checked_flag, checked_int, refuse_repeat
+from rng_tracker._validate import checked_flag, checked_instance, checked_int, refuse_repeat
 from rng_tracker.errors import (
-    ArgumentTypeError,
     ParallelStateError,
     RankError,
     SeedCoordinateError,
@@ -231,15 +230,6 @@ def ranks_from_layout(
     return dict.fromkeys(AXES, 0)
 
 
-def _checked_tracker(tracker: object) -> RNGStatesTracker:
-    if not isinstance(tracker, RNGStatesTracker):
-        raise ArgumentTypeError(
-            f"model_parallel_seed(tracker=...) takes an RNGStatesTracker, got "
-            f"{type(tracker).__name__}; pass a tracker (e.g. get_rng_tracker(device)) or None"
-        )
-    return tracker
-
-
 def apply_seed_plan(plan: SeedPlan, tracker: RNGStatesTracker) -> None:
     """Seed the CPU and ``tracker``'s device default generators and give ``tracker`` exactly the
     plan's streams (it is reset first). The plan was checked when it was made: nothing here
@@ -279,10 +269,18 @@ def model_parallel_seed(
     ``state=`` is the deprecated name of ``layout=``.
     """
     layout = renamed_keyword("model_parallel_seed", "state", "layout", state, layout)
-    checked_flag(data_parallel_random_init, "data_parallel_random_init")
     if layout is not None:
-        checked_layout(layout, "model_parallel_seed")
-    tracker = _checked_tracker(tracker) if tracker is not None else get_rng_tracker()
+        checked_layout(layout, "model_parallel_seed", ("rank",))
+    tracker = (
+        get_rng_tracker()
+        if tracker is None
+        else checked_instance(
+            tracker,
+            RNGStatesTracker,
+            "model_parallel_seed(tracker=...) takes an RNGStatesTracker (e.g. "
+            "get_rng_tracker(device)) or None",
+        )
+    )
     given = {
         "tp": tp_rank,
         "pp": pp_rank,

@@ -1,16 +1,23 @@
 """The checks every module shares: one integer check for every argument the library takes as an
-int (ranks, sizes, seeds, steps), one flag check for every argument it takes as a bool, and the
-search for two names given one value."""
+int (ranks, sizes, seeds, steps) and its form for sizes, one flag check for every argument it
+takes as a bool, one type check, and the search for two names given one value."""
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
 
 import torch
 
-from rng_tracker.errors import ArgumentTypeError, SeedReuseError
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    ParallelConfigError,
+    ParallelConfigTypeError,
+    SeedReuseError,
+)
 
+_T = TypeVar("_T")
 _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write them
 _SHOWN_VALUE_CHARS = 60  # a refused value's repr in a message is cut to this many characters
 
@@ -65,6 +72,29 @@ def checked_int(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
         )
     return result
+
+
+def checked_size(value: object, what: str, *, minimum: int = 1, note: str = "") -> int:
+    """A size or count (a parallel size, a tensor extent, a batch): an int >= ``minimum``; a
+    non-int raises :class:`ParallelConfigTypeError`, a smaller int :class:`ParallelConfigError`."""
+    return checked_int(
+        value,
+        what,
+        type_error=ParallelConfigTypeError,
+        value_error=ParallelConfigError,
+        minimum=minimum,
+        note=note,
+    )
+
+
+def checked_instance(
+    value: object, kind: type[_T], what: str, *, error: type[Exception] = ArgumentTypeError
+) -> _T:
+    """``value`` if it is a ``kind``, else ``error`` with the message "``what``, got <its type>"
+    (``what`` says what the argument must be, e.g. "tracker must be an RNGStatesTracker")."""
+    if not isinstance(value, kind):
+        raise error(f"{what}, got {type(value).__name__}")
+    return value
 
 
 def _is_numpy_bool(value: object) -> bool:

@@ -27,7 +27,7 @@ import torch.utils.checkpoint as torch_checkpoint
 import rng_tracker._recompute as recompute
 import rng_tracker._saved_inputs as saved_inputs
 from rng_tracker._deprecation import deprecated_names, renamed_keyword
-from rng_tracker._layout import ParallelLayout, process_layout
+from rng_tracker._layout import ParallelLayout, checked_layout, process_layout
 from rng_tracker._random_op_log import RandomOpLog, first_divergence
 from rng_tracker._rng_snapshot import RNGSnapshot
 from rng_tracker._saved_inputs import (
@@ -527,8 +527,10 @@ def _check_flags(arguments: dict[str, Any]) -> None:
 
 def _check_group(group: object, what: str) -> None:
     """Refuse a ``group`` that is neither None nor a process group, before anything runs."""
+    if group is None:
+        return
     process_group = getattr(dist, "ProcessGroup", None)  # absent where torch has no distributed
-    if group is not None and (process_group is None or not isinstance(group, process_group)):
+    if process_group is None or not isinstance(group, process_group):
         raise CheckpointTypeError(
             f"{what} must be a torch.distributed.ProcessGroup (e.g. the TP group of your "
             f"parallel state) or None, got {type(group).__name__}"
@@ -537,13 +539,8 @@ def _check_group(group: object, what: str) -> None:
 
 def _check_parallel_options(tp_group: object, layout: object) -> None:
     _check_group(tp_group, "tp_group")
-    if layout is not None and not callable(getattr(layout, "group", None)):
-        raise CheckpointTypeError(
-            "layout must be a ParallelLayout, which provides group(axis) (the process group of "
-            "an axis; distribute_saved_activations splits over group('tp')) besides rank(axis), "
-            "size(axis) and world_size, e.g. rng_tracker.parallel's ParallelState; got "
-            f"{type(layout).__name__}"
-        )
+    if layout is not None:  # distribute_saved_activations splits over layout.group("tp")
+        checked_layout(layout, "checkpoint", ("group",), error=CheckpointTypeError)
 
 
 def _check_determinism_check(determinism_check: object) -> None:

@@ -57,10 +57,8 @@ from rng_tracker._rng_entries import (
     split_blob,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_instance, checked_int, checked_size
 from rng_tracker.errors import (
-    ArgumentTypeError,
-    ParallelConfigError,
     ParallelConfigTypeError,
     RankError,
     RNGStateConfigError,
@@ -165,7 +163,10 @@ def _layout_text(layout: object) -> str:
     if isinstance(layout, str):
         return layout
     if isinstance(layout, Mapping):
-        return ",".join(f"{_axis_name(k)}={_axis_size(k, v)}" for k, v in layout.items())
+        return ",".join(
+            f"{_axis_name(k)}={checked_size(v, f'layout[{k!r}] (an axis size)')}"
+            for k, v in layout.items()
+        )
     shape = getattr(layout, "shape", None)  # a DeviceMesh
     if shape is not None:
         names = getattr(layout, "mesh_dim_names", None) or [f"dim{i}" for i in range(len(shape))]
@@ -181,16 +182,6 @@ def _axis_name(name: object) -> str:
             f"layout's axis names must be non-empty strs (e.g. {{'tp': 2}}), got {name!r}"
         )
     return name
-
-
-def _axis_size(name: str, size: object) -> int:
-    return checked_int(
-        size,
-        f"layout[{name!r}] (an axis size)",
-        type_error=ParallelConfigTypeError,
-        value_error=ParallelConfigError,
-        minimum=1,
-    )
 
 
 # --- collectives, counted (scripts/bench_rng_checkpoint.py reads the counts) -----------------
@@ -337,15 +328,15 @@ class RNGStateful:
             )
         if not isinstance(strict, bool):
             raise RNGStateConfigError(f"strict must be a bool, got {type(strict).__name__}")
-        if tracker is not None and not isinstance(tracker, RNGStatesTracker):
-            raise ArgumentTypeError(
-                f"tracker must be an RNGStatesTracker (e.g. get_rng_tracker()) or None, got "
-                f"{type(tracker).__name__}"
+        if tracker is not None:
+            checked_instance(
+                tracker,
+                RNGStatesTracker,
+                "tracker must be an RNGStatesTracker (e.g. get_rng_tracker()) or None",
             )
-        if keyed is not None and not isinstance(keyed, KeyedRNG):
-            raise ArgumentTypeError(
-                f"keyed must be a KeyedRNG (e.g. get_keyed_rng()) or None, got "
-                f"{type(keyed).__name__}"
+        if keyed is not None:
+            checked_instance(
+                keyed, KeyedRNG, "keyed must be a KeyedRNG (e.g. get_keyed_rng()) or None"
             )
         self.layout = _layout_text(layout)
         self._device = default_device()

@@ -54,14 +54,12 @@ from rng_tracker._streams import (
     MODEL_PARALLEL_RNG,
 )
 from rng_tracker._tracker import RNGStatesTracker, process_tracker, set_process_tracker
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_size
 from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
 from rng_tracker.errors import (
     CheckpointConfigError,
     InvariantSeedError,
-    ParallelConfigError,
-    ParallelConfigTypeError,
     ParallelStateError,
     RankError,
     RNGTrackerError,
@@ -338,7 +336,13 @@ def _gtp_seed(
 ) -> int | None:
     """Megatron's GTP-remat stream seed, or None when the axis is inactive (world size None or
     1). A world size below 1, or a rank outside [0, world size), is refused even then."""
-    size = 1 if world_size is None else _checked_world_size(f"{axis}_world_size", world_size)
+    size = (
+        1
+        if world_size is None
+        else checked_size(
+            world_size, f"{axis}_world_size", note="; pass None or 1 when the axis is not used"
+        )
+    )
     if rank is not None:
         rank = checked_rank(f"{axis}_rank", rank)
         if world_size is not None and rank >= size:
@@ -354,17 +358,6 @@ def _gtp_seed(
             f"{axis} axis, so pass the rank explicitly"
         )
     return base + offset + 65536 * (1 + rank)
-
-
-def _checked_world_size(what: str, value: object) -> int:
-    return checked_int(
-        value,
-        what,
-        type_error=ParallelConfigTypeError,
-        value_error=ParallelConfigError,
-        minimum=1,
-        note="; pass None or 1 when the axis is not used",
-    )
 
 
 def _megatron_seeds(

@@ -27,12 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_size
 from rng_tracker.errors import (
     DistributedTestError,
     HarnessUsageError,
     ParallelConfigError,
-    ParallelConfigTypeError,
 )
 
 # After one rank fails, the others usually block in a collective: wait this long for them.
@@ -227,13 +226,7 @@ def run_distributed(
     when there is a GPU per rank). Raises :class:`DistributedTestError` naming every
     failed rank; no process outlives the call.
     """
-    world_size = checked_int(
-        world_size,
-        "world_size",
-        type_error=ParallelConfigTypeError,
-        value_error=ParallelConfigError,
-        minimum=1,
-    )
+    world_size = checked_size(world_size, "world_size")
     payload = _payload(fn, args, kwargs)
     qualname = getattr(fn, "__qualname__", "")
     _check_options(backend, timeout)
