@@ -13,7 +13,7 @@ call, a tensor for an op) and runs the route's kernel.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -47,6 +47,7 @@ from rng_tracker.kernels._triton_kernel import (
 )
 
 Impl = Literal["auto", "triton", "cpu", "torch"]
+IMPLS: tuple[str, ...] = get_args(Impl)
 # "cpu_direct", "triton_direct": the kernel called straight from Python; "cpu", "triton": its op
 Route = Literal["triton", "triton_direct", "cpu", "cpu_direct", "reference"]
 # each op that has a straight route -> that route
@@ -87,6 +88,11 @@ def _nothing_intercepts(x: torch.Tensor) -> bool:
     )
 
 
+def unknown_impl(impl: object) -> KernelInputError:
+    """The error of an ``impl`` that is none of :data:`IMPLS`."""
+    return KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+
+
 def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     """The kernel of a call on x placed by ``index_map``, for ``impl``: the one place that decides.
 
@@ -112,7 +118,7 @@ def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:
     elif impl == "torch":
         return "reference"
     elif impl != "triton":
-        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+        raise unknown_impl(impl)
     runs = triton_runs_on(x.device) and "triton" in OPS
     placeable = len(index_map.dims) <= MAX_DIVISIONS + 1
     # off CPU, "auto": Triton on a GPU, the reference elsewhere and for maps it cannot place

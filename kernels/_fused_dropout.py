@@ -13,13 +13,12 @@ import torch
 from rng_tracker._validate import checked_flag
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import dropout_call
-from rng_tracker.kernels._dispatch import Impl, run
+from rng_tracker.kernels._dispatch import IMPLS, Impl, run, unknown_impl
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
-from rng_tracker.kernels._rng_source import Words
-from rng_tracker.kernels.reference import check_p
+from rng_tracker.kernels._rng_source import Words, check_generator
+from rng_tracker.kernels.reference import check_p, check_seed_shape
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_IMPLS = ("auto", "triton", "cpu", "torch")
 
 
 def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,13 +43,11 @@ def _check_training(training: object) -> None:
 
 def _check_skipped_call(generator: object, impl: object) -> None:
     """What a call that draws nothing (training=False or p == 0) does not reach: the generator's
-    type and impl, checked as a call that runs checks them (_rng_source, _dispatch.route)."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise KernelInputTypeError(
-            f"generator must be a torch.Generator, got {type(generator).__name__}"
-        )
-    if impl not in _IMPLS:
-        raise KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+    type and impl, checked as a call that runs checks them."""
+    if generator is not None:
+        check_generator(generator)
+    if impl not in IMPLS:
+        raise unknown_impl(impl)
 
 
 def _check_seed(
@@ -68,11 +65,7 @@ def _check_seed(
         raise KernelInputError(
             "pass seed= or generator=, not both: with a seed tensor nothing is drawn from a generator"
         )
-    if seed.dtype != torch.int64 or seed.shape != (4,):
-        raise KernelInputError(
-            f"seed must be an int64 tensor of 4 words [key, base, c2, c3], got {seed.dtype} of "
-            f"shape {tuple(seed.shape)}"
-        )
+    check_seed_shape(seed)
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
     words = None

@@ -16,6 +16,7 @@ import torch
 
 from rng_tracker._bits import MASK64, signed64
 from rng_tracker._device_rng import default_generator
+from rng_tracker._validate import checked_instance
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 
 Words = tuple[int, int, int, int]  # [key, base, c2, c3] as int64 values
@@ -61,11 +62,17 @@ def _generator(x: torch.Tensor, generator: object) -> torch.Generator:
     """``generator``, or the default generator of x's device where it is None."""
     if generator is None:
         return torch.default_generator if x.device.type == "cpu" else default_generator(x.device)
-    if not isinstance(generator, torch.Generator):
-        raise KernelInputTypeError(
-            f"generator must be a torch.Generator, got {type(generator).__name__}"
-        )
-    return generator
+    return check_generator(generator)
+
+
+def check_generator(generator: object) -> torch.Generator:
+    """``generator`` if it is a ``torch.Generator``, else :class:`KernelInputTypeError`."""
+    return checked_instance(
+        generator,
+        torch.Generator,
+        "generator must be a torch.Generator",
+        error=KernelInputTypeError,
+    )
 
 
 def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object) -> Words:

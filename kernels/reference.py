@@ -15,6 +15,7 @@ import struct
 
 import torch
 
+from rng_tracker._validate import checked_instance
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.philox import philox4x32_unchecked
@@ -61,6 +62,11 @@ def _check_seed(seed: object) -> None:
     """Refuse a seed that is not an int64 tensor [key, base, c2, c3] (its values are not read)."""
     if not isinstance(seed, torch.Tensor):
         raise KernelInputTypeError(f"seed must be an int64 tensor, got {type(seed).__name__}")
+    check_seed_shape(seed)
+
+
+def check_seed_shape(seed: torch.Tensor) -> None:
+    """Refuse a seed tensor that is not int64 of shape (4,): the words [key, base, c2, c3]."""
     if seed.dtype != torch.int64 or seed.shape != (4,):
         raise KernelInputError(
             f"seed must be an int64 tensor of 4 words [key, base, c2, c3], got {seed.dtype} of "
@@ -68,13 +74,13 @@ def _check_seed(seed: object) -> None:
         )
 
 
-def _check_index_map(index_map: object) -> IndexMap:
-    if not isinstance(index_map, IndexMap):
-        raise KernelInputTypeError(
-            f"index_map must be an IndexMap (e.g. index_map_of(x.shape, shard)), got "
-            f"{type(index_map).__name__}"
-        )
-    return index_map
+def _checked_index_map(index_map: object) -> IndexMap:
+    return checked_instance(
+        index_map,
+        IndexMap,
+        "index_map must be an IndexMap (e.g. index_map_of(x.shape, shard))",
+        error=KernelInputTypeError,
+    )
 
 
 def _words(seed: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -101,7 +107,7 @@ def keep_mask(
     """Bool mask (local flat order) of the elements kept, from the seed tensor [key, base, c2, c3]."""
     _check_seed(seed)
     p = check_p(p)
-    _check_index_map(index_map)
+    _checked_index_map(index_map)
     if not isinstance(device, torch.device):
         raise KernelInputTypeError(f"device must be a torch.device, got {type(device).__name__}")
     return _keep_mask(seed, p, index_map, device)
@@ -167,7 +173,7 @@ def _check_reference_call(
             )
     _check_seed(seed)
     p = check_p(p)
-    if _check_index_map(index_map).numel != x.numel():
+    if _checked_index_map(index_map).numel != x.numel():
         raise KernelInputError(
             f"the IndexMap covers {index_map.numel} local elements but x has {x.numel()} "
             f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"

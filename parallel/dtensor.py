@@ -27,12 +27,10 @@ from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._validate import checked_flag
+from rng_tracker._validate import checked_flag, checked_instance
 from rng_tracker.errors import (
-    ArgumentTypeError,
     DTensorPlacementError,
     KernelInputError,
-    KernelInputTypeError,
     KeyedTypeError,
     RNGConsistencyError,
 )
@@ -40,6 +38,7 @@ from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels._keyed_fill import check_normal, check_uniform
+from rng_tracker.kernels._rng_source import check_generator
 from rng_tracker.kernels.reference import check_p
 from rng_tracker.parallel._placement import (
     LocalIndex,
@@ -278,10 +277,8 @@ def bias_dropout_add(
 def _check_init(t: object, generator: object) -> DTensor:
     """``t`` itself after the checks of an init op's arguments, made before anything is drawn."""
     t = require_dtensor("tensor", t)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise KernelInputTypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+    if generator is not None:
+        check_generator(generator)
     return t
 
 
@@ -316,16 +313,11 @@ def assert_same_generator_state(
     axis, so call it at start-up or after suspect code, not per op. ``generator`` defaults
     to the default generator of the mesh's device type.
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise ArgumentTypeError(
-            f"mesh must be a DeviceMesh (e.g. from init_device_mesh), got {type(mesh).__name__}"
-        )
+    checked_instance(mesh, DeviceMesh, "mesh must be a DeviceMesh (e.g. from init_device_mesh)")
     if generator is None:
         generator = default_generator(mesh.device_type)
-    elif not isinstance(generator, torch.Generator):
-        raise ArgumentTypeError(
-            f"generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
+    else:
+        checked_instance(generator, torch.Generator, "generator must be a torch.Generator or None")
     digest = state_digest(generator.get_state())
     for axis in range(mesh.ndim):
         digests = all_gather_json(digest, mesh.get_group(axis))
