@@ -62,6 +62,11 @@ def check_keyed_fill(t: object, kind: FillKind, *params: object) -> None:
 
 def _fill(t: torch.Tensor, kind: FillKind, *params: object, name: str, seed: int) -> None:
     check_keyed_fill(t, kind, *params)
+    _write(t, kind, params, name, seed)
+
+
+def _write(t: torch.Tensor, kind: FillKind, params: Sequence[object], name: str, seed: int) -> None:
+    """:func:`_fill` of arguments :func:`check_keyed_fill` passed."""
     _kernel.name_hash(name)  # a bad name or seed raises here, on the meta device too
     _kernel.init_key(seed)
     if isinstance(t, DTensor):
@@ -123,13 +128,6 @@ def keyed_trunc_normal_(
     ``name``: one inverse-CDF draw per element, so a rank never waits on another's values."""
     _fill(t, "trunc_normal", mean, std, a, b, name=name, seed=seed)
     return t
-
-
-_FILLS: dict[str, Callable[..., torch.Tensor]] = {
-    "uniform": keyed_uniform_,
-    "normal": keyed_normal_,
-    "trunc_normal": keyed_trunc_normal_,
-}
 
 
 def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
@@ -211,7 +209,8 @@ class KeyedInit:
         (:meth:`name_of`); a refused call is refused before it takes a name, so it leaves the
         names of later draws as they were."""
         check_keyed_fill(t, kind, *params)
-        return _FILLS[kind](t, *params, name=self.name_of(t), seed=self.seed)
+        _write(t, kind, params, self.name_of(t), self.seed)
+        return t
 
     def name_of(self, t: torch.Tensor) -> str:
         """``t``'s stable name in the model, or, for a tensor that is none of its parameters or
