@@ -10,7 +10,7 @@ there before.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,13 +27,13 @@ _DEVICES = "torch.device objects (torch.device('cuda'), not 'cuda')"
 _TRACKERS = "RNGStatesTracker objects (e.g. get_rng_tracker('cuda'))"
 
 
-def _accelerators(
-    devices: Iterable[torch.device], trackers: tuple[RNGStatesTracker, ...]
+def accelerators(
+    devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
 ) -> list[torch.device]:
     """The devices other than CPU among ``devices`` and the trackers', each once, by name.
 
-    Runs at every checkpoint's forward and recompute: ``d != _CPU`` first, since reading
-    ``d.type`` builds a string (most of a microsecond) and the devices are mostly the CPU."""
+    Runs at every checkpointed call: ``d != _CPU`` first, since reading ``d.type`` builds a
+    string (most of a microsecond) and the devices are mostly the CPU."""
     found: list[torch.device] = []
     for device in (*devices, *(t.device for t in trackers)):
         if device != _CPU and device.type != "cpu" and device not in found:
@@ -73,7 +73,14 @@ class RNGSnapshot:
         """Copy the current states (CPU always; ``devices`` other than CPU; every stream)."""
         devices = _all_of(devices, torch.device, "devices", _DEVICES)
         trackers = _all_of(trackers, RNGStatesTracker, "trackers", _TRACKERS)
-        wanted = _accelerators(devices, trackers)
+        return cls.take(accelerators(devices, trackers), trackers)
+
+    @classmethod
+    def take(
+        cls, wanted: Sequence[torch.device], trackers: Sequence[RNGStatesTracker]
+    ) -> RNGSnapshot:
+        """:meth:`capture` of checked arguments, ``wanted`` being their :func:`accelerators`: a
+        checkpoint computes those once and snapshots at its forward and every recompute."""
         device_states: tuple[tuple[torch.device, RNGState], ...] = ()
         if wanted:
             if any(d.type == "cuda" for d in wanted) and torch.cuda.is_current_stream_capturing():

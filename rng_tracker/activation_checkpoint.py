@@ -29,7 +29,7 @@ import rng_tracker._saved_inputs as saved_inputs
 from rng_tracker._deprecation import deprecated_names, renamed_keyword
 from rng_tracker._layout import ParallelLayout, checked_layout, process_layout
 from rng_tracker._random_op_log import RandomOpLog, first_divergence
-from rng_tracker._rng_snapshot import RNGSnapshot
+from rng_tracker._rng_snapshot import RNGSnapshot, accelerators
 from rng_tracker._saved_inputs import (
     InputSaver,
     first_tensor,
@@ -86,14 +86,6 @@ def _leave_checkpointing() -> None:
     _DEPTH.value -= 1
 
 
-def _no_dispatch_modes() -> Any:
-    """The caller's torch dispatch modes switched off (nothing to do, and no context manager to
-    pay for, when none is active)."""
-    if dispatch_mode_depth() == 0:
-        return contextlib.nullcontext()
-    return disable_current_dispatch_modes()
-
-
 def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.device]:
     seen: dict[torch.device, None] = {}
     for value in (*args, *kwargs.values()):
@@ -112,8 +104,8 @@ class _RNGRecord:
     def __init__(
         self, devices: Sequence[torch.device], trackers: Sequence[RNGStatesTracker], check: bool
     ) -> None:
-        self.devices = devices
         self.trackers = trackers
+        self.wanted = accelerators(devices, trackers)  # the generators to snapshot besides CPU
         self.check = check
         self.start: RNGSnapshot | None = None
         self.forward_end: RNGSnapshot | None = None
@@ -121,9 +113,16 @@ class _RNGRecord:
 
     def capture(self) -> RNGSnapshot:
         if dispatch_mode_depth() == 0:  # the usual case: no context manager to pay for
-            return RNGSnapshot.capture(self.devices, self.trackers)
+            return RNGSnapshot.take(self.wanted, self.trackers)
         with disable_current_dispatch_modes():
-            return RNGSnapshot.capture(self.devices, self.trackers)
+            return RNGSnapshot.take(self.wanted, self.trackers)
+
+    def install(self, snapshot: RNGSnapshot) -> None:
+        if dispatch_mode_depth() == 0:
+            snapshot.restore()
+            return
+        with disable_current_dispatch_modes():
+            snapshot.restore()
 
     def forward(self) -> _Forward:
         """Context of the first forward: snapshot at its start (and, checking, log its draws)."""
@@ -176,8 +175,8 @@ class _Replay:
     def __enter__(self) -> None:
         record = self._record
         assert record.start is not None, "recompute before forward"
-        with _no_dispatch_modes():
-            found = record.start.swap_in(record.devices, record.trackers)
+        found = record.capture()
+        record.install(record.start)
         log = RandomOpLog() if record.check else None
         self._open.append((found, log))
         _enter_checkpointing()
@@ -199,8 +198,7 @@ class _Replay:
                     mismatch.append(divergence)
         finally:
             _leave_checkpointing()
-            with _no_dispatch_modes():
-                found.restore()
+            record.install(found)
         if mismatch:
             raise CheckpointRNGMismatchError(
                 "the recompute did not draw the randomness of the first forward: "
@@ -492,17 +490,18 @@ def checkpoint(
     if context_fn is not torch_checkpoint.noop_context_fn:
         kwargs = {"context_fn": context_fn, **kwargs}  # passed only when given: Dynamo
         # traces torch's checkpoint and accepts only a plain or partial function here
-    with saver.hooks() if saver.packing else contextlib.nullcontext():
-        return torch_checkpoint.checkpoint(
-            _WithReplay(function, record),
-            *args,
-            use_reentrant=False,
-            determinism_check=determinism_check,
-            debug=debug,
-            early_stop=early_stop,
-            preserve_rng_state=False,  # the record snapshots and replays the generators itself
-            **kwargs,
-        )
+    options = {
+        "use_reentrant": False,
+        "determinism_check": determinism_check,
+        "debug": debug,
+        "early_stop": early_stop,
+        "preserve_rng_state": False,  # the record snapshots and replays the generators itself
+        **kwargs,
+    }
+    if not saver.packing:
+        return torch_checkpoint.checkpoint(_WithReplay(function, record), *args, **options)
+    with saver.hooks():
+        return torch_checkpoint.checkpoint(_WithReplay(function, record), *args, **options)
 
 
 _FLAGS = (
