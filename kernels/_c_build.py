@@ -27,10 +27,17 @@ from pathlib import Path
 
 # The headers the kernels' C sources include (``#include "..."``): copied next to the source
 # to compile it, and part of every library's cache key.
-HEADERS = ("f32_bits.h", "philox4x32.h", "philox4x32_avx2.h")
-# The instruction-set paths of the C kernels (philox4x32_avx2.h's RT_ISA_*): 0 lets a kernel
-# pick the fastest this CPU runs; the others force one (tests compare every path bitwise).
-ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2}
+HEADERS = (
+    "cpu_isa.h",
+    "f32_bits.h",
+    "philox4x32.h",
+    "philox4x32_avx2.h",
+    "philox4x32_avx512.h",
+    "philox4x32_simd.h",
+)
+# The instruction-set paths of the C kernels (cpu_isa.h's RT_ISA_*), slowest first: 0 lets a
+# kernel pick the fastest this CPU runs; the others force one (tests compare every path bitwise).
+ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 
 
 def isa_paths(supported: Callable[[int], int]) -> list[str]:

@@ -13,7 +13,8 @@
  * Instruction sets: the whole chunk loop is compiled once per path - "portable" (the
  * compiler's baseline for the target, any architecture) and, on x86-64 with GCC or clang,
  * "avx2" (per-function target attribute; Philox and the fp32/bf16 apply pass in AVX2
- * intrinsics, fp16's apply vectorised by the compiler). The path is picked at run time from
+ * intrinsics, fp16's apply vectorised by the compiler) and "avx512" (Philox in AVX-512, the
+ * apply pass avx2's). The path is picked at run time from
  * the CPU's features (__builtin_cpu_supports), or forced by the caller (tests compare every
  * path bitwise). Every path does the same integer and fp32 arithmetic, element by element, so
  * the output bits do not depend on the path.
@@ -34,6 +35,7 @@
 #include "f32_bits.h"
 #include "philox4x32.h"
 #include "philox4x32_avx2.h"
+#include "philox4x32_avx512.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -47,8 +49,9 @@
 #define RT_ABI_VERSION 2
 #define RT_MAX_DIMS 64
 #define BLOCK 1024 /* elements per block: a multiple of 4 * LANES */
-#define LANES 32   /* counters per SIMD step, padded up to: the widest path's needs */
-_Static_assert(LANES % PHILOX_AVX2_STEP == 0, "a block's counters pad to AVX2 Philox's step");
+#define LANES 64   /* counters per SIMD step, padded up to: the widest path's needs */
+_Static_assert(LANES % PHILOX_AVX2_STEP == 0 && LANES % PHILOX_AVX512_STEP == 0,
+               "a block's counters pad to every SIMD Philox's step");
 /* outputs of at least this many bytes are written with non-temporal stores: beyond the
    caches, they skip reading the output's lines before writing them (a third of the traffic) */
 #define STREAM_BYTES (16 << 20)
@@ -131,30 +134,32 @@ static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16
    the counters are consecutive, hi[0] * 2^32 + hi[1] + i, with hi[1] + m - 1 < 2^32.
    Portable: structure of arrays, rounds outermost, so the compiler may vectorise the inner
    loops. It ignores `ahead`: at a quarter of the AVX2 path's speed, memory is a small part of
-   its time. */
+   its time. Its batches are PORTABLE_LANES counters: wider would only cost a small tensor more
+   padding. */
+#define PORTABLE_LANES 32
 static void philox_block_portable(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
                                   uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
                                   uint32_t *restrict words, const rt_ahead *ahead) {
     (void)ahead;
-    for (int start = 0; start < m; start += LANES) {
-        uint32_t x0[LANES], x1[LANES], x2[LANES], x3[LANES];
+    for (int start = 0; start < m; start += PORTABLE_LANES) {
+        uint32_t x0[PORTABLE_LANES], x1[PORTABLE_LANES], x2[PORTABLE_LANES], x3[PORTABLE_LANES];
         if (lo) {
-            for (int i = 0; i < LANES; i++) {
+            for (int i = 0; i < PORTABLE_LANES; i++) {
                 x0[i] = lo[start + i];
                 x1[i] = hi[start + i];
             }
         } else {
-            for (int i = 0; i < LANES; i++) {
+            for (int i = 0; i < PORTABLE_LANES; i++) {
                 x0[i] = hi[1] + (uint32_t)(start + i);
                 x1[i] = hi[0];
             }
         }
-        for (int i = 0; i < LANES; i++) {
+        for (int i = 0; i < PORTABLE_LANES; i++) {
             x2[i] = c2;
             x3[i] = c3;
         }
-        int stored = m - start < LANES ? m - start : LANES;
-        philox4x32_10_lanes(LANES, x0, x1, x2, x3, k0, k1, stored, words + 4 * start);
+        int stored = m - start < PORTABLE_LANES ? m - start : PORTABLE_LANES;
+        philox4x32_10_lanes(PORTABLE_LANES, x0, x1, x2, x3, k0, k1, stored, words + 4 * start);
     }
 }
 
@@ -379,7 +384,7 @@ typedef void (*stream_fn)(char *restrict target, const char *restrict staged, in
 
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
                                                             int has_bias, int has_residual,
-                                                            philox_fn philox,
+                                                            philox_fn philox, int philox_step,
                                                             stream_fn stream_out,
                                                             apply_fn apply_block) {
     const job *j = c->job;
@@ -444,7 +449,7 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
         rt_ahead ahead = {{NULL, NULL}, NULL, 0, 0};
         const int64_t next = start + BLOCK;
         if (ahead_on && next + BLOCK <= c->end) { /* a whole next block, in this part */
-            const int steps = (groups + PHILOX_AVX2_STEP - 1) / PHILOX_AVX2_STEP;
+            const int steps = (groups + philox_step - 1) / philox_step;
             ahead.read[0] = (const char *)j->x + next * size;
             ahead.read[1] = has_residual ? (const char *)j->residual + next * size : NULL;
             ahead.write = stream ? NULL : (char *)j->out + next * size;
@@ -483,21 +488,21 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
     }
 }
 
-#define RT_VARIANTS(dtype, philox, stream, apply)                              \
-    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, stream, apply);          \
-    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, stream, apply); \
-    else run_chunk(c, dtype, 0, 0, philox, stream, apply);
+#define RT_VARIANTS(dtype, philox, step, stream, apply)                                  \
+    if (c->job->bias) run_chunk(c, dtype, 1, 1, philox, step, stream, apply);            \
+    else if (c->job->residual) run_chunk(c, dtype, 0, 1, philox, step, stream, apply);   \
+    else run_chunk(c, dtype, 0, 0, philox, step, stream, apply);
 
-#define RT_CHUNK_PATH(name, attributes, philox, stream, apply)                \
-    attributes static void name(const chunk *c) {                             \
-        switch (c->job->dtype) {                                              \
-        case RT_F32: RT_VARIANTS(RT_F32, philox, stream, apply) break;        \
-        case RT_F16: RT_VARIANTS(RT_F16, philox, stream, apply) break;        \
-        default: RT_VARIANTS(RT_BF16, philox, stream, apply) break;           \
-        }                                                                     \
+#define RT_CHUNK_PATH(name, attributes, philox, step, stream, apply)                     \
+    attributes static void name(const chunk *c) {                                        \
+        switch (c->job->dtype) {                                                         \
+        case RT_F32: RT_VARIANTS(RT_F32, philox, step, stream, apply) break;             \
+        case RT_F16: RT_VARIANTS(RT_F16, philox, step, stream, apply) break;             \
+        default: RT_VARIANTS(RT_BF16, philox, step, stream, apply) break;                \
+        }                                                                                \
     }
 
-RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, NULL, apply_portable)
+RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, PORTABLE_LANES, NULL, apply_portable)
 #if RT_X86_SIMD
 /* target[0 .. bytes) = staged[0 .. bytes) with non-temporal stores where target is 32-byte
    aligned (a torch allocation and a block's start are), plain stores for the rest. */
@@ -512,7 +517,10 @@ RT_AVX2 static void stream_out_avx2(char *restrict target, const char *restrict 
                             _mm256_loadu_si256((const __m256i *)(staged + i)));
     memcpy(target + i, staged + i, (size_t)(bytes - i));
 }
-RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, stream_out_avx2, apply_avx2)
+RT_CHUNK_PATH(run_chunk_avx2, RT_AVX2, philox_block_avx2, PHILOX_AVX2_STEP, stream_out_avx2,
+              apply_avx2)
+RT_CHUNK_PATH(run_chunk_avx512, RT_AVX512, philox_block_avx512, PHILOX_AVX512_STEP,
+              stream_out_avx2, apply_avx2)
 #endif
 
 /* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
@@ -548,8 +556,9 @@ static void *run_chunk_any(void *arg) {
     const chunk *c = (const chunk *)arg;
     populate_output(c);
 #if RT_X86_SIMD
-    if (c->job->isa == RT_ISA_AVX2) {
-        run_chunk_avx2(c);
+    if (c->job->isa == RT_ISA_AVX2 || c->job->isa == RT_ISA_AVX512) {
+        if (c->job->isa == RT_ISA_AVX512) run_chunk_avx512(c);
+        else run_chunk_avx2(c);
         if (c->job->stream) _mm_sfence(); /* the streamed stores are visible before the join */
         return NULL;
     }

@@ -15,8 +15,8 @@
  * Only the local shard is written: its element at local multi-index (i_0, ..., i_{n-1}) has
  * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
  * along dim d. Runs of consecutive elements are filled in batches, by one function per
- * instruction set (portable; AVX2 where the CPU has it: Philox in intrinsics, the value loops
- * vectorised by the compiler), each the same fp32 operations, so the same bits. Built and
+ * instruction set (portable; AVX2 and AVX-512 where the CPU has them: Philox in intrinsics,
+ * the value loops vectorised by the compiler), each the same fp32 operations, so the same bits. Built and
  * loaded by rng_tracker/kernels/_keyed_fill.py through _c_build.py (plain C11, ctypes).
  */
 #include <math.h>
@@ -26,6 +26,7 @@
 #include "f32_bits.h"
 #include "philox4x32.h"
 #include "philox4x32_avx2.h"
+#include "philox4x32_avx512.h"
 
 #define RT_KEYED_ABI 4
 #define RT_MAX_DIMS 64
@@ -147,7 +148,8 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
     for (int pair = 0; pair < 2; pair++) box_muller(w + 2 * pair, scale, shift, v + 2 * pair);
 }
 
-#define CHUNK 64 /* Philox blocks per batch: 256 elements */
+#define CHUNK 64 /* Philox blocks per batch (256 elements): one step of the AVX-512 Philox */
+#define CHUNK_PAD 16 /* blocks a SIMD Philox writes past the batch: its vector's counters */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
    vectorises (philox4x32_10_lanes: structure of arrays, rounds outermost). */
@@ -164,19 +166,37 @@ static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_
 }
 
 #if RT_X86_SIMD
-/* philox_many in AVX2 (philox_block_avx2 on runs of consecutive counters); words has room for
-   m + 8 blocks: each run's words are written up to a multiple of 8 blocks. */
-RT_AVX2 static void philox_many_avx2(int m, uint64_t first, uint32_t c2, uint32_t c3,
-                                     uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+typedef void (*philox_block_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
+                                uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                                uint32_t *restrict words, const rt_ahead *ahead);
+
+/* philox_many by a SIMD block function (philox_block_avx2 or _avx512) on runs of consecutive
+   counters; words has room for m + CHUNK_PAD blocks: each run's words are written up to a
+   multiple of the function's vector. */
+static inline __attribute__((always_inline)) void philox_runs(int m, uint64_t first, uint32_t c2,
+                                                              uint32_t c3, uint32_t k0,
+                                                              uint32_t k1,
+                                                              uint32_t *restrict words,
+                                                              philox_block_fn block) {
     int done = 0;
     while (done < m) { /* a run ends where the low counter word would carry into the high */
         uint64_t start = first + (uint64_t)done;
         uint64_t room = 0x100000000u - (uint32_t)start;
         int run = (uint64_t)(m - done) < room ? m - done : (int)room;
         const uint32_t hi[2] = {(uint32_t)(start >> 32), (uint32_t)start};
-        philox_block_avx2(run, NULL, hi, c2, c3, k0, k1, words + 4 * done, NULL);
+        block(run, NULL, hi, c2, c3, k0, k1, words + 4 * done, NULL);
         done += run;
     }
+}
+
+RT_AVX2 static void philox_many_avx2(int m, uint64_t first, uint32_t c2, uint32_t c3,
+                                     uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+    philox_runs(m, first, c2, c3, k0, k1, words, philox_block_avx2);
+}
+
+RT_AVX512 static void philox_many_avx512(int m, uint64_t first, uint32_t c2, uint32_t c3,
+                                         uint32_t k0, uint32_t k1, uint32_t *restrict words) {
+    philox_runs(m, first, c2, c3, k0, k1, words, philox_block_avx512);
 }
 #endif
 
@@ -191,7 +211,7 @@ static inline __attribute__((always_inline)) void fill_run(float *out, uint64_t 
                                                            const fill_params *p,
                                                            philox_many_fn philox) {
     float scale = p->scale, shift = p->shift;
-    uint32_t words[4 * (CHUNK + 8)];
+    uint32_t words[4 * (CHUNK + CHUNK_PAD)];
     float vals[4 * CHUNK];
     uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
     for (uint64_t block = g0 >> 2; block <= last; block += CHUNK) {
@@ -224,6 +244,12 @@ RT_AVX2 static void fill_run_avx2(float *out, uint64_t g0, int64_t n, int kind, 
                                   uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p) {
     fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many_avx2);
 }
+
+RT_AVX512 static void fill_run_avx512(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
+                                      uint32_t c3, uint32_t k0, uint32_t k1,
+                                      const fill_params *p) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many_avx512);
+}
 #endif
 
 /* Whether this CPU (and OS) runs the instruction set `isa` (an RT_ISA_* code). */
@@ -240,10 +266,11 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
                       const float *params, int64_t isa) {
     if (ndims < 0 || ndims > RT_MAX_DIMS || kind < 0 || kind > 2) return -1;
     if (isa != RT_ISA_AUTO && !rt_cpu_runs(isa)) return -2;
+    if (isa == RT_ISA_AUTO) isa = rt_cpu_best();
     fill_run_fn run = fill_run_portable;
 #if RT_X86_SIMD
-    if (isa == RT_ISA_AVX2 || (isa == RT_ISA_AUTO && rt_cpu_best() == RT_ISA_AVX2))
-        run = fill_run_avx2;
+    if (isa == RT_ISA_AVX2) run = fill_run_avx2;
+    if (isa == RT_ISA_AVX512) run = fill_run_avx512;
 #endif
     fill_params p = {params[0], params[1], params[2], params[3],
                      params[4], params[5], params[6], params[7]};

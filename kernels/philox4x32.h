@@ -43,6 +43,33 @@ static inline void philox4x32_10(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t
     words[3] = x3;
 }
 
+/* What rounds 1 and 2 share across a run of consecutive counters (hi * 2^32 + lo + i, no carry
+   into hi) under c2, c3 and the key (k0, k1): words 1, 2 and 3 are the same for every counter
+   until round 1 multiplies word 0, so round 1 needs one product per counter (word 0's) and
+   round 2 one (word 2's); the rest are these scalars. The SIMD Philox loops start from them. */
+typedef struct {
+    uint32_t round1_key3; /* round 1: word 2 = high(M0 * word 0) ^ this */
+    uint32_t round2_key1; /* round 2: word 0 = high(M1 * word 2) ^ this */
+    uint32_t round2_key3; /* round 2: word 2 = low(M0 * word 0 of the counter) ^ this */
+    uint32_t round2_low0; /* round 2: word 3 */
+    uint32_t round3_k0, round3_k1; /* the key of round 3, where the full rounds resume */
+} philox_consecutive;
+
+static inline philox_consecutive philox_consecutive_start(uint32_t hi, uint32_t c2, uint32_t c3,
+                                                          uint32_t k0, uint32_t k1) {
+    const uint32_t k0_2 = k0 + PHILOX_KEY_STEP0, k1_2 = k1 + PHILOX_KEY_STEP1;
+    const uint64_t product1 = (uint64_t)0xCD9E8D57u * c2;    /* round 1 */
+    const uint32_t word0 = (uint32_t)(product1 >> 32) ^ hi ^ k0;
+    const uint64_t product0 = (uint64_t)0xD2511F53u * word0; /* round 2 */
+    philox_consecutive start = {c3 ^ k1,
+                                (uint32_t)product1 ^ k0_2,
+                                (uint32_t)(product0 >> 32) ^ k1_2,
+                                (uint32_t)product0,
+                                k0_2 + PHILOX_KEY_STEP0,
+                                k1_2 + PHILOX_KEY_STEP1};
+    return start;
+}
+
 /* Philox4x32-10 of n counters at once, held as a structure of arrays (counter i is (x0[i],
    x1[i], x2[i], x3[i]), overwritten), rounds outermost so that the loop over the counters
    vectorises; then words[4 * i + j] = word j of counter i for the first `stored` counters. */

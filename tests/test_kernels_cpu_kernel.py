@@ -200,7 +200,7 @@ _PLACEMENTS = {
 
 
 def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
-    """The kernel is compiled once per instruction-set path (portable, and AVX2 on x86-64);
+    """The kernel is compiled once per instruction-set path (portable; AVX2 and AVX-512 on x86-64);
     forcing each path this CPU runs gives the reference's bits for every dtype, op variant,
     placement and seed (counter carries and wraps included), and auto picks the fastest."""
     paths = _cpu_kernel.isa_paths()
@@ -208,8 +208,10 @@ def test_every_instruction_set_path_equals_the_reference_bitwise(monkeypatch):
     if os.path.exists("/proc/cpuinfo"):  # Linux: the kernel's pick agrees with the CPU's flags
         with open("/proc/cpuinfo") as info:
             flags = re.search(r"^flags\s*:(.*)$", info.read(), re.MULTILINE)
-        has_avx2 = flags is not None and "avx2" in flags.group(1).split()
-        assert ("avx2" in paths) == (has_avx2 and platform.machine() == "x86_64")
+        names = set(flags.group(1).split()) if flags is not None else set()
+        x86 = platform.machine() == "x86_64"
+        assert ("avx2" in paths) == ("avx2" in names and x86)
+        assert ("avx512" in paths) == ({"avx2", "avx512f"} <= names and x86)
     library = _cpu_kernel._library()
     assert library.rt_isa_best() == _c_build.ISA_CODES[paths[-1]]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -356,7 +358,14 @@ def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
         with open(os.path.join(kernels_dir, name)) as source:
             included |= set(re.findall(r'^#include "([^"]+)"', source.read(), re.MULTILINE))
     assert included == set(_c_build.HEADERS)
-    assert included == {"f32_bits.h", "philox4x32.h", "philox4x32_avx2.h"}
+    assert included == {
+        "cpu_isa.h",
+        "f32_bits.h",
+        "philox4x32.h",
+        "philox4x32_avx2.h",
+        "philox4x32_avx512.h",
+        "philox4x32_simd.h",
+    }
     before = _library_paths()
     assert len(set(before)) == 2
     assert _library_paths() == before  # the key is a pure function of the files

@@ -1,0 +1,48 @@
+/*
+ * The instruction sets the C kernels compile their hot loops for, and which of them this CPU
+ * runs: included by philox4x32_avx2.h and philox4x32_avx512.h (and through them by
+ * cpu_dropout.c and keyed_fill.c).
+ *
+ * Defines RT_X86_SIMD (1 where GCC or clang compile for x86) and, there, the per-function
+ * target attributes RT_AVX2 and RT_AVX512. A kernel compiles its hot loop once per instruction
+ * set and calls a path only where rt_cpu_runs says the CPU (and OS) runs it; every path does
+ * the same integer and fp32 arithmetic, so the bits do not depend on the path. Copied next to
+ * the .c file and hashed into the cache key by the Python loaders.
+ */
+#ifndef RT_CPU_ISA_H
+#define RT_CPU_ISA_H
+
+#include <stdint.h>
+
+/* Instruction-set paths: the codes the loaders pass (0 lets the kernel pick the fastest). */
+enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2, RT_ISA_AVX512 = 3 };
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define RT_X86_SIMD 1
+#include <immintrin.h>
+#define RT_AVX2 __attribute__((target("avx2")))
+#define RT_AVX512 __attribute__((target("avx2,avx512f")))
+#else
+#define RT_X86_SIMD 0
+#endif
+
+/* Whether this CPU (and OS: the builtins check that it saves the vector registers) runs the
+   instruction set `isa` (an RT_ISA_* code). */
+static inline int rt_cpu_runs(int64_t isa) {
+    if (isa == RT_ISA_PORTABLE) return 1;
+#if RT_X86_SIMD
+    __builtin_cpu_init();
+    if (isa == RT_ISA_AVX2) return __builtin_cpu_supports("avx2") != 0;
+    if (isa == RT_ISA_AVX512)
+        return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("avx512f") != 0;
+#endif
+    return 0;
+}
+
+/* The fastest instruction set this CPU runs. */
+static inline int64_t rt_cpu_best(void) {
+    if (rt_cpu_runs(RT_ISA_AVX512)) return RT_ISA_AVX512;
+    return rt_cpu_runs(RT_ISA_AVX2) ? RT_ISA_AVX2 : RT_ISA_PORTABLE;
+}
+
+#endif /* RT_CPU_ISA_H */
