@@ -449,7 +449,7 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
         rt_ahead ahead = {{NULL, NULL}, NULL, 0, 0};
         const int64_t next = start + BLOCK;
         if (ahead_on && next + BLOCK <= c->end) { /* a whole next block, in this part */
-            const int steps = (groups + philox_step - 1) / philox_step;
+            const int steps = RT_AHEAD_PARTS * ((groups + philox_step - 1) / philox_step);
             ahead.read[0] = (const char *)j->x + next * size;
             ahead.read[1] = has_residual ? (const char *)j->residual + next * size : NULL;
             ahead.write = stream ? NULL : (char *)j->out + next * size;

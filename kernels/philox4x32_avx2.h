@@ -19,17 +19,19 @@
 #define AVX2_CHAINS 4 /* independent vectors in flight: hides the multiplies' latency */
 #define PHILOX_AVX2_STEP (8 * AVX2_CHAINS) /* counters per step of philox_block_avx2 */
 
-/* Memory a caller needs next, requested while Philox computes: each step of
-   philox_block_avx2 prefetches its share, so the lines arrive spread over the arithmetic
+/* Memory a caller needs next, requested while Philox computes: each step of a SIMD Philox
+   (philox_block_avx2, _avx512) prefetches its share in RT_AHEAD_PARTS parts, one before its
+   rounds and one halfway through them, so the lines arrive spread over the arithmetic
    (requested all at once, most wait behind the core's few outstanding misses). */
+#define RT_AHEAD_PARTS 2
 typedef struct {
     const char *read[2]; /* to be read (either may be NULL) */
     char *write;         /* to be written (NULL: none, or written around the caches) */
     int bytes;           /* of each stream */
-    int step_bytes;      /* of each stream per step: a multiple of 64 */
+    int step_bytes;      /* of each stream per part of a step: a multiple of 64 */
 } rt_ahead;
 
-/* Step `step`'s share of a's prefetches. */
+/* Part `step` of a's prefetches (parts count RT_AHEAD_PARTS per Philox step). */
 static inline __attribute__((always_inline)) void rt_ahead_step(const rt_ahead *a, int step) {
     const int first = step * a->step_bytes;
     const int end = first + a->step_bytes < a->bytes ? first + a->step_bytes : a->bytes;

@@ -16,13 +16,15 @@
 
 /* Rounds first .. PHILOX_ROUNDS - 1 of Philox4x32-10 on RT_CHAINS vectors of counters, in
    place; (r0, r1) is round `first`'s key. `first` is a constant at each call, so the loop
-   unrolls whole. */
+   unrolls whole. Halfway, part `part` of ahead's prefetches (ahead may be NULL). */
 RT_SIMD_TARGET static inline __attribute__((always_inline)) void RT_SIMD_NAME(philox_rounds)(
-    RT_V *x0, RT_V *x1, RT_V *x2, RT_V *x3, uint32_t r0, uint32_t r1, int first) {
+    RT_V *x0, RT_V *x1, RT_V *x2, RT_V *x3, uint32_t r0, uint32_t r1, int first,
+    const rt_ahead *ahead, int part) {
     const RT_V multiplier0 = RT_SET1(0xD2511F53u), multiplier1 = RT_SET1(0xCD9E8D57u);
 #pragma GCC unroll 10
     for (int round = first; round < PHILOX_ROUNDS; round++) {
         const RT_V key0 = RT_SET1(r0), key1 = RT_SET1(r1);
+        if (ahead && round == PHILOX_ROUNDS / 2) rt_ahead_step(ahead, part);
 #pragma GCC unroll 8
         for (int v = 0; v < RT_CHAINS; v++) {
             RT_V low0, low1;
@@ -43,7 +45,7 @@ RT_SIMD_TARGET static inline __attribute__((always_inline)) void RT_SIMD_NAME(ph
    RT_W * RT_CHAINS entries, and words room for m rounded up to RT_W counters (the padding is
    computed and written). lo == NULL: the counters are hi[0] * 2^32 + hi[1] + i, with
    hi[1] + m - 1 < 2^32 (rounds 1 and 2 then start from philox_consecutive_start). ahead (or
-   NULL): memory to prefetch, a share per step. */
+   NULL): memory to prefetch, a share per step in RT_AHEAD_PARTS parts. */
 RT_SIMD_TARGET static void RT_SIMD_NAME(philox_block)(int m, const uint32_t *restrict lo,
                                                       const uint32_t *restrict hi, uint32_t c2,
                                                       uint32_t c3, uint32_t k0, uint32_t k1,
@@ -56,7 +58,8 @@ RT_SIMD_TARGET static void RT_SIMD_NAME(philox_block)(int m, const uint32_t *res
     const RT_V round1_key3 = RT_SET1(run.round1_key3), round2_key1 = RT_SET1(run.round2_key1);
     const RT_V round2_key3 = RT_SET1(run.round2_key3), round2_low0 = RT_SET1(run.round2_low0);
     for (int start = 0; start < m; start += RT_W * RT_CHAINS) {
-        if (ahead) rt_ahead_step(ahead, start / (RT_W * RT_CHAINS));
+        const int part = RT_AHEAD_PARTS * (start / (RT_W * RT_CHAINS));
+        if (ahead) rt_ahead_step(ahead, part);
         RT_V x0[RT_CHAINS], x1[RT_CHAINS], x2[RT_CHAINS], x3[RT_CHAINS];
         if (lo) {
 #pragma GCC unroll 8
@@ -66,7 +69,7 @@ RT_SIMD_TARGET static void RT_SIMD_NAME(philox_block)(int m, const uint32_t *res
                 x2[v] = RT_SET1(c2);
                 x3[v] = RT_SET1(c3);
             }
-            RT_SIMD_NAME(philox_rounds)(x0, x1, x2, x3, k0, k1, 0);
+            RT_SIMD_NAME(philox_rounds)(x0, x1, x2, x3, k0, k1, 0, ahead, part + 1);
         } else {
 #pragma GCC unroll 8
             for (int v = 0; v < RT_CHAINS; v++) {
@@ -79,7 +82,8 @@ RT_SIMD_TARGET static void RT_SIMD_NAME(philox_block)(int m, const uint32_t *res
                 x2[v] = RT_XOR(low0, round2_key3);
                 x3[v] = round2_low0;
             }
-            RT_SIMD_NAME(philox_rounds)(x0, x1, x2, x3, run.round3_k0, run.round3_k1, 2);
+            RT_SIMD_NAME(philox_rounds)(x0, x1, x2, x3, run.round3_k0, run.round3_k1, 2, ahead,
+                                        part + 1);
         }
 #pragma GCC unroll 8
         for (int v = 0; v < RT_CHAINS; v++) {

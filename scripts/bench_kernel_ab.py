@@ -9,15 +9,18 @@ the ratio new / base (> 1: the working tree is faster).
     python scripts/bench_kernel_ab.py --base HEAD~1                  # 1 thread
     python scripts/bench_kernel_ab.py --base HEAD~1 --cold           # caches flushed per call
     python scripts/bench_kernel_ab.py --base HEAD~1 --threads 2 --min-log2 22 --max-log2 24
+    python scripts/bench_kernel_ab.py --base HEAD~1 --isa avx2        # both on one path
 
 Both libraries must have the same ABI (``rt_abi_version``): the arguments are built once, by
-the working tree's ``rng_tracker.kernels._cpu_kernel``.
+the working tree's ``rng_tracker.kernels._cpu_kernel``, and each library picks the fastest
+instruction-set path it has for this CPU (a base without the AVX-512 path runs AVX2).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import subprocess
 import tempfile
 import time
@@ -31,24 +34,32 @@ from rng_tracker.kernels._index_map import index_map_of
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SOURCE = "cpu_dropout.c"
+_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 
 
 def _files_at(revision: str | None) -> dict[str, bytes]:
-    """The kernel's source and headers at a git revision (None: the working tree)."""
-    names = (SOURCE, *_c_build.HEADERS)
-    if revision is None:
-        return {name: (REPOSITORY / "kernels" / name).read_bytes() for name in names}
-    files = {}
-    for name in names:
-        shown = subprocess.run(
-            ["git", "show", f"{revision}:kernels/{name}"], cwd=REPOSITORY, capture_output=True
-        )
-        if shown.returncode != 0:
-            raise SystemExit(
-                f"kernels/{name} is not at {revision!r} ({shown.stderr.decode().strip()}); pick "
-                "a revision that has the kernel and every header it includes today"
+    """The kernel's source and the headers it includes (followed from its ``#include "..."``
+    lines, so a revision with other headers builds too) at a git revision (None: the working
+    tree)."""
+    files: dict[str, bytes] = {}
+    pending = [SOURCE]
+    while pending:
+        name = pending.pop()
+        if name in files:
+            continue
+        if revision is None:
+            files[name] = (REPOSITORY / "kernels" / name).read_bytes()
+        else:
+            shown = subprocess.run(
+                ["git", "show", f"{revision}:kernels/{name}"], cwd=REPOSITORY, capture_output=True
             )
-        files[name] = shown.stdout
+            if shown.returncode != 0:
+                raise SystemExit(
+                    f"kernels/{name} is not at {revision!r} ({shown.stderr.decode().strip()}); "
+                    "pick a revision that has the kernel"
+                )
+            files[name] = shown.stdout
+        pending += [m.decode() for m in _INCLUDE.findall(files[name])]
     return files
 
 
@@ -98,6 +109,8 @@ def _calls(
         def call(keep_alive: tuple = (x, out, bias, residual)) -> int:
             return library.rt_fused_dropout(*pointers, args)
 
+        if call() != 0:
+            raise SystemExit("a library refused the arguments: does it have the path --isa names?")
         return call
 
     return [call_of(library) for library in libraries]
@@ -134,9 +147,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40, help="timed calls per figure (best)")
     parser.add_argument("--p", type=float, default=0.1)
     parser.add_argument(
+        "--isa",
+        choices=[name for name in _c_build.ISA_CODES],
+        default="auto",
+        help="instruction-set path both libraries run (auto: each its fastest)",
+    )
+    parser.add_argument(
         "--cold", action="store_true", help="write 64 MiB elsewhere before each call"
     )
     args = parser.parse_args()
+    _cpu_kernel._state["isa"] = _c_build.ISA_CODES[args.isa]  # read into every call's arguments
 
     # one thread: its CPU time (descheduled time does not count); more: the wall clock
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -151,7 +171,8 @@ def main() -> None:
         if base.rt_abi_version() != new.rt_abi_version():
             raise SystemExit("the two kernels have different ABIs: their arguments differ")
         print(
-            f"kernel at {args.base} (base) against the working tree (new): {args.threads} "
+            f"kernel at {args.base} (base) against the working tree (new), path {args.isa}: "
+            f"{args.threads} "
             f"thread(s), {'caches flushed before each call' if args.cold else 'caches not flushed'}, "
             f"best of {args.repeats} interleaved calls, G elements/s"
         )
