@@ -211,7 +211,7 @@ typedef struct {
     uint64_t base;
     float scale;
     uint16_t bf16_nan;
-    int isa;    /* RT_ISA_PORTABLE or RT_ISA_AVX2 */
+    int isa;    /* RT_ISA_PORTABLE, RT_ISA_AVX2 or RT_ISA_AVX512 */
     int stream; /* write the output with non-temporal stores (where the path has them) */
 } job;
 
