@@ -244,15 +244,19 @@ def _fused(x, bias, residual, placement, seed, *, impl):
 def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
     monkeypatch, numel, with_residual
 ):
-    """A thread's part of at least 2 MiB prefetches each next block while computing this one,
-    and outputs of 16 MiB and more are written with non-temporal stores on the AVX2 path (staged
-    per block, then streamed out; the last block's 12 bytes with plain stores): the bits equal
-    the reference's on every path, on one thread and split over two."""
+    """A thread's part of at least 2 MiB prefetches each next block while computing this one.
+    A fresh output (the op's own, new pages) is mapped a piece at a time just ahead of the loop
+    and written through the cache; an output of 16 MiB and more whose pages are already mapped
+    is written with non-temporal stores on the SIMD paths (staged per block, then streamed out;
+    the last block's 12 bytes with plain stores). Both give the reference's bits on every path,
+    on one thread and split over two."""
     paths = _cpu_kernel.isa_paths()
     x = torch.randn(numel, generator=_gen(5))
     residual = torch.randn_like(x) if with_residual else None
     seed = torch.tensor(_SEEDS["carry"], dtype=torch.int64)
     want = _fused(x, None, residual, None, seed, impl="torch")
+    library = _cpu_kernel._library()
+    mapped = torch.full_like(x, 7.0)  # every page of it touched: mapped, not fresh
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
@@ -260,6 +264,12 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
             for path in paths:
                 monkeypatch.setitem(_cpu_kernel._state, "isa", _c_build.ISA_CODES[path])
                 _assert_bitwise(_fused(x, None, residual, None, seed, impl="cpu"), want)
+                args = _cpu_kernel._arguments(index_map_of(x.shape, None), x.dtype, 0, 0.3, count)
+                args[_cpu_kernel._ARG_KEY : _cpu_kernel._ARG_KEY + 4] = _SEEDS["carry"]
+                mapped.fill_(7.0)
+                pointers = (x.data_ptr(), None, residual.data_ptr() if with_residual else None)
+                assert library.rt_fused_dropout(*pointers, mapped.data_ptr(), args) == 0
+                _assert_bitwise(mapped, want)
     finally:
         torch.set_num_threads(threads)
 
