@@ -30,6 +30,7 @@ from pathlib import Path
 HEADERS = (
     "cpu_isa.h",
     "f32_bits.h",
+    "fresh_pages.h",
     "philox4x32.h",
     "philox4x32_avx2.h",
     "philox4x32_avx512.h",

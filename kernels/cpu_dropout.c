@@ -23,7 +23,7 @@
  * _c_build.py with the system C compiler and loaded with ctypes; plain C11 and pthreads, no
  * torch headers. Compile with -ffp-contract=off: a fused multiply-add of residual +
  * value * scale would round once where the reference rounds twice. On Linux, a large output's
- * fresh pages are mapped by madvise a piece at a time, just ahead of the loop (map_ahead).
+ * fresh pages are mapped a piece at a time, just ahead of the loop (fresh_pages.h).
  */
 #ifndef _DEFAULT_SOURCE
 #define _DEFAULT_SOURCE /* madvise, mincore */
@@ -33,18 +33,10 @@
 #include <string.h>
 
 #include "f32_bits.h"
+#include "fresh_pages.h"
 #include "philox4x32.h"
 #include "philox4x32_avx2.h"
 #include "philox4x32_avx512.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#include <unistd.h>
-#ifndef MADV_POPULATE_WRITE
-/* Linux 5.14 and later; an older kernel refuses it (EINVAL) and the loop faults as before */
-#define MADV_POPULATE_WRITE 23
-#endif
-#endif
 
 #define RT_ABI_VERSION 2
 #define RT_MAX_DIMS 64
@@ -59,12 +51,6 @@ _Static_assert(LANES % PHILOX_AVX2_STEP == 0 && LANES % PHILOX_AVX512_STEP == 0,
    computes (above the largest per-core L2 in use, 2 MiB): smaller parts are in the caches, where
    prefetches only add instructions (~5 % of a call) */
 #define AHEAD_BYTES (2 << 20)
-/* outputs of at least this many bytes per thread have their fresh pages mapped ahead of the
-   loop, POPULATE_STEP bytes at a time: a piece the core's L2 holds (map_ahead) */
-#ifndef POPULATE_BYTES
-#define POPULATE_BYTES (1 << 20)
-#endif
-#define POPULATE_STEP (256 << 10)
 
 enum { RT_F32 = 0, RT_F16 = 1, RT_BF16 = 2 };
 
@@ -221,60 +207,6 @@ typedef struct {
     const job *job;
     int64_t begin, end; /* local elements; begin is a multiple of BLOCK */
 } chunk;
-
-/* ---- a fresh output's pages, mapped a piece at a time just ahead of the loop ---- */
-
-typedef struct {
-    char *next, *end; /* whole pages of the chunk's output still to map; next == end: none */
-} page_span;
-
-/* The pages of the chunk's output to map ahead of the loop, where they are fresh (a new large
-   allocation, its own mmap), else none: only whole pages inside the chunk's output, only
-   outputs of at least POPULATE_BYTES. A mapped first page means the memory was used before (a
-   reused allocation): asking again would cost a page-table walk for nothing. */
-static page_span fresh_pages(const chunk *c, int64_t size) {
-    page_span none = {NULL, NULL};
-#if defined(__linux__)
-    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE); /* 4 KiB, 16 or 64 KiB on arm64 */
-    uintptr_t first = (uintptr_t)((char *)c->job->out + c->begin * size);
-    uintptr_t end = (uintptr_t)((char *)c->job->out + c->end * size);
-    first = (first + page - 1) & ~(page - 1);
-    end &= ~(page - 1);
-    unsigned char resident = 1;
-    if (end <= first || end - first < POPULATE_BYTES) return none;
-    if (mincore((void *)first, page, &resident) == 0 && !(resident & 1)) {
-        page_span fresh = {(char *)first, (char *)end};
-        return fresh;
-    }
-#else
-    (void)c;
-    (void)size;
-#endif
-    return none;
-}
-
-/* Map the span's pages up to `until`, POPULATE_STEP bytes per call, before the loop writes
-   there: a fresh page otherwise takes a page fault inside the loop, and one
-   MADV_POPULATE_WRITE per step costs a fraction of them. The kernel zeroes the pages as it maps
-   them, and the loop overwrites them while those lines are still in the core's cache, as a copy
-   into fresh memory does. (Mapped all at once before the loop, the zeroed lines left the
-   caches first, written back only to be overwritten: a 32 MiB bf16 dropout took 1.40-1.45x a
-   clone's time, against 1.20-1.24x now.) Such a block is written with plain stores, not
-   streamed around the caches. An error (an older kernel) changes nothing: the loop faults the
-   pages in. */
-static inline void map_ahead(page_span *span, const char *until) {
-#if defined(__linux__)
-    while (span->next < span->end && until > span->next) {
-        char *stop =
-            span->end - span->next > POPULATE_STEP ? span->next + POPULATE_STEP : span->end;
-        (void)madvise(span->next, (size_t)(stop - span->next), MADV_POPULATE_WRITE);
-        span->next = stop;
-    }
-#else
-    (void)span;
-    (void)until;
-#endif
-}
 
 /* out[i] for i in [0, n): inlined with constant dtype/has_bias/has_residual, so each of the
    nine variants is its own branch-free loop the compiler can vectorise (for the path's ISA). */
@@ -445,7 +377,8 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
                                                             apply_fn apply_block) {
     const job *j = c->job;
     const int64_t size = dtype == RT_F32 ? 4 : 2;
-    page_span fresh = fresh_pages(c, size);
+    char *const out_begin = (char *)j->out + c->begin * size;
+    page_span fresh = fresh_pages(out_begin, out_begin + (c->end - c->begin) * size);
     /* fresh pages are written through the cache, which holds them zeroed (map_ahead) */
     const stream_fn stream = j->stream && fresh.next == fresh.end ? stream_out : NULL;
     _Alignas(64) char staged[4 * BLOCK];

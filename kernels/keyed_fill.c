@@ -16,14 +16,20 @@
  * g = sum_d index_d[i_d] * gstride_d, where index_d lists the global indices this rank holds
  * along dim d. Runs of consecutive elements are filled in batches, by one function per
  * instruction set (portable; AVX2 and AVX-512 where the CPU has them: Philox in intrinsics,
- * the value loops vectorised by the compiler), each the same fp32 operations, so the same bits. Built and
- * loaded by rng_tracker/kernels/_keyed_fill.py through _c_build.py (plain C11, ctypes).
+ * the value loops vectorised by the compiler), each the same fp32 operations, so the same bits.
+ * A new tensor's pages are mapped a piece at a time just ahead of the fill (fresh_pages.h).
+ * Built and loaded by rng_tracker/kernels/_keyed_fill.py through _c_build.py (plain C11,
+ * ctypes).
  */
+#ifndef _DEFAULT_SOURCE
+#define _DEFAULT_SOURCE /* madvise, mincore */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "f32_bits.h"
+#include "fresh_pages.h"
 #include "philox4x32.h"
 #include "philox4x32_avx2.h"
 #include "philox4x32_avx512.h"
@@ -149,6 +155,7 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
 }
 
 #define CHUNK 64 /* Philox blocks per batch (256 elements): one step of the AVX-512 Philox */
+#define FILL_PIECE (POPULATE_STEP / 4) /* elements of a run filled per map_ahead */
 #define CHUNK_PAD 16 /* blocks a SIMD Philox writes past the batch: its vector's counters */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
@@ -297,6 +304,7 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     const int64_t *columns = lists[last];
     int64_t column_stride = gstride[last];
     for (int64_t d = 0; d < ndims; d++) at[d] = 0;
+    page_span fresh = fresh_pages(out, out + numel); /* a new tensor's pages: mapped ahead */
     uint64_t cached = UINT64_MAX;
     uint32_t w[4];
     float v[4];
@@ -304,10 +312,15 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
         int64_t row_base = 0;
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
         if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
-            run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0, k1,
-                &p);
+            for (int64_t done = 0; done < row; done += FILL_PIECE) { /* a piece per page map */
+                int64_t n = row - done < FILL_PIECE ? row - done : FILL_PIECE;
+                map_ahead(&fresh, out + start + done + n);
+                run(out + start + done, (uint64_t)(row_base + columns[0] + done), n, (int)kind,
+                    c2, c3, k0, k1, &p);
+            }
             goto next_row;
         }
+        map_ahead(&fresh, out + start + row);
         for (int64_t i = 0; i < row; i++) {
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;

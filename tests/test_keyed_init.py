@@ -23,6 +23,7 @@ from rng_tracker.errors import (
     KernelUnavailableError,
     RNGTrackerError,
 )
+from rng_tracker.kernels import _keyed_fill
 from rng_tracker.kernels._keyed_fill import (
     init_key,
     keyed_normal_,
@@ -167,6 +168,35 @@ def test_values_follow_the_truncated_normal(mean: float, std: float, a: float, b
     assert abs(values.double().std().item() / expected_std - 1) < 5e-3
     with pytest.raises(KernelInputError, match="std > 0"):
         keyed_trunc_normal_(torch.empty(4), mean, 0.0, a, b, seed=3, name="w")
+
+
+def test_a_new_large_tensor_is_filled_in_pieces_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor of 32 MiB and more is a new mapping (malloc's mmap): its pages are mapped a
+    piece (256 KiB) at a time just ahead of the fill, and a run longer than a piece is filled
+    piece by piece, splitting Philox blocks where a row's start is not a multiple of 4. On every
+    path, the values equal those of the element-by-element loop (scalar Philox, no pieces) that
+    a shard with its columns in reverse order takes."""
+    from rng_tracker.kernels import _c_build
+
+    rows, cols = 128, 65536 + 7  # 33.5 MiB; each row one run of two pieces, rows unaligned
+    reverse = list(range(cols - 1, -1, -1))
+    for path in _keyed_fill.isa_paths():
+        monkeypatch.setitem(_keyed_fill._state, "isa", _c_build.ISA_CODES[path])
+        for fill in (
+            lambda t, **k: keyed_uniform_(t, -0.5, 2.0, **k),
+            lambda t, **k: keyed_normal_(t, 0.1, 0.02, **k),
+        ):
+            whole = fill(torch.empty(rows, cols), seed=7, name="w")
+            flipped = fill(
+                torch.empty(rows, cols),
+                seed=7,
+                name="w",
+                global_shape=(rows, cols),
+                indices=[range(rows), reverse],
+            )
+            assert torch.equal(whole.flip(-1).view(torch.int32), flipped.view(torch.int32)), path
 
 
 def test_every_instruction_set_path_fills_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
