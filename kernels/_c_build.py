@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rng_tracker.errors import KernelInputError, KernelUnavailableError
+
 # The headers the kernels' C sources include (``#include "..."``): copied next to the source
 # to compile it, and part of every library's cache key.
 HEADERS = (
@@ -41,10 +43,41 @@ HEADERS = (
 ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 
 
+# The instruction-set path the C kernels run, read at import: unset or "auto" lets each pick
+# the fastest this CPU runs; a name of ISA_CODES forces that path (e.g. "avx2" on a CPU that
+# slows its clock for 512-bit code).
+ISA_ENV = "RNG_TRACKER_CPU_ISA"
+
+
 def isa_paths(supported: Callable[[int], int]) -> list[str]:
     """The instruction-set paths a kernel library runs on this CPU, fastest last, given its
     exported ``rt_*isa_supported`` function."""
     return [name for name, code in ISA_CODES.items() if code and supported(code)]
+
+
+def isa_from_environment() -> int:
+    """The code of the path :data:`ISA_ENV` names (0, auto, when unset); another name is a
+    :class:`~rng_tracker.errors.KernelInputError`."""
+    name = os.environ.get(ISA_ENV, "auto")
+    if name not in ISA_CODES:
+        raise KernelInputError(
+            f"{ISA_ENV}={name!r}; set it to one of {', '.join(map(repr, ISA_CODES))} ('auto', "
+            "the default, picks the fastest path this CPU runs)"
+        )
+    return ISA_CODES[name]
+
+
+def unsupported_isa(
+    what: str, code: int, supported: Callable[[int], int]
+) -> KernelUnavailableError:
+    """The error of ``what`` (a kernel) forced onto the path ``code``, which this CPU does not
+    run (``supported``: the library's ``rt_*isa_supported``)."""
+    name = next((n for n, c in ISA_CODES.items() if c == code), str(code))
+    return KernelUnavailableError(
+        f"{what} was forced onto the instruction-set path {name!r} ({ISA_ENV}), which this CPU "
+        f"does not run; it runs {', '.join(map(repr, isa_paths(supported)))}: set {ISA_ENV} to "
+        "one of those, or unset it to let the library pick the fastest"
+    )
 
 
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).

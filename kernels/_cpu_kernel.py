@@ -27,7 +27,13 @@ from typing import Any
 import torch
 
 from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import (
+    FLAGS,
+    CSource,
+    isa_from_environment,
+    load_once,
+    unsupported_isa,
+)
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
@@ -47,7 +53,13 @@ _SOURCE = CSource(
 _MIN_NUMEL_PER_THREAD = 2**17
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"library": None, "failed": None, "bf16_nan": 0xFFFF, "isa": 0}
+# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest): RNG_TRACKER_CPU_ISA's
+_state: dict[str, object] = {
+    "library": None,
+    "failed": None,
+    "bf16_nan": 0xFFFF,
+    "isa": isa_from_environment(),
+}
 
 
 def _load() -> ctypes.CDLL:
@@ -181,6 +193,10 @@ def fused_dropout_compiled(call: DropoutCall, words: tuple[int, int, int, int]) 
         out.data_ptr(),
         args,
     )
+    if status != 0 and _state["isa"] and not library.rt_isa_supported(_state["isa"]):
+        raise unsupported_isa(
+            "the compiled CPU dropout kernel", _state["isa"], library.rt_isa_supported
+        )
     if status != 0:
         raise KernelUnavailableError(
             f"the compiled CPU dropout kernel refused its arguments (dtype {x.dtype}, "

@@ -29,7 +29,13 @@ import torch
 from rng_tracker._bits import MASK64, mix_key
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
-from rng_tracker.kernels._c_build import FLAGS, CSource, load_once
+from rng_tracker.kernels._c_build import (
+    FLAGS,
+    CSource,
+    isa_from_environment,
+    load_once,
+    unsupported_isa,
+)
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
 
 _SOURCE = CSource(
@@ -44,8 +50,8 @@ _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _FLOAT32 = torch.finfo(torch.float32)
 _lock = threading.Lock()
 MAX_DIMS = 64  # RT_MAX_DIMS of keyed_fill.c: the dims of a tensor it fills
-# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), forced only by tests
-_state: dict[str, object] = {"library": None, "failed": None, "isa": 0}
+# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest): RNG_TRACKER_CPU_ISA's
+_state: dict[str, object] = {"library": None, "failed": None, "isa": isa_from_environment()}
 
 
 def init_key(seed: int) -> int:
@@ -250,10 +256,7 @@ def _fill(
         _state["isa"],
     )
     if status == -2:
-        raise KernelUnavailableError(
-            f"the keyed fill was forced onto instruction-set path {_state['isa']}, which this "
-            "CPU does not run; leave the path to the library (it picks the fastest this CPU runs)"
-        )
+        raise unsupported_isa("the keyed fill", _state["isa"], library.rt_keyed_isa_supported)
     if status != 0:
         raise KernelInputError(
             f"keyed init takes tensors of at most {MAX_DIMS} dims, got {len(lists)}; reshape "

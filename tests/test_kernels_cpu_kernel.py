@@ -275,10 +275,56 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
 
 
 def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
-    """A forced path the CPU cannot run is refused by the kernel, which writes nothing."""
+    """A forced path the CPU cannot run is refused by the kernel, which writes nothing; the
+    error names the path, the variable that forces it and the paths this CPU runs."""
     monkeypatch.setitem(_cpu_kernel._state, "isa", 99)
-    with pytest.raises(KernelUnavailableError, match="refused its arguments"):
+    runs = ", ".join(map(repr, _cpu_kernel.isa_paths()))
+    with pytest.raises(
+        KernelUnavailableError,
+        match=re.escape(
+            f"path '99' (RNG_TRACKER_CPU_ISA), which this CPU does not run; it runs {runs}"
+        ),
+    ):
         dropout(torch.ones(8), 0.5, impl="cpu")
+
+
+_ISA_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from rng_tracker.kernels import _cpu_kernel, _keyed_fill, dropout, reference
+    from rng_tracker.kernels._keyed_fill import keyed_uniform_
+    print(_cpu_kernel._state["isa"], _keyed_fill._state["isa"])
+    x = torch.randn(3000)
+    seed = torch.tensor([5, 6, 7, 8])
+    want = dropout(x, 0.3, seed=seed, impl="torch")
+    print(torch.equal(dropout(x, 0.3, seed=seed, impl="cpu").view(torch.int32), want.view(torch.int32)))
+    print(keyed_uniform_(torch.empty(7, 9), seed=1, name="w").sum().item() != 0)
+    """
+)
+
+
+@pytest.mark.parametrize("name", ["portable", "auto"])
+def test_the_environment_picks_the_instruction_set_path(name):
+    """RNG_TRACKER_CPU_ISA (read at import) forces one path on both C kernels ('auto', like
+    unset, lets each pick the fastest); their bits do not change; an unknown name is an error
+    at import that lists the names."""
+    env = dict(os.environ, RNG_TRACKER_CPU_ISA=name)
+    result = subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    code = _c_build.ISA_CODES[name]
+    assert result.stdout.split() == [str(code), str(code), "True", "True"]
+    env["RNG_TRACKER_CPU_ISA"] = "sse9"
+    result = subprocess.run(
+        [sys.executable, "-c", "import rng_tracker.kernels"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "KernelInputError: RNG_TRACKER_CPU_ISA='sse9'; set it to one of 'auto'" in result.stderr
 
 
 def test_impl_cpu_refuses_other_devices_before_drawing():
