@@ -303,26 +303,29 @@ _ISA_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("name", ["portable", "auto"])
-def test_the_environment_picks_the_instruction_set_path(name):
-    """RNG_TRACKER_CPU_ISA (read at import) forces one path on both C kernels ('auto', like
-    unset, lets each pick the fastest); their bits do not change; an unknown name is an error
-    at import that lists the names."""
-    env = dict(os.environ, RNG_TRACKER_CPU_ISA=name)
-    result = subprocess.run(
-        [sys.executable, "-c", _ISA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    code = _c_build.ISA_CODES[name]
-    assert result.stdout.split() == [str(code), str(code), "True", "True"]
-    env["RNG_TRACKER_CPU_ISA"] = "sse9"
-    result = subprocess.run(
-        [sys.executable, "-c", "import rng_tracker.kernels"],
-        env=env,
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter with ``env`` added to this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, **env),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("name", ["portable", "auto"])
+def test_the_environment_picks_the_instruction_set_path(name):
+    """RNG_TRACKER_CPU_ISA (read at import) forces one path on both C kernels ('auto', like
+    unset, lets each pick the fastest), and the bits do not change."""
+    result = _python(_ISA_SCRIPT, RNG_TRACKER_CPU_ISA=name)
+    assert result.returncode == 0, result.stderr[-3000:]
+    code = _c_build.ISA_CODES[name]
+    assert result.stdout.split() == [str(code), str(code), "True", "True"]
+
+
+def test_an_unknown_instruction_set_is_an_error_at_import():
+    result = _python("import rng_tracker.kernels", RNG_TRACKER_CPU_ISA="sse9")
     assert result.returncode != 0
     assert "KernelInputError: RNG_TRACKER_CPU_ISA='sse9'; set it to one of 'auto'" in result.stderr
 
@@ -473,14 +476,7 @@ def test_the_environment_opts_auto_out_of_the_compiled_kernel(value, auto_op):
 
 
 def test_an_unknown_cpu_kernel_choice_is_an_error_at_import():
-    env = dict(os.environ, **{_dispatch.CPU_KERNEL_ENV: "fast"})
-    result = subprocess.run(
-        [sys.executable, "-c", "import rng_tracker.kernels"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _python("import rng_tracker.kernels", **{_dispatch.CPU_KERNEL_ENV: "fast"})
     assert result.returncode != 0
     assert "KernelInputError" in result.stderr and "'compiled'" in result.stderr
 
