@@ -7,8 +7,8 @@
  * two-source permute gathers the high halves of the even and odd products, and one ternary
  * logic op does each three-way xor. Measured choices (AMD Zen 4, which runs a 512-bit op as
  * two 256-bit halves): the low halves by vpmulld, not a second permute; 4 vectors in flight
- * (8 make Philox alone 10 % faster, but halve the steps a caller's prefetches are spread over,
- * and a kernel whose data leaves the caches lost 20 %).
+ * (8 make Philox alone 10 % faster, but the dropout kernel no faster: its prefetches of the next
+ * block, spread over half as many steps, came too late unless split into more parts).
  * Defined where RT_X86_SIMD (cpu_isa.h); the including file calls it only where
  * rt_cpu_runs(RT_ISA_AVX512) says the CPU runs AVX-512. Copied next to the .c file and hashed
  * into the cache key by the Python loaders.
