@@ -19,6 +19,7 @@ enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2, RT_ISA_AVX512 = 3 
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define RT_X86_SIMD 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define RT_AVX2 __attribute__((target("avx2")))
 #define RT_AVX512 __attribute__((target("avx2,avx512f")))
@@ -26,15 +27,30 @@ enum { RT_ISA_AUTO = 0, RT_ISA_PORTABLE = 1, RT_ISA_AVX2 = 2, RT_ISA_AVX512 = 3 
 #define RT_X86_SIMD 0
 #endif
 
-/* Whether this CPU (and OS: the builtins check that it saves the vector registers) runs the
-   instruction set `isa` (an RT_ISA_* code). */
+#if RT_X86_SIMD
+/* Whether the OS saves the register state `mask` selects in XCR0 (0x6: the SSE and AVX
+   registers; 0xe6: also AVX-512's masks and upper registers). Checked here as well as by the
+   compiler's builtins, since an older runtime of theirs checked only the CPU: a path whose
+   registers the OS does not save would fault on its first instruction. */
+static inline int rt_os_saves(uint32_t mask) {
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return 0;
+    uint32_t low, high;
+    __asm__ volatile("xgetbv" : "=a"(low), "=d"(high) : "c"(0));
+    (void)high;
+    return (low & mask) == mask;
+}
+#endif
+
+/* Whether this CPU and OS run the instruction set `isa` (an RT_ISA_* code). */
 static inline int rt_cpu_runs(int64_t isa) {
     if (isa == RT_ISA_PORTABLE) return 1;
 #if RT_X86_SIMD
     __builtin_cpu_init();
-    if (isa == RT_ISA_AVX2) return __builtin_cpu_supports("avx2") != 0;
+    const int avx2 = __builtin_cpu_supports("avx2") != 0 && rt_os_saves(0x6);
+    if (isa == RT_ISA_AVX2) return avx2;
     if (isa == RT_ISA_AVX512)
-        return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("avx512f") != 0;
+        return avx2 && __builtin_cpu_supports("avx512f") != 0 && rt_os_saves(0xe6);
 #endif
     return 0;
 }
