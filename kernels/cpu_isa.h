@@ -42,23 +42,29 @@ static inline int rt_os_saves(uint32_t mask) {
 }
 #endif
 
-/* Whether this CPU and OS run the instruction set `isa` (an RT_ISA_* code). */
-static inline int rt_cpu_runs(int64_t isa) {
-    if (isa == RT_ISA_PORTABLE) return 1;
+/* The fastest instruction set this CPU and OS run, found once per library: a kernel call asks
+   for it every time, and the CPUID behind the answer costs a virtual machine's exit (15 us per
+   call where it was asked each time). The race of two first calls stores the same value. */
+static inline int64_t rt_cpu_best(void) {
+    static int64_t best = RT_ISA_AUTO;
+    int64_t found = __atomic_load_n(&best, __ATOMIC_RELAXED);
+    if (found != RT_ISA_AUTO) return found;
+    found = RT_ISA_PORTABLE;
 #if RT_X86_SIMD
     __builtin_cpu_init();
-    const int avx2 = __builtin_cpu_supports("avx2") != 0 && rt_os_saves(0x6);
-    if (isa == RT_ISA_AVX2) return avx2;
-    if (isa == RT_ISA_AVX512)
-        return avx2 && __builtin_cpu_supports("avx512f") != 0 && rt_os_saves(0xe6);
+    if (__builtin_cpu_supports("avx2") && rt_os_saves(0x6)) {
+        found = RT_ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && rt_os_saves(0xe6)) found = RT_ISA_AVX512;
+    }
 #endif
-    return 0;
+    __atomic_store_n(&best, found, __ATOMIC_RELAXED);
+    return found;
 }
 
-/* The fastest instruction set this CPU runs. */
-static inline int64_t rt_cpu_best(void) {
-    if (rt_cpu_runs(RT_ISA_AVX512)) return RT_ISA_AVX512;
-    return rt_cpu_runs(RT_ISA_AVX2) ? RT_ISA_AVX2 : RT_ISA_PORTABLE;
+/* Whether this CPU and OS run the instruction set `isa` (an RT_ISA_* code): each path runs
+   wherever a wider one does. */
+static inline int rt_cpu_runs(int64_t isa) {
+    return isa >= RT_ISA_PORTABLE && isa <= rt_cpu_best();
 }
 
 #endif /* RT_CPU_ISA_H */
