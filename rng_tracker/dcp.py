@@ -128,11 +128,12 @@ def _check_per_rank(per_rank: object) -> None:
     """Refuse a ``per_rank`` that is not a mapping of global rank to a mapping of states."""
     if per_rank is None:
         return
-    if not isinstance(per_rank, Mapping):
-        raise StateDictTypeError(
-            f"per_rank must map each global rank to its states (a dict), got "
-            f"{type(per_rank).__name__}"
-        )
+    checked_instance(
+        per_rank,
+        Mapping,
+        "per_rank must map each global rank to its states (a dict)",
+        error=StateDictTypeError,
+    )
     for rank, states in per_rank.items():
         checked_int(
             rank,
