@@ -3,7 +3,9 @@
  * definition, included by cpu_dropout.c and keyed_fill.c (and equal, word for word, to
  * rng_tracker.kernels.philox.philox4x32 and Triton's tl.philox).
  *
- * All functions are static inline, so each kernel's loops keep them inlined and vectorised.
+ * Also rt_ahead, the memory a caller asks the Philox loops of every path to prefetch, and
+ * philox_consecutive, what the SIMD loops share across a run of consecutive counters. All
+ * functions are static inline, so each kernel's loops keep them inlined and vectorised.
  * The Python loaders copy this header next to the .c file they compile and hash it into the
  * library's cache key.
  */
@@ -41,6 +43,29 @@ static inline void philox4x32_10(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t
     words[1] = x1;
     words[2] = x2;
     words[3] = x3;
+}
+
+/* Memory a caller needs next, requested while Philox computes: each step of a SIMD Philox
+   (philox_block_avx2, _avx512) prefetches its share in RT_AHEAD_PARTS parts, one before its
+   rounds and one halfway through them, so the lines arrive spread over the arithmetic
+   (requested all at once, most wait behind the core's few outstanding misses). */
+#define RT_AHEAD_PARTS 2
+typedef struct {
+    const char *read[2]; /* to be read (either may be NULL) */
+    char *write;         /* to be written (NULL: none, or written around the caches) */
+    int bytes;           /* of each stream */
+    int step_bytes;      /* of each stream per part of a step: a multiple of 64 */
+} rt_ahead;
+
+/* Part `step` of a's prefetches (parts count RT_AHEAD_PARTS per Philox step). */
+static inline __attribute__((always_inline)) void rt_ahead_step(const rt_ahead *a, int step) {
+    const int first = step * a->step_bytes;
+    const int end = first + a->step_bytes < a->bytes ? first + a->step_bytes : a->bytes;
+    for (int b = first; b < end; b += 64) {
+        if (a->read[0]) __builtin_prefetch(a->read[0] + b, 0, 3);
+        if (a->read[1]) __builtin_prefetch(a->read[1] + b, 0, 3);
+        if (a->write) __builtin_prefetch(a->write + b, 1, 3);
+    }
 }
 
 /* What rounds 1 and 2 share across a run of consecutive counters (hi * 2^32 + lo + i, no carry

@@ -3,10 +3,9 @@
  * keyed_fill.c, and word for word philox4x32.h's generator. The loops are philox4x32_simd.h's;
  * this file gives them their AVX2 operations.
  *
- * Defines, where RT_X86_SIMD (cpu_isa.h), the AVX2 functions, and rt_ahead, the memory a
- * caller asks Philox to prefetch (the AVX-512 Philox takes it too). The including file calls
- * them only where rt_cpu_runs(RT_ISA_AVX2) says the CPU runs AVX2. Copied next to the .c file
- * and hashed into the cache key by the Python loaders.
+ * Defines the AVX2 functions where RT_X86_SIMD (cpu_isa.h); the including file calls them
+ * only where rt_cpu_runs(RT_ISA_AVX2) says the CPU runs AVX2. Copied next to the .c file and
+ * hashed into the cache key by the Python loaders.
  */
 #ifndef RT_PHILOX4X32_AVX2_H
 #define RT_PHILOX4X32_AVX2_H
@@ -18,29 +17,6 @@
 
 #define AVX2_CHAINS 4 /* independent vectors in flight: hides the multiplies' latency */
 #define PHILOX_AVX2_STEP (8 * AVX2_CHAINS) /* counters per step of philox_block_avx2 */
-
-/* Memory a caller needs next, requested while Philox computes: each step of a SIMD Philox
-   (philox_block_avx2, _avx512) prefetches its share in RT_AHEAD_PARTS parts, one before its
-   rounds and one halfway through them, so the lines arrive spread over the arithmetic
-   (requested all at once, most wait behind the core's few outstanding misses). */
-#define RT_AHEAD_PARTS 2
-typedef struct {
-    const char *read[2]; /* to be read (either may be NULL) */
-    char *write;         /* to be written (NULL: none, or written around the caches) */
-    int bytes;           /* of each stream */
-    int step_bytes;      /* of each stream per part of a step: a multiple of 64 */
-} rt_ahead;
-
-/* Part `step` of a's prefetches (parts count RT_AHEAD_PARTS per Philox step). */
-static inline __attribute__((always_inline)) void rt_ahead_step(const rt_ahead *a, int step) {
-    const int first = step * a->step_bytes;
-    const int end = first + a->step_bytes < a->bytes ? first + a->step_bytes : a->bytes;
-    for (int b = first; b < end; b += 64) {
-        if (a->read[0]) __builtin_prefetch(a->read[0] + b, 0, 3);
-        if (a->read[1]) __builtin_prefetch(a->read[1] + b, 0, 3);
-        if (a->write) __builtin_prefetch(a->write + b, 1, 3);
-    }
-}
 
 #if RT_X86_SIMD
 /* (high, low) 32-bit halves of the 64-bit products a * multiplier, lane by lane (8 lanes). */

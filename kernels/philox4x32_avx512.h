@@ -20,7 +20,6 @@
 
 #include "cpu_isa.h"
 #include "philox4x32.h"
-#include "philox4x32_avx2.h" /* rt_ahead, rt_ahead_step */
 
 #define AVX512_CHAINS 4 /* independent vectors in flight: hides the multiplies' latency */
 #define PHILOX_AVX512_STEP (16 * AVX512_CHAINS) /* counters per step of philox_block_avx512 */
