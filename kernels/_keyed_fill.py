@@ -202,14 +202,16 @@ def check_fill(kind: str, dtype: torch.dtype, dims: int, params: Sequence[object
         check_trunc_normal(*params)
 
 
-def _check_local(local: object, kind: str, params: Sequence[object]) -> torch.Tensor:
+def _checked_params(local: object, kind: str, params: Sequence[object]) -> tuple[float, ...]:
+    """``params`` as Python floats, once ``local`` and they pass :func:`check_fill`: a 0-dim
+    tensor bound then gives the bits its float gives (float32 tensor arithmetic would not)."""
     if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
         raise KernelInputError(
             "keyed init runs on CPU tensors (materialise on CPU, then move); got "
             f"{type(local).__name__} on {getattr(local, 'device', None)}"
         )
     check_fill(kind, local.dtype, local.dim(), params)
-    return local
+    return tuple(float(v) for v in params)  # type: ignore[arg-type]
 
 
 @torch.no_grad()
@@ -274,7 +276,7 @@ def keyed_uniform_(
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
-    _check_local(local, "uniform", (a, b))
+    a, b = _checked_params(local, "uniform", (a, b))
     return _fill(local, _UNIFORM, (b - a, a), **target)
 
 
@@ -282,7 +284,7 @@ def keyed_normal_(
     local: torch.Tensor, mean: float = 0.0, std: float = 1.0, **target: Any
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
-    _check_local(local, "normal", (mean, std))
+    mean, std = _checked_params(local, "normal", (mean, std))
     return _fill(local, _NORMAL, (std, mean), **target)
 
 
@@ -303,7 +305,7 @@ def keyed_trunc_normal_(
     One draw per element (no rejection loop), so no rank ever needs another's answer: the cost
     is the shard's, whatever the index map. ``std`` must be positive and ``a < b``.
     """
-    _check_local(local, "trunc_normal", (mean, std, a, b))
+    mean, std, a, b = _checked_params(local, "trunc_normal", (mean, std, a, b))
     lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
     params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
     return _fill(local, _TRUNCATED_NORMAL, params, **target)

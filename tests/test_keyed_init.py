@@ -337,6 +337,18 @@ def test_bad_arguments_are_typed_before_anything_is_written() -> None:
     assert torch.equal(keyed_init.keyed_uniform_(torch.empty(4, 5), -1, 2, name="w", seed=3), want)
     got = keyed_init.keyed_uniform_(torch.empty(4, 5), torch.tensor(-1.0), 2, name="w", seed=3)
     assert torch.equal(got, want)
+    # ... inexact ones too: bounds are combined as Python floats (a float32 tensor would round
+    # the float beside it to float32 first)
+    tensors = (torch.tensor(0.1), 0.7)  # a float32 0-dim tensor with a Python float
+    floats = tuple(float(v) for v in tensors)  # the same values, as Python floats
+    for fill in (
+        keyed_init.keyed_uniform_,
+        keyed_init.keyed_normal_,
+        lambda t, mean, std, **k: keyed_init.keyed_trunc_normal_(t, mean, std, -0.2, 1.3, **k),
+    ):
+        by_float = fill(torch.empty(4, 5), *floats, name="w", seed=3)
+        by_tensor = fill(torch.empty(4, 5), *tensors, name="w", seed=3)
+        assert torch.equal(by_tensor.view(torch.int32), by_float.view(torch.int32))
 
 
 def test_a_refused_fill_takes_no_name() -> None:
