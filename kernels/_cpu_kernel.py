@@ -53,7 +53,7 @@ _SOURCE = CSource(
 _MIN_NUMEL_PER_THREAD = 2**17
 
 _lock = threading.Lock()
-# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest): RNG_TRACKER_CPU_ISA's
+# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), from RNG_TRACKER_CPU_ISA
 _state: dict[str, object] = {
     "library": None,
     "failed": None,
@@ -193,7 +193,7 @@ def fused_dropout_compiled(call: DropoutCall, words: tuple[int, int, int, int]) 
         out.data_ptr(),
         args,
     )
-    if status != 0 and _state["isa"] and not library.rt_isa_supported(_state["isa"]):
+    if status == -2:
         raise unsupported_isa(
             "the compiled CPU dropout kernel", _state["isa"], library.rt_isa_supported
         )

@@ -232,11 +232,11 @@ class _DirectDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        def regenerate(g: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-            # the saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
+        def regenerate(g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
+            # a saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
             call = dropout_call(g, None, None, ctx.p, ctx.index_map)
             kernel = _reached(_OP_OF_STRAIGHT[ctx.kernel], g)
-            if ctx.words is not None:  # the words, not the saved host copy of them
+            if ctx.words is not None:  # a drawn call: its words, kept as ints (no tensor saved)
                 return _execute(kernel, call, None, ctx.words)
             return _execute(kernel, call, seed, None)
 

@@ -50,7 +50,7 @@ _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
 _FLOAT32 = torch.finfo(torch.float32)
 _lock = threading.Lock()
 MAX_DIMS = 64  # RT_MAX_DIMS of keyed_fill.c: the dims of a tensor it fills
-# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest): RNG_TRACKER_CPU_ISA's
+# "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), from RNG_TRACKER_CPU_ISA
 _state: dict[str, object] = {"library": None, "failed": None, "isa": isa_from_environment()}
 
 

@@ -546,7 +546,8 @@ enum { /* the slots of rt_fused_dropout's args */
  * patterns, scale as its fp32 bits), then the index map from ARG_MAP: offset and ndims
  * (extent, stride) pairs. Splits the work over up to `threads` threads (the caller's thread
  * included). ARG_ISA: RT_ISA_AUTO (the fastest this CPU runs) or an RT_ISA_* code to force.
- * Returns 0, or -1 for arguments it cannot take (then nothing is written).
+ * Returns 0; or, writing nothing, -1 for arguments it cannot take, -2 for a forced instruction
+ * set this CPU does not run.
  */
 int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, void *out,
                          const int64_t *args) {
@@ -555,9 +556,9 @@ int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, 
     uint64_t threshold = (uint64_t)args[ARG_THRESHOLD], key = (uint64_t)args[ARG_KEY];
     if (numel == 0) return 0; /* empty tensors may have NULL data */
     if (dtype < RT_F32 || dtype > RT_BF16 || numel < 0 || ndims < 1 || ndims > RT_MAX_DIMS ||
-        (bias && (!residual || hidden < 1)) || threshold > 0x100000000u ||
-        (isa != RT_ISA_AUTO && !rt_isa_supported(isa)))
+        (bias && (!residual || hidden < 1)) || threshold > 0x100000000u)
         return -1;
+    if (isa != RT_ISA_AUTO && !rt_isa_supported(isa)) return -2;
     if (isa == RT_ISA_AUTO) isa = rt_isa_best();
     job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
              args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),

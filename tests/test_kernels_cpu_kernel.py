@@ -9,6 +9,7 @@ C compiler runs on a cold cache, the reference runs after one warning.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -32,6 +33,7 @@ from rng_tracker.kernels import (
     dropout,
 )
 from rng_tracker.kernels._index_map import index_map_of
+from rng_tracker.kernels._keyed_fill import keyed_uniform_
 
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -290,15 +292,16 @@ def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
 
 _ISA_SCRIPT = textwrap.dedent(
     """
+    import json
     import torch
-    from rng_tracker.kernels import _cpu_kernel, _keyed_fill, dropout, reference
+    from rng_tracker.kernels import _cpu_kernel, _keyed_fill, dropout
     from rng_tracker.kernels._keyed_fill import keyed_uniform_
-    print(_cpu_kernel._state["isa"], _keyed_fill._state["isa"])
+    print(_cpu_kernel._state["isa"], _keyed_fill._state["isa"], _cpu_kernel.available())
     x = torch.randn(3000)
     seed = torch.tensor([5, 6, 7, 8])
     want = dropout(x, 0.3, seed=seed, impl="torch")
     print(torch.equal(dropout(x, 0.3, seed=seed, impl="cpu").view(torch.int32), want.view(torch.int32)))
-    print(keyed_uniform_(torch.empty(7, 9), seed=1, name="w").sum().item() != 0)
+    print(json.dumps(keyed_uniform_(torch.empty(7, 9), seed=1, name="w").view(torch.int32).tolist()))
     """
 )
 
@@ -317,11 +320,16 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", ["portable", "auto"])
 def test_the_environment_picks_the_instruction_set_path(name):
     """RNG_TRACKER_CPU_ISA (read at import) forces one path on both C kernels ('auto', like
-    unset, lets each pick the fastest), and the bits do not change."""
+    unset, lets each pick the fastest), and the bits do not change: the compiled dropout equals
+    the reference, the keyed fill what this process's fastest path writes."""
     result = _python(_ISA_SCRIPT, RNG_TRACKER_CPU_ISA=name)
     assert result.returncode == 0, result.stderr[-3000:]
     code = _c_build.ISA_CODES[name]
-    assert result.stdout.split() == [str(code), str(code), "True", "True"]
+    paths, equal, keyed = result.stdout.splitlines()
+    assert paths.split() == [str(code), str(code), "True"]  # built: no fallback to the reference
+    assert equal == "True"
+    here = keyed_uniform_(torch.empty(7, 9), seed=1, name="w").view(torch.int32).tolist()
+    assert json.loads(keyed) == here
 
 
 def test_an_unknown_instruction_set_is_an_error_at_import():
