@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import renamed_keyword
 from rng_tracker._device_rng import device_rng
-from rng_tracker._layout import ParallelLayout
+from rng_tracker._layout import ParallelLayout, checked_layout
 from rng_tracker._seeds import SeedPlan
 from rng_tracker._streams import (
     AXES,
@@ -79,8 +79,9 @@ def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
 
 def _check_arguments(layout: object, tracker: object, plan: object, strict: object) -> None:
     """Refuse arguments of the wrong type, and a call before torch.distributed is set up."""
+    if layout is not None:  # only its rank(axis) is read, as model_parallel_seed reads it
+        checked_layout(layout, "verify_rng_consistency", ("rank",))
     wanted = (
-        ("layout", layout, ParallelLayout, "a ParallelLayout (e.g. init_model_parallel()'s state)"),
         ("tracker", tracker, RNGStatesTracker, "an RNGStatesTracker (e.g. get_rng_tracker())"),
         ("plan", plan, SeedPlan, "the SeedPlan model_parallel_seed(...) returned"),
     )
