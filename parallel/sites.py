@@ -353,7 +353,7 @@ def _keyed_site(
             return dropout(x, p, shard=region, **randomness)
         return bias_dropout_add(x, bias, residual, p, shard=region, **randomness)
 
-    if site not in rng.sites:  # a new site registers only once its call has passed every check
+    if site not in rng:  # a new site registers only once its call has passed every check
         if rng.seed is None:
             raise KeyedUnseededError(
                 "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "

@@ -135,6 +135,10 @@ class KeyedRNG:
         """A copy of the registered sites: name -> 32-bit id."""
         return dict(self._ids)
 
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is a registered site (``name in rng``; no copy of the table)."""
+        return isinstance(name, str) and name in self._ids
+
     def site_id(self, name: str) -> int:
         """The id of a registered site."""
         site = self._ids.get(name) if isinstance(name, str) else None

@@ -70,6 +70,9 @@ def test_site_ids_are_stable_nonzero_and_registration_is_idempotent():
         "layer.3.attention": first,
         "layer.4.attention": site_id_of("layer.4.attention"),
     }
+    # membership asks the table itself: registered names only, and no error for a non-str
+    assert "layer.3.attention" in rng and "layer.4.attention" in rng
+    assert "layer.5.attention" not in rng and 5 not in rng and ["x"] not in rng
 
 
 def test_colliding_site_names_are_refused_and_an_explicit_id_resolves_them():
