@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from rng_tracker import _validate as validate
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -35,13 +34,6 @@ def resolve_trackers(
                 f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
             )
     return trackers
-
-
-def checked_flag(value: object, what: str) -> bool:
-    """``value`` as a bool (a Python or numpy bool), else :class:`CheckpointTypeError`."""
-    if type(value) is bool:  # the usual case, one check per flag of every call
-        return value
-    return validate.checked_flag(value, what, type_error=CheckpointTypeError)
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

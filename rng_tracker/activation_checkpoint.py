@@ -42,6 +42,7 @@ from rng_tracker._torch_private import (
     dispatch_mode_depth,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
+from rng_tracker._validate import checked_flag
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
@@ -521,7 +522,7 @@ def _check_flags(arguments: dict[str, Any]) -> None:
     for name in _FLAGS:
         value = arguments[name]
         if not (value is None and name in ("use_reentrant", "early_stop")):
-            recompute.checked_flag(value, name)
+            checked_flag(value, name, type_error=CheckpointTypeError)
 
 
 def _check_group(group: object, what: str) -> None:

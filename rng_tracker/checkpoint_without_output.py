@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from rng_tracker._recompute import backward_recomputed, checked_flag, resolve_trackers
+from rng_tracker._recompute import backward_recomputed, resolve_trackers
 from rng_tracker._rng_snapshot import RNGSnapshot, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker._tracker import RNGStatesTracker
+from rng_tracker._validate import checked_flag
 from rng_tracker.errors import CheckpointConfigError, CheckpointTypeError, CheckpointUsageError
 
 __all__ = ["CheckpointWithoutOutput", "CheckpointWithoutOutputManager"]
@@ -137,7 +138,9 @@ class CheckpointWithoutOutput:
                 "ckpt_manager must be a CheckpointWithoutOutputManager, got "
                 f"{type(ckpt_manager).__name__}"
             )
-        retain_input_tensors = checked_flag(retain_input_tensors, "retain_input_tensors")
+        retain_input_tensors = checked_flag(
+            retain_input_tensors, "retain_input_tensors", type_error=CheckpointTypeError
+        )
         self.fp8 = fp8
         self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
