@@ -141,10 +141,13 @@ class RNGSnapshot:
 
 @contextmanager
 def replaying(
-    snapshot: RNGSnapshot, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
+    snapshot: RNGSnapshot, wanted: Sequence[torch.device], trackers: Sequence[RNGStatesTracker]
 ) -> Iterator[None]:
-    """Run the body from ``snapshot``'s states; afterwards restore the states found on entry."""
-    found = snapshot.swap_in(devices, trackers)
+    """Run the body from ``snapshot``'s states; afterwards restore the states found on entry
+    (:meth:`RNGSnapshot.take` of ``wanted``, as :func:`accelerators` gave them, and
+    ``trackers``: the snapshot's own, checked when it was taken)."""
+    found = RNGSnapshot.take(wanted, trackers)
+    snapshot.restore()
     try:
         yield
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rng_tracker._recompute import backward_recomputed, resolve_trackers
-from rng_tracker._rng_snapshot import RNGSnapshot, replaying
+from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker._tracker import RNGStatesTracker
 from rng_tracker._validate import checked_flag
@@ -153,7 +153,7 @@ class CheckpointWithoutOutput:
         self._freeable: list[tuple[int, list[torch.Tensor]]] = []  # (nbytes, outputs on it)
         self._discarded = False
         self._snapshot: RNGSnapshot | None = None
-        self._devices: list[torch.device] = []
+        self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
         self._recomputed: tuple[list[Any], tuple[Any, ...]] | None = None
 
@@ -164,9 +164,10 @@ class CheckpointWithoutOutput:
                 f"run_function must be callable, got {type(run_function).__name__}"
             )
         self._function = run_function
-        self._devices = list({a.device: None for a in args if isinstance(a, torch.Tensor)})
+        devices = [a.device for a in args if isinstance(a, torch.Tensor)]
         self._replayed = resolve_trackers(self._trackers)
-        self._snapshot = RNGSnapshot.capture(self._devices, self._replayed)
+        self._wanted = accelerators(devices, self._replayed)  # found once, used at each replay
+        self._snapshot = RNGSnapshot.take(self._wanted, self._replayed)
         self._recomputed = None
         self._discarded = False
         outputs = _RunWithoutSavingOutput.apply(self, *args)
@@ -237,7 +238,7 @@ class CheckpointWithoutOutput:
         args = list(ctx.non_tensors)
         for slot, tensor in zip(ctx.slots, ctx.saved_tensors, strict=True):
             args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
-        with replaying(self._snapshot, self._devices, self._replayed), torch.enable_grad():
+        with replaying(self._snapshot, self._wanted, self._replayed), torch.enable_grad():
             outputs = self._function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self._discarded:
