@@ -21,7 +21,7 @@ from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
 from rng_tracker.kernels._index_map import from_op_args, to_op_args
 from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
-from rng_tracker.kernels.reference import fused_dropout_reference
+from rng_tracker.kernels.reference import fused_dropout_reference_unchecked
 
 
 def save_for_dropout_backward(
@@ -115,8 +115,7 @@ def _register(
 
 
 def _reference(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
-    x, bias, residual, p, index_map = call
-    return fused_dropout_reference(x.contiguous(), bias, residual, seed, p, index_map)
+    return fused_dropout_reference_unchecked(call._replace(x=call.x.contiguous()), seed)
 
 
 def _compiled(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from rng_tracker._validate import checked_instance
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
+from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.philox import philox4x32_unchecked
 
@@ -144,6 +145,13 @@ def fused_dropout_reference(
 ) -> torch.Tensor:
     """residual + keep * (x + bias) / (1 - p), computed in fp32 and rounded once to x's dtype."""
     p = _check_reference_call(x, bias, residual, seed, p, index_map)
+    return fused_dropout_reference_unchecked(DropoutCall(x, bias, residual, p, index_map), seed)
+
+
+def fused_dropout_reference_unchecked(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_dropout_reference` of a call already checked: the ops' reference kernel,
+    whose calls the public functions checked once (``kernels._call``)."""
+    x, bias, residual, p, index_map = call
     keep = _keep_mask(seed, p, index_map, x.device).view(x.shape)
     value = x.float()
     if bias is not None:
