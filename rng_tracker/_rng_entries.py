@@ -25,7 +25,9 @@ from rng_tracker.errors import StateDictError
 
 FORMAT = 2  # 1: one blob of every rank's states, gathered to every rank (rng_tracker <= da7a863)
 MAGIC = b"rng_tracker RNG state, format 2\n"
-_RANK_KEY = re.compile(r"rank(0|[1-9][0-9]{0,8})")
+_RANK_DIGITS = 9  # a ``rank<r>`` key's r has at most this many digits
+MAX_RANK = 10**_RANK_DIGITS - 1  # the largest rank a key holds (dcp's check of a rank)
+_RANK_KEY = re.compile(rf"rank(0|[1-9][0-9]{{0,{_RANK_DIGITS - 1}}})")
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _PART_NAME = re.compile(r"cpu|device|stream/.+", re.DOTALL)

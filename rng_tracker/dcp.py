@@ -47,6 +47,7 @@ from rng_tracker._keyed import KeyedRNG, get_keyed_rng
 from rng_tracker._layout import process_layout
 from rng_tracker._rng_entries import (
     FORMAT,
+    MAX_RANK,
     canonical,
     check_rank_entry,
     check_shared_header,
@@ -75,7 +76,6 @@ __all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 SavedBy = Literal["auto", "each_rank", "main_process"]
 _SAVED_BY = ("auto", "each_rank", "main_process")
 _AXES = ("tp", "cp", "dp", "pp", "ep", "etp")  # a ParallelState's axes, in a fixed order
-_MAX_RANK = 10**9 - 1  # the largest r a ``rank<r>`` key holds (_rng_entries.is_rank_key)
 _WORD = (1 << 62) - 1  # digest words are 62-bit, so -word fits an int64 (MAX gives min and max)
 
 
@@ -141,7 +141,7 @@ def _check_per_rank(per_rank: object) -> None:
             type_error=StateDictTypeError,
             value_error=RankError,
             minimum=0,
-            maximum=_MAX_RANK,
+            maximum=MAX_RANK,
         )
         if not isinstance(states, Mapping):
             raise StateDictTypeError(
