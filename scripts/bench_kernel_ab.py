@@ -86,9 +86,12 @@ def _calls(
     with_bias: bool,
     threads: int,
     p: float,
+    fresh: bool,
 ) -> list[Callable[[], int]]:
     """One kernel call per library, all on the same tensors (so on the same memory: where an
-    allocation lands changes a call's speed), kept alive by the closures."""
+    allocation lands changes a call's speed), kept alive by the closures. ``fresh``: each call
+    writes a new output instead, allocated in the call, as a dropout call's is; then a last
+    callable clones x (the memory limit the issue measures against)."""
     hidden = 1024
     x = torch.randn(n, dtype=dtype)
     out = torch.empty_like(x)
@@ -109,11 +112,19 @@ def _calls(
         def call(keep_alive: tuple = (x, out, bias, residual)) -> int:
             return library.rt_fused_dropout(*pointers, args)
 
+        def call_fresh(keep_alive: tuple = (x, bias, residual)) -> int:
+            new = torch.empty_like(x)
+            return library.rt_fused_dropout(*pointers[:3], new.data_ptr(), args)
+
         if call() != 0:
             raise SystemExit("a library refused the arguments: does it have the path --isa names?")
-        return call
+        return call_fresh if fresh else call
 
-    return [call_of(library) for library in libraries]
+    def clone() -> int:
+        x.clone()
+        return 0
+
+    return [call_of(library) for library in libraries] + ([clone] if fresh else [])
 
 
 def _best_of_interleaved(
@@ -155,6 +166,11 @@ def main() -> None:
     parser.add_argument(
         "--cold", action="store_true", help="write 64 MiB elsewhere before each call"
     )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="a new output per call (its pages mapped by the call) and a clone of x alongside",
+    )
     args = parser.parse_args()
     _cpu_kernel._state["isa"] = _c_build.ISA_CODES[args.isa]  # read into every call's arguments
 
@@ -174,20 +190,30 @@ def main() -> None:
             f"kernel at {args.base} (base) against the working tree (new), path {args.isa}: "
             f"{args.threads} "
             f"thread(s), {'caches flushed before each call' if args.cold else 'caches not flushed'}, "
+            f"{'a new output per call, ' if args.fresh else ''}"
             f"best of {args.repeats} interleaved calls, G elements/s"
+            + ("; base/clone, new/clone: time over a clone of x's" if args.fresh else "")
         )
-        print(f"{'dtype':<9}{'op':<18}{'N':>5}{'base':>8}{'new':>8}{'new/base':>10}")
+        print(
+            f"{'dtype':<9}{'op':<18}{'N':>5}{'base':>8}{'new':>8}{'new/base':>10}"
+            + (f"{'base/clone':>12}{'new/clone':>11}" if args.fresh else "")
+        )
         for dtype in (torch.float32, torch.bfloat16):
             for with_bias in (False, True):
                 for log2 in range(args.min_log2, args.max_log2 + 1, 2):
                     n = 2**log2
-                    calls = _calls([base, new], n, dtype, with_bias, args.threads, args.p)
-                    t_base, t_new = _best_of_interleaved(calls, args.repeats, clock, flush)
+                    calls = _calls(
+                        [base, new], n, dtype, with_bias, args.threads, args.p, args.fresh
+                    )
+                    t_base, t_new, *t_clone = _best_of_interleaved(
+                        calls, args.repeats, clock, flush
+                    )
+                    clone_ratios = "".join(f"{t_base / t:12.2f}{t_new / t:11.2f}" for t in t_clone)
                     op = "bias_dropout_add" if with_bias else "dropout"
                     label = str(dtype).replace("torch.", "")
                     print(
                         f"{label:<9}{op:<18}{'2^' + str(log2):>5}{n / t_base / 1e9:8.2f}"
-                        f"{n / t_new / 1e9:8.2f}{t_base / t_new:10.2f}",
+                        f"{n / t_new / 1e9:8.2f}{t_base / t_new:10.2f}{clone_ratios}",
                         flush=True,
                     )
 
