@@ -11,6 +11,13 @@
  * as in a copy into fresh memory (a 32 MiB bf16 dropout: 1.40-1.57x a clone's time before,
  * 1.20-1.42x after). Elsewhere than Linux, or where the kernel refuses MADV_POPULATE_WRITE
  * (before 5.14), nothing is mapped and the loop faults the pages in.
+ *
+ * The span's whole 2 MiB pieces are also marked MADV_HUGEPAGE first, so that where transparent
+ * huge pages are "madvise" (the usual default) or "always", each is one 2 MiB page: one fault
+ * instead of 512 (a 32 MiB bf16 dropout: 1.23-1.25x a clone's time before, 0.70-0.74x after).
+ * torch's CPU allocator does the same for its allocations under THP_MEM_ALLOC_ENABLE=1. Only
+ * pages the loop is about to write are marked, so no memory is taken that would not be; with
+ * transparent huge pages "never" the mark does nothing.
  */
 #ifndef RT_FRESH_PAGES_H
 #define RT_FRESH_PAGES_H
@@ -32,6 +39,7 @@
 #define POPULATE_BYTES (1 << 20)
 #endif
 #define POPULATE_STEP (256 << 10)
+#define HUGE_BYTES (2 << 20) /* a transparent huge page on x86-64 and 4 KiB-page arm64 */
 
 typedef struct {
     char *next, *end; /* whole pages still to map; next == end: none */
@@ -50,6 +58,12 @@ static page_span fresh_pages(void *begin, void *end) {
     if (last <= first || last - first < POPULATE_BYTES) return none;
     if (mincore((void *)first, page, &resident) == 0 && !(resident & 1)) {
         page_span fresh = {(char *)first, (char *)last};
+#ifdef MADV_HUGEPAGE
+        const uintptr_t huge = HUGE_BYTES;
+        uintptr_t huge_first = (first + huge - 1) & ~(huge - 1), huge_last = last & ~(huge - 1);
+        if (huge_last > huge_first)
+            (void)madvise((void *)huge_first, huge_last - huge_first, MADV_HUGEPAGE);
+#endif
         return fresh;
     }
 #else
