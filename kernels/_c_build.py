@@ -49,6 +49,27 @@ ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 ISA_ENV = "RNG_TRACKER_CPU_ISA"
 
 
+# Whether the C kernels ask for transparent huge pages on a new output's pages, read at import:
+# unset or "1" asks (a fault per 2 MiB instead of per 4 KiB); "0" does not, for machines where
+# a huge page's fault stalls (memory compaction, a VM's host backing it anew).
+HUGE_PAGES_ENV = "RNG_TRACKER_CPU_HUGE_PAGES"
+
+
+def huge_pages_from_environment() -> bool:
+    """Whether :data:`HUGE_PAGES_ENV` lets the kernels ask for huge pages (True when unset);
+    a value other than "0" or "1" is a :class:`~rng_tracker.errors.KernelInputError`."""
+    value = os.environ.get(HUGE_PAGES_ENV, "1")
+    if value not in ("0", "1"):
+        raise KernelInputError(
+            f"{HUGE_PAGES_ENV}={value!r}; set it to '1' (the default: a new output's pages are "
+            "asked for as transparent huge pages) or '0' (they are not)"
+        )
+    return value == "1"
+
+
+HUGE_PAGES = huge_pages_from_environment()
+
+
 def isa_paths(supported: Callable[[int], int]) -> list[str]:
     """The instruction-set paths a kernel library runs on this CPU, fastest last, given its
     exported ``rt_*isa_supported`` function."""
@@ -188,6 +209,8 @@ class CSource:
         abi = getattr(library, self.abi_function)()
         if abi != self.abi_version:
             raise RuntimeError(f"{path} has ABI {abi}, expected {self.abi_version}")
+        library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
+        library.rt_set_huge_pages(int(HUGE_PAGES))  # every kernel maps pages with fresh_pages.h
         return library
 
 

@@ -17,7 +17,9 @@
  * instead of 512 (a 32 MiB bf16 dropout: 1.23-1.25x a clone's time before, 0.70-0.74x after).
  * torch's CPU allocator does the same for its allocations under THP_MEM_ALLOC_ENABLE=1. Only
  * pages the loop is about to write are marked, so no memory is taken that would not be; with
- * transparent huge pages "never" the mark does nothing.
+ * transparent huge pages "never" the mark does nothing. A huge page's fault can take longer
+ * than 512 small ones (the OS compacting memory for it, or a VM's host backing it anew), so
+ * the loader turns the mark off where RNG_TRACKER_CPU_HUGE_PAGES=0 (rt_set_huge_pages).
  */
 #ifndef RT_FRESH_PAGES_H
 #define RT_FRESH_PAGES_H
@@ -45,6 +47,14 @@ typedef struct {
     char *next, *end; /* whole pages still to map; next == end: none */
 } page_span;
 
+static int huge_pages = 1; /* whether fresh spans are marked MADV_HUGEPAGE */
+
+/* Mark fresh spans for huge pages (on != 0) or not: set once, when the library is loaded. */
+int64_t rt_set_huge_pages(int64_t on) {
+    huge_pages = on != 0;
+    return 0;
+}
+
 /* The whole pages inside [begin, end) to map ahead of a loop, where they are fresh, else none:
    only spans of at least POPULATE_BYTES. A mapped first page means the memory was used before
    (a reused allocation): asking again would cost a page-table walk for nothing. */
@@ -61,7 +71,7 @@ static page_span fresh_pages(void *begin, void *end) {
 #ifdef MADV_HUGEPAGE
         const uintptr_t huge = HUGE_BYTES;
         uintptr_t huge_first = (first + huge - 1) & ~(huge - 1), huge_last = last & ~(huge - 1);
-        if (huge_last > huge_first)
+        if (huge_pages && huge_last > huge_first)
             (void)madvise((void *)huge_first, huge_last - huge_first, MADV_HUGEPAGE);
 #endif
         return fresh;

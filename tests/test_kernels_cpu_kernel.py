@@ -338,6 +338,70 @@ def test_an_unknown_instruction_set_is_an_error_at_import():
     assert "KernelInputError: RNG_TRACKER_CPU_ISA='sse9'; set it to one of 'auto'" in result.stderr
 
 
+_HUGE_PAGES_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from rng_tracker.kernels import dropout
+    from rng_tracker.kernels._keyed_fill import keyed_uniform_
+
+
+    def huge_kib(t):
+        # AnonHugePages of the mappings that hold t's bytes (marking splits its own mapping)
+        begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        total, inside = 0, False
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    low, high = (int(v, 16) for v in head.split("-"))
+                    inside = low < end and begin < high
+                elif inside and head == "AnonHugePages:":
+                    total += int(line.split()[1])
+        return total
+
+
+    torch.set_num_threads(1)
+    x = torch.ones(2**24)  # 64 MiB: the outputs below are new mappings (malloc's mmap)
+    print(huge_kib(dropout(x, 0.5, impl="cpu")), huge_kib(keyed_uniform_(torch.empty(2**24), seed=1, name="w")))
+    """
+)
+
+
+def _transparent_huge_pages() -> str:
+    """The system's transparent-huge-page mode (always, madvise, never), or "" where none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return re.search(r"\[(\w+)\]", f.read()).group(1)
+    except (OSError, AttributeError):
+        return ""
+
+
+@pytest.mark.skipif(
+    _transparent_huge_pages() != "madvise",
+    reason="only where transparent huge pages are 'madvise' does asking for them show",
+)
+@pytest.mark.parametrize("value, asked", [(None, True), ("1", True), ("0", False)])
+def test_the_environment_says_whether_new_outputs_get_huge_pages(monkeypatch, value, asked):
+    """RNG_TRACKER_CPU_HUGE_PAGES (read at import): unset or "1", both C kernels ask for
+    transparent huge pages on a new output's whole 2 MiB pieces, so its mapping holds some;
+    "0", they do not, and (THP on request only) it holds none."""
+    monkeypatch.delenv("RNG_TRACKER_CPU_HUGE_PAGES", raising=False)
+    env = {} if value is None else {"RNG_TRACKER_CPU_HUGE_PAGES": value}
+    result = _python(_HUGE_PAGES_SCRIPT, **env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    dropout_kib, keyed_kib = (int(v) for v in result.stdout.split())
+    if asked:
+        assert dropout_kib > 0 and keyed_kib > 0
+    else:
+        assert dropout_kib == keyed_kib == 0
+
+
+def test_a_bad_huge_pages_value_is_an_error_at_import():
+    result = _python("import rng_tracker.kernels", RNG_TRACKER_CPU_HUGE_PAGES="yes")
+    assert result.returncode != 0
+    assert "KernelInputError: RNG_TRACKER_CPU_HUGE_PAGES='yes'; set it to '1'" in result.stderr
+
+
 def test_impl_cpu_refuses_other_devices_before_drawing():
     with pytest.raises(KernelUnavailableError, match="impl='cpu'"):
         dropout(torch.randn(8, device="meta"), 0.5, impl="cpu")
