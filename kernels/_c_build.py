@@ -16,6 +16,7 @@ import hashlib
 import importlib.resources
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -27,17 +28,8 @@ from pathlib import Path
 
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 
-# The headers the kernels' C sources include (``#include "..."``): copied next to the source
-# to compile it, and part of every library's cache key.
-HEADERS = (
-    "cpu_isa.h",
-    "f32_bits.h",
-    "fresh_pages.h",
-    "philox4x32.h",
-    "philox4x32_avx2.h",
-    "philox4x32_avx512.h",
-    "philox4x32_simd.h",
-)
+# A C file's includes of the kernels' own headers (system headers use <...>).
+_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 # The instruction-set paths of the C kernels (cpu_isa.h's RT_ISA_*), slowest first: 0 lets a
 # kernel pick the fastest this CPU runs; the others force one (tests compare every path bitwise).
 ISA_CODES = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
@@ -122,6 +114,20 @@ def _read(name: str) -> bytes:
     return importlib.resources.files("rng_tracker.kernels").joinpath(name).read_bytes()
 
 
+def source_files(source: str, read: Callable[[str], bytes]) -> dict[str, bytes]:
+    """``source`` and every header it includes (``#include "..."``, directly or through another
+    header), by name, as ``read`` gives them: what is copied next to the source to compile it,
+    and what its library's cache key hashes."""
+    files: dict[str, bytes] = {}
+    pending = [source]
+    while pending:
+        name = pending.pop()
+        if name not in files:
+            files[name] = read(name)
+            pending += [included.decode() for included in _INCLUDE.findall(files[name])]
+    return files
+
+
 def _compiler() -> str:
     chosen = os.environ.get("CC")
     candidates = [chosen] if chosen else ["cc", "gcc", "clang"]
@@ -164,7 +170,7 @@ class CSource:
     abi_version: int
 
     def _files(self) -> dict[str, bytes]:
-        return {name: _read(name) for name in (self.source, *HEADERS)}
+        return source_files(self.source, _read)
 
     def _command(self, source: Path, built: Path) -> list[str]:
         return [_compiler(), *self.flags, str(source), "-o", str(built), *self.libraries]

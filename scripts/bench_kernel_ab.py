@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import re
 import subprocess
 import tempfile
 import time
@@ -34,33 +33,27 @@ from rng_tracker.kernels._index_map import index_map_of
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SOURCE = "cpu_dropout.c"
-_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 
 
 def _files_at(revision: str | None) -> dict[str, bytes]:
     """The kernel's source and the headers it includes (followed from its ``#include "..."``
     lines, so a revision with other headers builds too) at a git revision (None: the working
     tree)."""
-    files: dict[str, bytes] = {}
-    pending = [SOURCE]
-    while pending:
-        name = pending.pop()
-        if name in files:
-            continue
+
+    def read(name: str) -> bytes:
         if revision is None:
-            files[name] = (REPOSITORY / "kernels" / name).read_bytes()
-        else:
-            shown = subprocess.run(
-                ["git", "show", f"{revision}:kernels/{name}"], cwd=REPOSITORY, capture_output=True
+            return (REPOSITORY / "kernels" / name).read_bytes()
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:kernels/{name}"], cwd=REPOSITORY, capture_output=True
+        )
+        if shown.returncode != 0:
+            raise SystemExit(
+                f"kernels/{name} is not at {revision!r} ({shown.stderr.decode().strip()}); "
+                "pick a revision that has the kernel"
             )
-            if shown.returncode != 0:
-                raise SystemExit(
-                    f"kernels/{name} is not at {revision!r} ({shown.stderr.decode().strip()}); "
-                    "pick a revision that has the kernel"
-                )
-            files[name] = shown.stdout
-        pending += [m.decode() for m in _INCLUDE.findall(files[name])]
-    return files
+        return shown.stdout
+
+    return _c_build.source_files(SOURCE, read)
 
 
 def _build(files: dict[str, bytes], directory: Path) -> ctypes.CDLL:

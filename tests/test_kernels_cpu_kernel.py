@@ -480,16 +480,19 @@ def _library_paths() -> list:
 
 
 def test_the_cache_key_covers_the_headers_the_sources_include(monkeypatch):
-    """Both C sources include the shared Philox headers: each library's cache key hashes every
-    header the loaders copy next to the source, and those are all the sources include, so an
-    edited header is never answered by a library built from the old one."""
+    """Both C sources include the shared Philox headers: each library's files (copied next to
+    its source to build it, and hashed into its cache key) are its source and every header it
+    includes, through other headers too, so an edited header is never answered by a library
+    built from the old one."""
     kernels_dir = os.path.dirname(_cpu_kernel.__file__)
-    included = set()
-    for name in ("cpu_dropout.c", "keyed_fill.c", *_c_build.HEADERS):  # headers include too
-        with open(os.path.join(kernels_dir, name)) as source:
-            included |= set(re.findall(r'^#include "([^"]+)"', source.read(), re.MULTILINE))
-    assert included == set(_c_build.HEADERS)
-    assert {"cpu_isa.h", "philox4x32_simd.h"} <= included  # included by headers only
+    for source in (_cpu_kernel._SOURCE, _keyed_fill._SOURCE):
+        files = source._files()
+        included = {source.source}
+        for name in files:
+            with open(os.path.join(kernels_dir, name)) as text:
+                included |= set(re.findall(r'^#include "([^"]+)"', text.read(), re.MULTILINE))
+        assert set(files) == included
+        assert {"cpu_isa.h", "philox4x32_simd.h", "fresh_pages.h"} <= included  # via headers too
     before = _library_paths()
     assert len(set(before)) == 2
     assert _library_paths() == before  # the key is a pure function of the files
