@@ -425,6 +425,20 @@ class _Doubled(torch.autograd.Function):
 _SECTIONS = ("limit", "core", "fixed", "eager", "startup")
 
 
+def _huge_pages() -> str:
+    """Whether a new output's pages may be huge: the kernels' setting and the system's mode (the
+    limit section's figures depend on both)."""
+    from rng_tracker.kernels import _c_build
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as modes:
+            system = modes.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        system = "none"
+    asked = "asked" if _c_build.HUGE_PAGES else f"not asked ({_c_build.HUGE_PAGES_ENV}=0)"
+    return f"huge pages for new outputs: {asked}, transparent huge pages {system}"
+
+
 def _cpu_main(args: argparse.Namespace) -> None:
     from rng_tracker.kernels import _cpu_kernel
 
@@ -438,7 +452,7 @@ def _cpu_main(args: argparse.Namespace) -> None:
     print(
         f"CPU ({_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, load "
         f"average {load:.1f}), torch {torch.__version__}; impl='cpu' (kernels/cpu_dropout.c, "
-        f"paths {_cpu_kernel.isa_paths()}), p={args.p}"
+        f"paths {_cpu_kernel.isa_paths()}), p={args.p}; {_huge_pages()}"
     )
     if "limit" in sections:
         _limit_rows([24, 26], args.p, max(5, args.repeats // 2))
