@@ -318,17 +318,26 @@ def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
 
 def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
     """Elements/s on one thread (one core), the whole call and the kernel alone."""
-    from rng_tracker.kernels import _cpu_kernel
+    from rng_tracker.kernels import _c_build, _cpu_kernel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         paths = _cpu_kernel.isa_paths()
+        forced = _cpu_kernel._state["isa"]
+        picks = next(
+            (
+                f"{name} (forced by {_c_build.ISA_ENV})"
+                for name, code in _c_build.ISA_CODES.items()
+                if forced and code == forced
+            ),
+            f"{paths[-1]} (auto: the fastest)" if paths else "no compiled path",
+        )
         print(
             f"\n2. per core: G elements/s on 1 thread (its CPU time: time.thread_time), best "
             f"of {repeats} interleaved; "
             f"call = dropout(x, p, impl='cpu') forward / its backward; kernel = one ctypes "
-            f"call, per instruction-set path ({', '.join(paths)}; auto picks {paths[-1]}); "
+            f"call, per instruction-set path ({', '.join(paths)}); the call runs {picks}; "
             "copy = y.copy_(x) into a tensor made once, the same bytes as the kernel alone "
             "(the core's memory speed where x and y leave the caches); "
             "target >= 1.5 G elements/s"
