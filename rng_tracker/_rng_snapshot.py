@@ -99,9 +99,17 @@ class RNGSnapshot:
         )
 
     def restore(self) -> None:
-        """Install the snapshot: streams first, then the generators (which may host a stream)."""
+        """Install the snapshot: streams first, then the generators (which may host a stream).
+        Each tracker's states are checked first, as :meth:`RNGStatesTracker.restore_states`
+        does: a snapshot built by hand may hold anything."""
+        self._install(checked=True)
+
+    def _install(self, *, checked: bool) -> None:
         for tracker, states in self.streams:
-            tracker.restore_held(states)  # states this snapshot took: no need to check them
+            if checked:
+                tracker.restore_states(states)
+            else:
+                tracker.restore_held(states)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)
@@ -139,6 +147,12 @@ class RNGSnapshot:
         return names
 
 
+def restore_taken(snapshot: RNGSnapshot) -> None:
+    """:meth:`RNGSnapshot.restore` of a snapshot :meth:`RNGSnapshot.take` made, its streams
+    unchecked: a checkpoint puts back its own snapshots at every recompute."""
+    snapshot._install(checked=False)
+
+
 @contextmanager
 def replaying(
     snapshot: RNGSnapshot, wanted: Sequence[torch.device], trackers: Sequence[RNGStatesTracker]
@@ -147,8 +161,8 @@ def replaying(
     (:meth:`RNGSnapshot.take` of ``wanted``, as :func:`accelerators` gave them, and
     ``trackers``: the snapshot's own, checked when it was taken)."""
     found = RNGSnapshot.take(wanted, trackers)
-    snapshot.restore()
+    restore_taken(snapshot)
     try:
         yield
     finally:
-        found.restore()
+        restore_taken(found)

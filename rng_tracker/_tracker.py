@@ -343,7 +343,7 @@ class RNGStatesTracker:
 
     def restore_states(self, states: Mapping[str, RNGState]) -> None:
         """Replace every stream with ``states``, a dict that :meth:`get_states` or
-        :meth:`held_states` of this tracker returned (a checkpoint's snapshot): no conversion,
+        :meth:`held_states` of this tracker returned (a snapshot's): no conversion,
         and no new generator for a uint8 state (a stream's state tensor is replaced, never
         written in place, so the snapshot stays intact and replays again); a generator state
         is copied, since draws advance it. Open forks must be among ``states`` (the snapshot

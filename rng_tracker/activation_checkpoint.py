@@ -29,7 +29,7 @@ import rng_tracker._saved_inputs as saved_inputs
 from rng_tracker._deprecation import deprecated_names, renamed_keyword
 from rng_tracker._layout import ParallelLayout, checked_layout, process_layout
 from rng_tracker._random_op_log import RandomOpLog, first_divergence
-from rng_tracker._rng_snapshot import RNGSnapshot, accelerators
+from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, restore_taken
 from rng_tracker._saved_inputs import (
     InputSaver,
     first_tensor,
@@ -120,10 +120,10 @@ class _RNGRecord:
 
     def install(self, snapshot: RNGSnapshot) -> None:
         if dispatch_mode_depth() == 0:
-            snapshot.restore()
+            restore_taken(snapshot)
             return
         with disable_current_dispatch_modes():
-            snapshot.restore()
+            restore_taken(snapshot)
 
     def forward(self) -> _Forward:
         """Context of the first forward: snapshot at its start (and, checking, log its draws)."""

@@ -76,3 +76,27 @@ def test_differences_refuses_what_is_not_a_snapshot() -> None:
     with pytest.raises(ArgumentTypeError, match="another RNGSnapshot, got dict") as info:
         RNGSnapshot.capture((), []).differences({})
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    ("states", "error"),
+    [
+        ({"s": "garbage"}, "StateDictTypeError"),
+        ({3: torch.zeros(5, dtype=torch.uint8)}, "StreamNameError"),
+    ],
+)
+def test_restore_of_a_snapshot_built_by_hand_checks_its_streams(states, error) -> None:
+    """A snapshot built by hand may hold anything: restore() checks each tracker's states as
+    restore_states() does, refusing with a typed error and changing nothing (the unchecked
+    restore is for snapshots RNGSnapshot.take made, a checkpoint's own)."""
+    from rng_tracker import errors
+
+    tracker = _tracker()
+    before = (torch.get_rng_state(), tracker.get_states())
+    built = RNGSnapshot(torch.get_rng_state(), (), ((tracker, states),))
+    with pytest.raises(getattr(errors, error)):
+        built.restore()
+    assert torch.equal(before[0], torch.get_rng_state())
+    after = tracker.get_states()
+    assert after.keys() == before[1].keys()
+    assert all(torch.equal(after[n], before[1][n]) for n in after)
