@@ -448,7 +448,16 @@ def checkpoint(
         and (use_reentrant is None or type(use_reentrant) is bool)
         and (early_stop is None or type(early_stop) is bool)
     ):
-        _check_flags(locals())  # the rare call with a flag that is no bool: name the culprit
+        # the rare call with a flag that is no bool: name the culprit, make numpy's bools
+        (
+            use_reentrant,
+            preserve_rng_state,
+            debug,
+            early_stop,
+            distribute_saved_activations,
+            offload_to_cpu,
+            check_rng,
+        ) = _checked_flags(locals())
     # None: this library's default, non-reentrant (torch's own warns and takes True).
     use_reentrant = bool(use_reentrant)
     if tp_group is not None or layout is not None:
@@ -516,13 +525,16 @@ _FLAGS = (
 )
 
 
-def _check_flags(arguments: dict[str, Any]) -> None:
-    """Refuse a flag of :func:`checkpoint`'s ``arguments`` that is not a bool (numpy's passes;
-    ``use_reentrant`` and ``early_stop`` may be None), before anything runs."""
-    for name in _FLAGS:
-        value = arguments[name]
-        if not (value is None and name in ("use_reentrant", "early_stop")):
-            checked_flag(value, name, type_error=CheckpointTypeError)
+def _checked_flags(arguments: dict[str, Any]) -> tuple[bool | None, ...]:
+    """The flags of :func:`checkpoint`'s ``arguments``, in :data:`_FLAGS` order, as bools
+    (numpy's become Python's; ``use_reentrant`` and ``early_stop`` may stay None); one that
+    is not a bool is refused before anything runs."""
+    return tuple(
+        None
+        if arguments[name] is None and name in ("use_reentrant", "early_stop")
+        else checked_flag(arguments[name], name, type_error=CheckpointTypeError)
+        for name in _FLAGS
+    )
 
 
 def _check_group(group: object, what: str) -> None:

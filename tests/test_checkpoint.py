@@ -485,22 +485,31 @@ def test_bad_options_are_typed_and_refused_before_anything_runs(mode, options, e
     assert_same_end_states(before, _states(tracker))
 
 
-def test_flags_take_python_and_numpy_bools_and_use_reentrant_none_is_the_default():
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        ("non-reentrant", {"use_reentrant": None}),
+        (
+            "non-reentrant",
+            {"use_reentrant": np.False_, "preserve_rng_state": np.True_, "check_rng": np.False_},
+        ),
+        # reentrant mode refuses debug=True: np.False_ must count as False there too
+        ("reentrant", {"use_reentrant": np.True_, "debug": np.False_, "offload_to_cpu": np.False_}),
+    ],
+)
+def test_flags_take_python_and_numpy_bools_and_use_reentrant_none_is_the_default(mode, options):
     """np.bool_ flags mean their bool; use_reentrant=None is non-reentrant (this library's
     default), as before: bitwise the same grads, masks and end states."""
-    reference = run("non-reentrant")
-    for options in (
-        {"use_reentrant": None},
-        {"use_reentrant": np.False_, "preserve_rng_state": np.True_, "check_rng": np.False_},
-    ):
-        tracker, x, w = fixed_start()
-        masks: list[torch.Tensor] = []
-        out = checkpoint(dropout_block, x, w, tracker, masks, tracker=tracker, **options)
-        assert out.grad_fn.name() != "_ReentrantCheckpointBackward"
-        (out * torch.linspace(-1, 1, 16)).sum().backward()
-        assert torch.equal(x.grad, reference[0]) and torch.equal(w.grad, reference[1])
-        assert all(torch.equal(a, b) for a, b in zip(masks, reference[2], strict=True))
-        assert_same_end_states(reference[3], (torch.get_rng_state(), tracker.get_states()))
+    reference = run(mode)
+    tracker, x, w = fixed_start()
+    masks: list[torch.Tensor] = []
+    out = checkpoint(dropout_block, x, w, tracker, masks, tracker=tracker, **options)
+    reentrant = out.grad_fn.name() == "_ReentrantCheckpointBackward"
+    assert reentrant == (mode == "reentrant")
+    (out * torch.linspace(-1, 1, 16)).sum().backward()
+    assert torch.equal(x.grad, reference[0]) and torch.equal(w.grad, reference[1])
+    assert all(torch.equal(a, b) for a, b in zip(masks, reference[2], strict=True))
+    assert_same_end_states(reference[3], (torch.get_rng_state(), tracker.get_states()))
 
 
 @pytest.mark.parametrize("group", ["tp", object(), 0])
