@@ -269,6 +269,7 @@ def model_parallel_seed(
     ``state=`` is the deprecated name of ``layout=``.
     """
     layout = renamed_keyword("model_parallel_seed", "state", "layout", state, layout)
+    checked_flag(data_parallel_random_init, "data_parallel_random_init")  # before any layout work
     if layout is not None:
         checked_layout(layout, "model_parallel_seed", ("rank",))
     tracker = (
