@@ -44,8 +44,9 @@
 #define LANES 64   /* counters per SIMD step, padded up to: the widest path's needs */
 _Static_assert(LANES % PHILOX_AVX2_STEP == 0 && LANES % PHILOX_AVX512_STEP == 0,
                "a block's counters pad to every SIMD Philox's step");
-/* outputs of at least this many bytes are written with non-temporal stores: beyond the
-   caches, they skip reading the output's lines before writing them (a third of the traffic) */
+/* outputs in reused memory (pages already mapped) of at least this many bytes are written with
+   non-temporal stores: beyond the caches, they skip reading the output's lines before writing
+   them (a third of the traffic); a fresh output is written through the cache (fresh_pages.h) */
 #define STREAM_BYTES (16 << 20)
 /* a thread whose part of x has at least this many bytes prefetches each next block while it
    computes (above the largest per-core L2 in use, 2 MiB): smaller parts are in the caches, where
@@ -200,6 +201,7 @@ typedef struct {
     float scale;
     uint16_t bf16_nan;
     int isa;    /* RT_ISA_PORTABLE, RT_ISA_AVX2 or RT_ISA_AVX512 */
+    int fresh;  /* the output is a new mapping: its pages are mapped ahead of the loop */
     int stream; /* write the output with non-temporal stores (where the path has them) */
 } job;
 
@@ -378,9 +380,9 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
     const job *j = c->job;
     const int64_t size = dtype == RT_F32 ? 4 : 2;
     char *const out_begin = (char *)j->out + c->begin * size;
-    page_span fresh = fresh_pages(out_begin, out_begin + (c->end - c->begin) * size);
-    /* fresh pages are written through the cache, which holds them zeroed (map_ahead) */
-    const stream_fn stream = j->stream && fresh.next == fresh.end ? stream_out : NULL;
+    page_span fresh = {NULL, NULL};
+    if (j->fresh) fresh = page_span_of(out_begin, out_begin + (c->end - c->begin) * size);
+    const stream_fn stream = j->stream ? stream_out : NULL;
     _Alignas(64) char staged[4 * BLOCK];
     uint32_t lo[BLOCK + LANES], hi[BLOCK + LANES]; /* a block's counters, padded to LANES */
     uint32_t words[4 * BLOCK + 4 * LANES], word[BLOCK];
@@ -523,15 +525,16 @@ int64_t rt_isa_best(void) { return rt_cpu_best(); }
 
 static void *run_chunk_any(void *arg) {
     const chunk *c = (const chunk *)arg;
+    switch (c->job->isa) {
 #if RT_X86_SIMD
-    if (c->job->isa == RT_ISA_AVX2 || c->job->isa == RT_ISA_AVX512) {
-        if (c->job->isa == RT_ISA_AVX512) run_chunk_avx512(c);
-        else run_chunk_avx2(c);
-        if (c->job->stream) _mm_sfence(); /* the streamed stores are visible before the join */
-        return NULL;
-    }
+    case RT_ISA_AVX512: run_chunk_avx512(c); break;
+    case RT_ISA_AVX2: run_chunk_avx2(c); break;
 #endif
-    run_chunk_portable(c);
+    default: run_chunk_portable(c); return NULL;
+    }
+#if RT_X86_SIMD
+    if (c->job->stream) _mm_sfence(); /* the streamed stores are visible before the join */
+#endif
     return NULL;
 }
 
@@ -560,13 +563,17 @@ int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, 
         return -1;
     if (isa != RT_ISA_AUTO && !rt_isa_supported(isa)) return -2;
     if (isa == RT_ISA_AUTO) isa = rt_isa_best();
+    const int64_t bytes = numel * (dtype == RT_F32 ? 4 : 2);
+    /* decided once, before the threads: a fresh output is written through the cache, which
+       holds its pages zeroed (map_ahead); reused memory of STREAM_BYTES and more is streamed */
+    const int fresh = fresh_output(out, (char *)out + bytes);
     job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
              args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),
              (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],
              threshold > 0xffffffffu ? 0xffffffffu : (uint32_t)threshold,
              threshold > 0xffffffffu, (uint64_t)args[ARG_BASE],
              bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN], (int)isa,
-             numel * (dtype == RT_F32 ? 4 : 2) >= STREAM_BYTES};
+             fresh, !fresh && bytes >= STREAM_BYTES};
     int64_t blocks = (numel + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = blocks;
     if (threads < 1) threads = 1;

@@ -12,8 +12,9 @@
  * 1.20-1.42x after). Elsewhere than Linux, or where the kernel refuses MADV_POPULATE_WRITE
  * (before 5.14), nothing is mapped and the loop faults the pages in.
  *
- * The span's whole 2 MiB pieces are also marked MADV_HUGEPAGE first, so that where transparent
- * huge pages are "madvise" (the usual default) or "always", each is one 2 MiB page: one fault
+ * A fresh output's whole 2 MiB pieces are also marked MADV_HUGEPAGE, once for the output before
+ * any thread maps a page (fresh_output), so that where transparent huge pages are "madvise"
+ * (the usual default) or "always", each is one 2 MiB page: one fault
  * instead of 512 (a 32 MiB bf16 dropout: 1.23-1.25x a clone's time before, 0.70-0.74x after).
  * torch's CPU allocator does the same for its allocations under THP_MEM_ALLOC_ENABLE=1. Only
  * pages the loop is about to write are marked, so no memory is taken that would not be; with
@@ -55,32 +56,48 @@ int64_t rt_set_huge_pages(int64_t on) {
     return 0;
 }
 
-/* The whole pages inside [begin, end) to map ahead of a loop, where they are fresh, else none:
-   only spans of at least POPULATE_BYTES. A mapped first page means the memory was used before
-   (a reused allocation): asking again would cost a page-table walk for nothing. */
-static page_span fresh_pages(void *begin, void *end) {
+/* The whole pages inside [begin, end): a loop's part of an output to map ahead, or none where
+   the part is under POPULATE_BYTES (a few faults cost less than the calls). */
+static page_span page_span_of(void *begin, void *end) {
     page_span none = {NULL, NULL};
 #if defined(__linux__)
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE); /* 4 KiB, 16 or 64 KiB on arm64 */
     uintptr_t first = ((uintptr_t)begin + page - 1) & ~(page - 1);
     uintptr_t last = (uintptr_t)end & ~(page - 1);
-    unsigned char resident = 1;
-    if (last <= first || last - first < POPULATE_BYTES) return none;
-    if (mincore((void *)first, page, &resident) == 0 && !(resident & 1)) {
-        page_span fresh = {(char *)first, (char *)last};
-#ifdef MADV_HUGEPAGE
-        const uintptr_t huge = HUGE_BYTES;
-        uintptr_t huge_first = (first + huge - 1) & ~(huge - 1), huge_last = last & ~(huge - 1);
-        if (huge_pages && huge_last > huge_first)
-            (void)madvise((void *)huge_first, huge_last - huge_first, MADV_HUGEPAGE);
-#endif
-        return fresh;
+    if (last > first && last - first >= POPULATE_BYTES) {
+        page_span span = {(char *)first, (char *)last};
+        return span;
     }
 #else
     (void)begin;
     (void)end;
 #endif
     return none;
+}
+
+/* Whether the output [begin, end) is fresh: at least POPULATE_BYTES of whole pages, the first
+   of them not yet mapped (a mapped one means reused memory, where mapping ahead would cost a
+   page-table walk for nothing). A fresh output's whole 2 MiB pieces are marked for huge pages
+   here, once for the output: before any thread maps a page, and over the pieces that straddle
+   the threads' parts too. */
+static int fresh_output(void *begin, void *end) {
+    page_span span = page_span_of(begin, end);
+#if defined(__linux__)
+    unsigned char resident = 1;
+    if (span.next == span.end || mincore(span.next, 1, &resident) != 0 || (resident & 1))
+        return 0;
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = HUGE_BYTES;
+    uintptr_t huge_first = ((uintptr_t)span.next + huge - 1) & ~(huge - 1);
+    uintptr_t huge_last = (uintptr_t)span.end & ~(huge - 1);
+    if (huge_pages && huge_last > huge_first)
+        (void)madvise((void *)huge_first, huge_last - huge_first, MADV_HUGEPAGE);
+#endif
+    return 1;
+#else
+    (void)span;
+    return 0;
+#endif
 }
 
 /* Map the span's pages up to `until`, POPULATE_STEP bytes per call, before the loop writes

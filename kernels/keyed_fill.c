@@ -304,7 +304,8 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
     const int64_t *columns = lists[last];
     int64_t column_stride = gstride[last];
     for (int64_t d = 0; d < ndims; d++) at[d] = 0;
-    page_span fresh = fresh_pages(out, out + numel); /* a new tensor's pages: mapped ahead */
+    page_span fresh = {NULL, NULL}; /* a new tensor's pages: mapped ahead */
+    if (fresh_output(out, out + numel)) fresh = page_span_of(out, out + numel);
     uint64_t cached = UINT64_MAX;
     uint32_t w[4];
     float v[4];

@@ -49,7 +49,7 @@ static inline void philox4x32_10(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t
    (philox_block_avx2, _avx512) prefetches its share in RT_AHEAD_PARTS parts, one before its
    rounds and one halfway through them, so the lines arrive spread over the arithmetic
    (requested all at once, most wait behind the core's few outstanding misses). */
-#define RT_AHEAD_PARTS 2
+#define RT_AHEAD_PARTS 2 /* not a setting: the SIMD loops issue parts `part` and `part + 1` */
 typedef struct {
     const char *read[2]; /* to be read (either may be NULL) */
     char *write;         /* to be written (NULL: none, or written around the caches) */
