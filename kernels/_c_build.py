@@ -62,6 +62,13 @@ def huge_pages_from_environment() -> bool:
 HUGE_PAGES = huge_pages_from_environment()
 
 
+def set_huge_pages(library: ctypes.CDLL) -> None:
+    """Tell a kernel library that maps new outputs with ``fresh_pages.h`` (it exports
+    ``rt_set_huge_pages``) whether to ask for huge pages: :data:`HUGE_PAGES`."""
+    library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
+    library.rt_set_huge_pages(int(HUGE_PAGES))
+
+
 def isa_paths(supported: Callable[[int], int]) -> list[str]:
     """The instruction-set paths a kernel library runs on this CPU, fastest last, given its
     exported ``rt_*isa_supported`` function."""
@@ -215,8 +222,6 @@ class CSource:
         abi = getattr(library, self.abi_function)()
         if abi != self.abi_version:
             raise RuntimeError(f"{path} has ABI {abi}, expected {self.abi_version}")
-        library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
-        library.rt_set_huge_pages(int(HUGE_PAGES))  # every kernel maps pages with fresh_pages.h
         return library
 
 

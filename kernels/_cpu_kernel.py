@@ -2,10 +2,12 @@
 
 The reference spends ten rounds of separate int64 tensor ops, each a full pass over memory.
 ``cpu_dropout.c`` (next to this file) does the same arithmetic in one pass: per block of 1024
-elements, Philox4x32-10 of the block's counters (AVX2 intrinsics where the CPU has AVX2, a
-portable loop elsewhere: :func:`isa_paths`), then ``residual + keep * (x + bias) * scale`` in
-fp32, rounded once to x's dtype. Large tensors are split over ``torch.get_num_threads()``
-threads; outputs beyond the caches are streamed out with non-temporal stores.
+elements, Philox4x32-10 of the block's counters (AVX-512 or AVX2 intrinsics where the CPU has
+them, a portable loop elsewhere: :func:`isa_paths`), then ``residual + keep * (x + bias) *
+scale`` in fp32, rounded once to x's dtype. Large tensors are split over
+``torch.get_num_threads()`` threads; a new output's pages are mapped just ahead of the loop (as
+huge pages where the OS grants them), and a large output in reused memory is streamed out with
+non-temporal stores.
 
 It is built once per machine with the system C compiler (``CC``, else cc, gcc or clang;
 about 1 s), cached on disk, and loaded with ctypes: no torch headers, no tracing, a few
@@ -32,6 +34,7 @@ from rng_tracker.kernels._c_build import (
     CSource,
     isa_from_environment,
     load_once,
+    set_huge_pages,
     unsupported_isa,
 )
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
@@ -65,6 +68,7 @@ _state: dict[str, object] = {
 def _load() -> ctypes.CDLL:
     _state["bf16_nan"] = _bf16_nan_bits()
     library = _SOURCE.load()
+    set_huge_pages(library)
     library.rt_fused_dropout.restype = ctypes.c_int64
     # x, bias, residual, out, then every scalar and the index map in one int64 array
     library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]

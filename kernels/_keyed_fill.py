@@ -34,6 +34,7 @@ from rng_tracker.kernels._c_build import (
     CSource,
     isa_from_environment,
     load_once,
+    set_huge_pages,
     unsupported_isa,
 )
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
@@ -77,6 +78,7 @@ def name_hash(name: str) -> int:
 
 def _load() -> ctypes.CDLL:
     library = _SOURCE.load()
+    set_huge_pages(library)
     library.rt_keyed_fill.restype = ctypes.c_int64
     library.rt_keyed_fill.argtypes = [
         ctypes.c_void_p,
