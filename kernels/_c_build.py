@@ -87,6 +87,9 @@ def isa_from_environment() -> int:
     return ISA_CODES[name]
 
 
+ISA = isa_from_environment()
+
+
 def unsupported_isa(
     what: str, code: int, supported: Callable[[int], int]
 ) -> KernelUnavailableError:

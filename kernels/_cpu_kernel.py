@@ -31,8 +31,8 @@ import torch
 from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
 from rng_tracker.kernels._c_build import (
     FLAGS,
+    ISA,
     CSource,
-    isa_from_environment,
     load_once,
     set_huge_pages,
     unsupported_isa,
@@ -61,7 +61,7 @@ _state: dict[str, object] = {
     "library": None,
     "failed": None,
     "bf16_nan": 0xFFFF,
-    "isa": isa_from_environment(),
+    "isa": ISA,
 }
 
 

@@ -90,7 +90,8 @@ def _nothing_intercepts(x: torch.Tensor) -> bool:
 
 def unknown_impl(impl: object) -> KernelInputError:
     """The error of an ``impl`` that is none of :data:`IMPLS`."""
-    return KernelInputError(f"impl must be 'auto', 'triton', 'cpu' or 'torch', got {impl!r}")
+    names = ", ".join(map(repr, IMPLS[:-1])) + f" or {IMPLS[-1]!r}"
+    return KernelInputError(f"impl must be {names}, got {impl!r}")
 
 
 def route(x: torch.Tensor, impl: object, index_map: Any) -> Route:

@@ -31,8 +31,8 @@ from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels._c_build import (
     FLAGS,
+    ISA,
     CSource,
-    isa_from_environment,
     load_once,
     set_huge_pages,
     unsupported_isa,
@@ -52,7 +52,7 @@ _FLOAT32 = torch.finfo(torch.float32)
 _lock = threading.Lock()
 MAX_DIMS = 64  # RT_MAX_DIMS of keyed_fill.c: the dims of a tensor it fills
 # "isa": the instruction-set path (ISA_CODES; 0 picks the fastest), from RNG_TRACKER_CPU_ISA
-_state: dict[str, object] = {"library": None, "failed": None, "isa": isa_from_environment()}
+_state: dict[str, object] = {"library": None, "failed": None, "isa": ISA}
 
 
 def init_key(seed: int) -> int:
