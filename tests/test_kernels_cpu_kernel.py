@@ -10,6 +10,7 @@ C compiler runs on a cold cache, the reference runs after one warning.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import re
@@ -247,11 +248,12 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
     monkeypatch, numel, with_residual
 ):
     """A thread's part of at least 2 MiB prefetches each next block while computing this one.
-    A fresh output (the op's own, new pages) is mapped a piece at a time just ahead of the loop
-    and written through the cache; an output of 16 MiB and more whose pages are already mapped
-    is written with non-temporal stores on the SIMD paths (staged per block, then streamed out;
-    the last block's 12 bytes with plain stores). Both give the reference's bits on every path,
-    on one thread and split over two."""
+    A fresh output (a new mapping, no page mapped yet) is marked for huge pages, mapped a piece
+    at a time just ahead of the loop and written through the cache; an output of 16 MiB and more
+    whose pages are already mapped is written with non-temporal stores on the SIMD paths (staged
+    per block, then streamed out; the last block's 12 bytes with plain stores). Both give the
+    reference's bits on every path, on one thread and split over two, as the op's own output
+    does."""
     paths = _cpu_kernel.isa_paths()
     x = torch.randn(numel, generator=_gen(5))
     residual = torch.randn_like(x) if with_residual else None
@@ -272,6 +274,11 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
                 pointers = (x.data_ptr(), None, residual.data_ptr() if with_residual else None)
                 assert library.rt_fused_dropout(*pointers, mapped.data_ptr(), args) == 0
                 _assert_bitwise(mapped, want)
+                # a new mapping, none of its pages mapped yet: the fresh path (torch's own
+                # allocation below 32 MiB may be reused memory)
+                fresh = torch.frombuffer(mmap.mmap(-1, x.numel() * 4), dtype=x.dtype)
+                assert library.rt_fused_dropout(*pointers, fresh.data_ptr(), args) == 0
+                _assert_bitwise(fresh, want)
     finally:
         torch.set_num_threads(threads)
 
