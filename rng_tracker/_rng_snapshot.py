@@ -100,9 +100,17 @@ class RNGSnapshot:
 
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream).
-        Each tracker's states are checked first, as :meth:`RNGStatesTracker.restore_states`
-        does: a snapshot built by hand may hold anything."""
-        self._install(checked=True)
+        Each tracker's states are checked, as :meth:`RNGStatesTracker.restore_states` does (a
+        snapshot built by hand may hold anything); where one is refused, every state is put
+        back as it was before the error is raised."""
+        found = RNGSnapshot.take(
+            tuple(device for device, _ in self.devices), [t for t, _ in self.streams]
+        )
+        try:
+            self._install(checked=True)
+        except BaseException:
+            found._install(checked=False)
+            raise
 
     def _install(self, *, checked: bool) -> None:
         for tracker, states in self.streams:

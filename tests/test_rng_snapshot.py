@@ -87,16 +87,23 @@ def test_differences_refuses_what_is_not_a_snapshot() -> None:
 )
 def test_restore_of_a_snapshot_built_by_hand_checks_its_streams(states, error) -> None:
     """A snapshot built by hand may hold anything: restore() checks each tracker's states as
-    restore_states() does, refusing with a typed error and changing nothing (the unchecked
+    restore_states() does and refuses with a typed error, leaving every state as it was, the
+    trackers restored before the refused one and the CPU generator included (the unchecked
     restore is for snapshots RNGSnapshot.take made, a checkpoint's own)."""
     from rng_tracker import errors
 
-    tracker = _tracker()
-    before = (torch.get_rng_state(), tracker.get_states())
-    built = RNGSnapshot(torch.get_rng_state(), (), ((tracker, states),))
+    first, second = _tracker(), _tracker()
+    other = RNGSnapshot.capture((), [first])  # a valid state of first's, different from now
+    _draw(first)
+    torch.manual_seed(99)
+    before = (torch.get_rng_state(), first.get_states(), second.get_states())
+    built = RNGSnapshot(other.cpu, (), (*other.streams, (second, states)))
+    assert not torch.equal(other.streams[0][1]["s"], before[1]["s"])  # restoring would change it
+    assert not torch.equal(other.cpu, before[0])
     with pytest.raises(getattr(errors, error)):
         built.restore()
     assert torch.equal(before[0], torch.get_rng_state())
-    after = tracker.get_states()
-    assert after.keys() == before[1].keys()
-    assert all(torch.equal(after[n], before[1][n]) for n in after)
+    for tracker, states_before in zip((first, second), before[1:], strict=True):
+        after = tracker.get_states()
+        assert after.keys() == states_before.keys()
+        assert all(torch.equal(after[n], states_before[n]) for n in after)
