@@ -135,8 +135,8 @@ def _assert_bias_grad(got, want, placements, case) -> None:
 @pytest.mark.distributed(world_size=4, timeout=300)
 def test_ops_gathered_equal_full_tensor_ops(rank: int) -> None:
     """dropout/bias_dropout_add/uniform_/normal_ on every layout gather to the full-tensor op,
-    bitwise, gradients too (the bias gradient up to summation order: it sums rows that other
-    ranks hold); and the edge cases of :func:`_check_edges`."""
+    bitwise, gradients too (the bias gradient up to summation order where x is sharded: see
+    :func:`_assert_bias_grad`); and the edge cases of :func:`_check_edges`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     meshes = {s: init_device_mesh("cpu", s) for s in [(4,), (2, 2)]}

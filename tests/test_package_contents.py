@@ -16,6 +16,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from rng_tracker.kernels import _c_build
+
 ROOT = Path(__file__).resolve().parents[1]
 # What setup.cfg builds the wheel from.
 SOURCES = ("setup.cfg", "pyproject.toml", "README.md", "rng_tracker", "parallel", "kernels")
@@ -70,7 +72,13 @@ def test_the_wheel_holds_the_library_but_not_the_job_or_the_lowering_tool(tmp_pa
     assert "rng_tracker_distributed = rng_tracker_pytest" in entry_text
     assert "rng_tracker/kernels/_triton_kernel.py" in modules
     # the C kernels build from the installed files: their sources and the headers they include
-    for kernel_file in ("cpu_dropout.c", "keyed_fill.c", "philox4x32.h", "f32_bits.h"):
+    kernel_files = {
+        name
+        for source in ("cpu_dropout.c", "keyed_fill.c")
+        for name in _c_build.source_files(source, _c_build._read)
+    }
+    assert {"cpu_isa.h", "fresh_pages.h", "philox4x32_simd.h"} <= kernel_files  # via headers
+    for kernel_file in kernel_files:
         assert f"rng_tracker/kernels/{kernel_file}" in names, kernel_file
     stray = [
         n
