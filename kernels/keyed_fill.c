@@ -155,7 +155,6 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
 }
 
 #define CHUNK 64 /* Philox blocks per batch (256 elements): one step of the AVX-512 Philox */
-#define FILL_PIECE (POPULATE_STEP / 4) /* elements of a run filled per map_ahead */
 #define CHUNK_PAD 16 /* blocks a SIMD Philox writes past the batch: its vector's counters */
 
 /* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
@@ -210,12 +209,14 @@ RT_AVX512 static void philox_many_avx512(int m, uint64_t first, uint32_t c2, uin
 typedef void (*philox_many_fn)(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
                                uint32_t k1, uint32_t *restrict words);
 
-/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch; inlined into one
-   function per instruction set, where the compiler vectorises the value loops for it. */
+/* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch, each batch's
+   pages of a fresh output mapped just before it writes them (fresh); inlined into one function
+   per instruction set, where the compiler vectorises the value loops for it. */
 static inline __attribute__((always_inline)) void fill_run(float *out, uint64_t g0, int64_t n,
                                                            int kind, uint32_t c2, uint32_t c3,
                                                            uint32_t k0, uint32_t k1,
                                                            const fill_params *p,
+                                                           page_span *fresh,
                                                            philox_many_fn philox) {
     float scale = p->scale, shift = p->shift;
     uint32_t words[4 * (CHUNK + CHUNK_PAD)];
@@ -234,28 +235,32 @@ static inline __attribute__((always_inline)) void fill_run(float *out, uint64_t 
         }
         uint64_t lo = block * 4 > g0 ? block * 4 : g0;
         uint64_t hi = (block + (uint64_t)m) * 4 < end ? (block + (uint64_t)m) * 4 : end;
+        map_ahead(fresh, out + (hi - g0));
         for (uint64_t g = lo; g < hi; g++) out[g - g0] = vals[g - block * 4];
     }
 }
 
 typedef void (*fill_run_fn)(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
-                            uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p);
+                            uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p,
+                            page_span *fresh);
 
 static void fill_run_portable(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
-                              uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many);
+                              uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p,
+                              page_span *fresh) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many);
 }
 
 #if RT_X86_SIMD
 RT_AVX2 static void fill_run_avx2(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
-                                  uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many_avx2);
+                                  uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p,
+                                  page_span *fresh) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many_avx2);
 }
 
 RT_AVX512 static void fill_run_avx512(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
                                       uint32_t c3, uint32_t k0, uint32_t k1,
-                                      const fill_params *p) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, philox_many_avx512);
+                                      const fill_params *p, page_span *fresh) {
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many_avx512);
 }
 #endif
 
@@ -313,16 +318,12 @@ int64_t rt_keyed_fill(float *out, int64_t ndims, const int64_t *sizes, const int
         int64_t row_base = 0;
         for (int64_t d = 0; d < last; d++) row_base += lists[d][at[d]] * gstride[d];
         if (column_stride == 1 && columns[row - 1] - columns[0] == row - 1) { /* one run */
-            for (int64_t done = 0; done < row; done += FILL_PIECE) { /* a piece per page map */
-                int64_t n = row - done < FILL_PIECE ? row - done : FILL_PIECE;
-                map_ahead(&fresh, out + start + done + n);
-                run(out + start + done, (uint64_t)(row_base + columns[0] + done), n, (int)kind,
-                    c2, c3, k0, k1, &p);
-            }
+            run(out + start, (uint64_t)(row_base + columns[0]), row, (int)kind, c2, c3, k0, k1,
+                &p, &fresh);
             goto next_row;
         }
-        map_ahead(&fresh, out + start + row);
         for (int64_t i = 0; i < row; i++) {
+            map_ahead(&fresh, out + start + i + 1); /* a piece at a time, as the row reaches it */
             uint64_t g = (uint64_t)(row_base + columns[i] * column_stride);
             uint64_t block = g >> 2;
             if (block != cached) {

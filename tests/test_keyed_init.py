@@ -174,10 +174,10 @@ def test_a_new_large_tensor_is_filled_in_pieces_with_the_same_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A tensor of 32 MiB and more is a new mapping (malloc's mmap): its pages are mapped a
-    piece (256 KiB) at a time just ahead of the fill, and a run longer than a piece is filled
-    piece by piece, splitting Philox blocks where a row's start is not a multiple of 4. On every
-    path, the values equal those of the element-by-element loop (scalar Philox, no pieces) that
-    a shard with its columns in reverse order takes."""
+    piece (256 KiB) at a time just ahead of the fill, before each batch of a run (rows here
+    start off a multiple of 4) and as the element-by-element loop reaches them. On every path,
+    the values of the batched runs equal those of the element-by-element loop (scalar Philox)
+    that a shard with its columns in reverse order takes, itself on a new mapping."""
     from rng_tracker.kernels import _c_build
 
     rows, cols = 128, 65536 + 7  # 33.5 MiB; each row one run of two pieces, rows unaligned
