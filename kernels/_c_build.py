@@ -62,13 +62,6 @@ def huge_pages_from_environment() -> bool:
 HUGE_PAGES = huge_pages_from_environment()
 
 
-def set_huge_pages(library: ctypes.CDLL) -> None:
-    """Tell a kernel library that maps new outputs with ``fresh_pages.h`` (it exports
-    ``rt_set_huge_pages``) whether to ask for huge pages: :data:`HUGE_PAGES`."""
-    library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
-    library.rt_set_huge_pages(int(HUGE_PAGES))
-
-
 def isa_paths(supported: Callable[[int], int]) -> list[str]:
     """The instruction-set paths a kernel library runs on this CPU, fastest last, given its
     exported ``rt_*isa_supported`` function."""
@@ -178,6 +171,8 @@ class CSource:
     libraries: tuple[str, ...]  # after the output, e.g. ("-lm",)
     abi_function: str  # the exported function that returns the ABI version
     abi_version: int
+    # it maps new outputs with fresh_pages.h: told HUGE_PAGES once loaded (rt_set_huge_pages)
+    maps_fresh_pages: bool = False
 
     def _files(self) -> dict[str, bytes]:
         return source_files(self.source, _read)
@@ -225,6 +220,9 @@ class CSource:
         abi = getattr(library, self.abi_function)()
         if abi != self.abi_version:
             raise RuntimeError(f"{path} has ABI {abi}, expected {self.abi_version}")
+        if self.maps_fresh_pages:  # whether to ask for huge pages
+            library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
+            library.rt_set_huge_pages(int(HUGE_PAGES))
         return library
 
 

@@ -34,7 +34,6 @@ from rng_tracker.kernels._c_build import (
     ISA,
     CSource,
     load_once,
-    set_huge_pages,
     unsupported_isa,
 )
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
@@ -50,6 +49,7 @@ _SOURCE = CSource(
     libraries=(),
     abi_function="rt_abi_version",
     abi_version=2,  # RT_ABI_VERSION of cpu_dropout.c
+    maps_fresh_pages=True,
 )
 # Below this many elements per thread, one more thread costs more (a thread start, and on a
 # loaded machine a wait for it to be scheduled) than it saves.
@@ -68,7 +68,6 @@ _state: dict[str, object] = {
 def _load() -> ctypes.CDLL:
     _state["bf16_nan"] = _bf16_nan_bits()
     library = _SOURCE.load()
-    set_huge_pages(library)
     library.rt_fused_dropout.restype = ctypes.c_int64
     # x, bias, residual, out, then every scalar and the index map in one int64 array
     library.rt_fused_dropout.argtypes = [*(ctypes.c_void_p,) * 4, ctypes.POINTER(ctypes.c_int64)]

@@ -34,7 +34,6 @@ from rng_tracker.kernels._c_build import (
     ISA,
     CSource,
     load_once,
-    set_huge_pages,
     unsupported_isa,
 )
 from rng_tracker.kernels._c_build import isa_paths as isa_paths_of
@@ -45,6 +44,7 @@ _SOURCE = CSource(
     libraries=("-lm",),
     abi_function="rt_keyed_abi_version",
     abi_version=4,  # RT_KEYED_ABI of keyed_fill.c
+    maps_fresh_pages=True,
 )
 _INIT_DOMAIN = 0x6B65796564494E49  # b"keyedINI": keyed init never shares a key with keyed dropout
 _UNIFORM, _NORMAL, _TRUNCATED_NORMAL = 0, 1, 2
@@ -78,7 +78,6 @@ def name_hash(name: str) -> int:
 
 def _load() -> ctypes.CDLL:
     library = _SOURCE.load()
-    set_huge_pages(library)
     library.rt_keyed_fill.restype = ctypes.c_int64
     library.rt_keyed_fill.argtypes = [
         ctypes.c_void_p,
