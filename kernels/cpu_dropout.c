@@ -116,42 +116,6 @@ static inline void store(void *restrict p, int64_t i, float v, int dtype, uint16
     else ((uint16_t *)p)[i] = f32_to_bf16(v, bf16_nan);
 }
 
-/* ---- Philox4x32-10 over a block's counters ---- */
-
-/* words[4 * i + j] = word j of Philox4x32-10 at counter (lo[i], hi[i], c2, c3), i < m; lo and
-   hi hold m rounded up to LANES entries (the padding is computed and ignored). lo == NULL:
-   the counters are consecutive, hi[0] * 2^32 + hi[1] + i, with hi[1] + m - 1 < 2^32.
-   Portable: structure of arrays, rounds outermost, so the compiler may vectorise the inner
-   loops. It ignores `ahead`: at a quarter of the AVX2 path's speed, memory is a small part of
-   its time. Its batches are PORTABLE_LANES counters: wider would only cost a small tensor more
-   padding. */
-#define PORTABLE_LANES 32
-static void philox_block_portable(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
-                                  uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                                  uint32_t *restrict words, const rt_ahead *ahead) {
-    (void)ahead;
-    for (int start = 0; start < m; start += PORTABLE_LANES) {
-        uint32_t x0[PORTABLE_LANES], x1[PORTABLE_LANES], x2[PORTABLE_LANES], x3[PORTABLE_LANES];
-        if (lo) {
-            for (int i = 0; i < PORTABLE_LANES; i++) {
-                x0[i] = lo[start + i];
-                x1[i] = hi[start + i];
-            }
-        } else {
-            for (int i = 0; i < PORTABLE_LANES; i++) {
-                x0[i] = hi[1] + (uint32_t)(start + i);
-                x1[i] = hi[0];
-            }
-        }
-        for (int i = 0; i < PORTABLE_LANES; i++) {
-            x2[i] = c2;
-            x3[i] = c3;
-        }
-        int stored = m - start < PORTABLE_LANES ? m - start : PORTABLE_LANES;
-        philox4x32_10_lanes(PORTABLE_LANES, x0, x1, x2, x3, k0, k1, stored, words + 4 * start);
-    }
-}
-
 /* ---- the index map, walked as an odometer over the merged dims ---- */
 
 typedef struct {
@@ -355,10 +319,6 @@ RT_APPLY_PATH(apply_portable, , apply)
 RT_APPLY_PATH(apply_avx2, RT_AVX2, apply_avx2_variant)
 #endif
 
-typedef void (*philox_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
-                          uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                          uint32_t *restrict words, const rt_ahead *ahead);
-
 /* lo/hi[k .. k + n) = the 32-bit halves of the consecutive counters first, first + 1, ... */
 static inline __attribute__((always_inline)) void consecutive(uint32_t *restrict lo,
                                                               uint32_t *restrict hi, int n,
@@ -374,7 +334,7 @@ typedef void (*stream_fn)(char *restrict target, const char *restrict staged, in
 
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
                                                             int has_bias, int has_residual,
-                                                            philox_fn philox, int philox_step,
+                                                            philox_block_fn philox, int philox_step,
                                                             stream_fn stream_out,
                                                             apply_fn apply_block) {
     const job *j = c->job;
@@ -496,7 +456,8 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
         }                                                                                \
     }
 
-RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, PORTABLE_LANES, NULL, apply_portable)
+RT_CHUNK_PATH(run_chunk_portable, , philox_block_portable, PHILOX_PORTABLE_STEP, NULL,
+              apply_portable)
 #if RT_X86_SIMD
 /* target[0 .. bytes) = staged[0 .. bytes) with non-temporal stores where target is 32-byte
    aligned (a torch allocation and a block's start are), plain stores for the rest. */

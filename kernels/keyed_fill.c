@@ -157,58 +157,6 @@ static void values(int kind, const uint32_t w[4], const fill_params *p, float v[
 #define CHUNK 64 /* Philox blocks per batch (256 elements): one step of the AVX-512 Philox */
 #define CHUNK_PAD 16 /* blocks a SIMD Philox writes past the batch: its vector's counters */
 
-/* words[4 * i + j] = word j of Philox4x32-10 at block first + i: one loop the compiler
-   vectorises (philox4x32_10_lanes: structure of arrays, rounds outermost). */
-static void philox_many(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
-                        uint32_t k1, uint32_t *restrict words) {
-    uint32_t x0[CHUNK], x1[CHUNK], x2[CHUNK], x3[CHUNK];
-    for (int i = 0; i < m; i++) {
-        x0[i] = (uint32_t)(first + (uint64_t)i);
-        x1[i] = (uint32_t)((first + (uint64_t)i) >> 32);
-        x2[i] = c2;
-        x3[i] = c3;
-    }
-    philox4x32_10_lanes(m, x0, x1, x2, x3, k0, k1, m, words);
-}
-
-#if RT_X86_SIMD
-typedef void (*philox_block_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
-                                uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
-                                uint32_t *restrict words, const rt_ahead *ahead);
-
-/* philox_many by a SIMD block function (philox_block_avx2 or _avx512) on runs of consecutive
-   counters; words has room for m + CHUNK_PAD blocks: each run's words are written up to a
-   multiple of the function's vector. */
-static inline __attribute__((always_inline)) void philox_runs(int m, uint64_t first, uint32_t c2,
-                                                              uint32_t c3, uint32_t k0,
-                                                              uint32_t k1,
-                                                              uint32_t *restrict words,
-                                                              philox_block_fn block) {
-    int done = 0;
-    while (done < m) { /* a run ends where the low counter word would carry into the high */
-        uint64_t start = first + (uint64_t)done;
-        uint64_t room = 0x100000000u - (uint32_t)start;
-        int run = (uint64_t)(m - done) < room ? m - done : (int)room;
-        const uint32_t hi[2] = {(uint32_t)(start >> 32), (uint32_t)start};
-        block(run, NULL, hi, c2, c3, k0, k1, words + 4 * done, NULL);
-        done += run;
-    }
-}
-
-RT_AVX2 static void philox_many_avx2(int m, uint64_t first, uint32_t c2, uint32_t c3,
-                                     uint32_t k0, uint32_t k1, uint32_t *restrict words) {
-    philox_runs(m, first, c2, c3, k0, k1, words, philox_block_avx2);
-}
-
-RT_AVX512 static void philox_many_avx512(int m, uint64_t first, uint32_t c2, uint32_t c3,
-                                         uint32_t k0, uint32_t k1, uint32_t *restrict words) {
-    philox_runs(m, first, c2, c3, k0, k1, words, philox_block_avx512);
-}
-#endif
-
-typedef void (*philox_many_fn)(int m, uint64_t first, uint32_t c2, uint32_t c3, uint32_t k0,
-                               uint32_t k1, uint32_t *restrict words);
-
 /* out[0 .. n) = the values of global elements g0 .. g0 + n, batch by batch, each batch's
    pages of a fresh output mapped just before it writes them (fresh); inlined into one function
    per instruction set, where the compiler vectorises the value loops for it. */
@@ -217,14 +165,14 @@ static inline __attribute__((always_inline)) void fill_run(float *out, uint64_t 
                                                            uint32_t k0, uint32_t k1,
                                                            const fill_params *p,
                                                            page_span *fresh,
-                                                           philox_many_fn philox) {
+                                                           philox_block_fn philox) {
     float scale = p->scale, shift = p->shift;
     uint32_t words[4 * (CHUNK + CHUNK_PAD)];
     float vals[4 * CHUNK];
     uint64_t end = g0 + (uint64_t)n, last = (end - 1) >> 2;
     for (uint64_t block = g0 >> 2; block <= last; block += CHUNK) {
         int m = (int)((last - block + 1) < CHUNK ? (last - block + 1) : CHUNK);
-        philox(m, block, c2, c3, k0, k1, words);
+        philox_runs(m, block, c2, c3, k0, k1, words, philox);
         if (kind == 0) {
             for (int i = 0; i < 4 * m; i++) vals[i] = uniform(words[i], scale, shift);
         } else if (kind == 2) {
@@ -247,20 +195,20 @@ typedef void (*fill_run_fn)(float *out, uint64_t g0, int64_t n, int kind, uint32
 static void fill_run_portable(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
                               uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p,
                               page_span *fresh) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many);
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_block_portable);
 }
 
 #if RT_X86_SIMD
 RT_AVX2 static void fill_run_avx2(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
                                   uint32_t c3, uint32_t k0, uint32_t k1, const fill_params *p,
                                   page_span *fresh) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many_avx2);
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_block_avx2);
 }
 
 RT_AVX512 static void fill_run_avx512(float *out, uint64_t g0, int64_t n, int kind, uint32_t c2,
                                       uint32_t c3, uint32_t k0, uint32_t k1,
                                       const fill_params *p, page_span *fresh) {
-    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_many_avx512);
+    fill_run(out, g0, n, kind, c2, c3, k0, k1, p, fresh, philox_block_avx512);
 }
 #endif
 

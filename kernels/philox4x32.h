@@ -3,9 +3,11 @@
  * definition, included by cpu_dropout.c and keyed_fill.c (and equal, word for word, to
  * rng_tracker.kernels.philox.philox4x32 and Triton's tl.philox).
  *
- * Also rt_ahead, the memory a caller asks the Philox loops of every path to prefetch, and
- * philox_consecutive, what the SIMD loops share across a run of consecutive counters. All
- * functions are static inline, so each kernel's loops keep them inlined and vectorised.
+ * Also rt_ahead, the memory a caller asks the Philox loops of every path to prefetch;
+ * philox_consecutive, what the SIMD loops share across a run of consecutive counters; the
+ * block loops' type, philox_block_fn, with its portable instance; and philox_runs, a block loop
+ * over 64-bit consecutive counters. All functions are static inline, so each kernel's loops
+ * keep them inlined and vectorised.
  * The Python loaders copy this header next to the .c file they compile and hash it into the
  * library's cache key.
  */
@@ -111,6 +113,68 @@ static inline void philox4x32_10_lanes(int n, uint32_t *restrict x0, uint32_t *r
         words[4 * i + 1] = x1[i];
         words[4 * i + 2] = x2[i];
         words[4 * i + 3] = x3[i];
+    }
+}
+
+/* A Philox loop over a block of counters, one per instruction-set path (philox_block_portable
+   below; philox_block_avx2 and _avx512 in philox4x32_simd.h): words[4 * i + j] = word j of
+   Philox4x32-10 at counter (lo[i], hi[i], c2, c3), i < m. lo and hi hold m rounded up to the
+   path's step of counters (the padding is computed and ignored); lo == NULL: the counters are
+   consecutive, hi[0] * 2^32 + hi[1] + i, with hi[1] + m - 1 < 2^32. ahead (or NULL): memory to
+   prefetch meanwhile. words has room for m rounded up to the path's vector of counters. */
+typedef void (*philox_block_fn)(int m, const uint32_t *restrict lo, const uint32_t *restrict hi,
+                                uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                                uint32_t *restrict words, const rt_ahead *ahead);
+
+/* The portable philox_block_fn: structure of arrays, rounds outermost, so the compiler may
+   vectorise the inner loops; it writes exactly m counters' words. It ignores `ahead`: at a
+   quarter of the AVX2 path's speed, memory is a small part of its time. Its step is
+   PHILOX_PORTABLE_STEP counters: wider would only cost a small tensor more padding. */
+#define PHILOX_PORTABLE_STEP 32
+static inline void philox_block_portable(int m, const uint32_t *restrict lo,
+                                         const uint32_t *restrict hi, uint32_t c2, uint32_t c3,
+                                         uint32_t k0, uint32_t k1, uint32_t *restrict words,
+                                         const rt_ahead *ahead) {
+    enum { STEP = PHILOX_PORTABLE_STEP };
+    (void)ahead;
+    for (int start = 0; start < m; start += STEP) {
+        uint32_t x0[STEP], x1[STEP], x2[STEP], x3[STEP];
+        if (lo) {
+            for (int i = 0; i < STEP; i++) {
+                x0[i] = lo[start + i];
+                x1[i] = hi[start + i];
+            }
+        } else {
+            for (int i = 0; i < STEP; i++) {
+                x0[i] = hi[1] + (uint32_t)(start + i);
+                x1[i] = hi[0];
+            }
+        }
+        for (int i = 0; i < STEP; i++) {
+            x2[i] = c2;
+            x3[i] = c3;
+        }
+        int stored = m - start < STEP ? m - start : STEP;
+        philox4x32_10_lanes(STEP, x0, x1, x2, x3, k0, k1, stored, words + 4 * start);
+    }
+}
+
+/* words[4 * i + j] = word j of Philox4x32-10 at counter (first + i as two 32-bit words, c2, c3),
+   i < m, by `block` on runs of consecutive counters that end where the low word would carry
+   into the high one. words has room for m rounded up to `block`'s vector of counters. */
+static inline __attribute__((always_inline)) void philox_runs(int m, uint64_t first, uint32_t c2,
+                                                              uint32_t c3, uint32_t k0,
+                                                              uint32_t k1,
+                                                              uint32_t *restrict words,
+                                                              philox_block_fn block) {
+    int done = 0;
+    while (done < m) {
+        uint64_t start = first + (uint64_t)done;
+        uint64_t room = 0x100000000u - (uint32_t)start;
+        int run = (uint64_t)(m - done) < room ? m - done : (int)room;
+        const uint32_t hi[2] = {(uint32_t)(start >> 32), (uint32_t)start};
+        block(run, NULL, hi, c2, c3, k0, k1, words + 4 * done, NULL);
+        done += run;
     }
 }
 
