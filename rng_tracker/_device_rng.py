@@ -10,7 +10,7 @@ modes store them.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 import torch
 
@@ -241,14 +241,7 @@ class DeviceRNG:
     def convert(self, state: object) -> RNGState:
         """A copy of ``state`` (a state tensor or a generator of this device type) in this
         object's form; raises :class:`TrackerDeviceError` if it is neither."""
-        if isinstance(state, torch.Generator):
-            if state.device.type != self.device.type:
-                raise TrackerDeviceError(
-                    f"a generator of {state.device} holds no {self.device.type} state; pass a "
-                    f"state of a {self.device.type} generator"
-                )
-            return state.clone_state() if self.generator_states else state.get_state()
-        if isinstance(state, torch.Tensor):
+        if isinstance(state, torch.Tensor):  # any device: from_bytes copies it to the CPU
             try:
                 return self.from_bytes(state)
             except (RuntimeError, TypeError):
@@ -257,10 +250,9 @@ class DeviceRNG:
                     f"{state.dtype}, {state.numel()} elements); pass what get_rng_state() or "
                     f"get_states() of the {self.device.type} device returns"
                 ) from None
-        raise TrackerDeviceError(
-            f"a generator state is a torch.Tensor or a torch.Generator, got "
-            f"{type(state).__name__} {state!r}"
-        )
+        self.check(state)  # a generator of this device type, else TrackerDeviceError
+        generator = cast(torch.Generator, state)
+        return generator.clone_state() if self.generator_states else generator.get_state()
 
 
 # Process-wide: a DeviceRNG holds nothing but its device's default generator, which torch keeps
