@@ -18,7 +18,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ __getattr__ = deprecated_names(
 # torch's documented determinism checks (torch.utils.checkpoint.checkpoint's determinism_check).
 _DETERMINISM_CHECKS = ("default", "none")
 
+_T = TypeVar("_T")
+
 _DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
 
 
@@ -95,6 +97,14 @@ def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.de
     return list(seen)
 
 
+def _unseen_by_modes(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with torch dispatch modes switched off, so no user mode sees it."""
+    if dispatch_mode_depth() == 0:  # the usual case: no context manager to pay for
+        return fn(*args)
+    with disable_current_dispatch_modes():
+        return fn(*args)
+
+
 class _RNGRecord:
     """What one checkpointed call remembers of its randomness.
 
@@ -113,17 +123,10 @@ class _RNGRecord:
         self.forward_log: RandomOpLog | None = None
 
     def capture(self) -> RNGSnapshot:
-        if dispatch_mode_depth() == 0:  # the usual case: no context manager to pay for
-            return RNGSnapshot.take(self.wanted, self.trackers)
-        with disable_current_dispatch_modes():
-            return RNGSnapshot.take(self.wanted, self.trackers)
+        return _unseen_by_modes(RNGSnapshot.take, self.wanted, self.trackers)
 
     def install(self, snapshot: RNGSnapshot) -> None:
-        if dispatch_mode_depth() == 0:
-            restore_taken(snapshot)
-            return
-        with disable_current_dispatch_modes():
-            restore_taken(snapshot)
+        _unseen_by_modes(restore_taken, snapshot)
 
     def forward(self) -> _Forward:
         """Context of the first forward: snapshot at its start (and, checking, log its draws)."""
