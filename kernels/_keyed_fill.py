@@ -185,9 +185,13 @@ def _keyed_limit(dtype: torch.dtype) -> torch.dtype:
     return dtype if torch.finfo(dtype).max <= _FLOAT32.max else torch.float32
 
 
-def check_fill(kind: str, dtype: torch.dtype, dims: int, params: Sequence[object]) -> None:
-    """Raise what a keyed fill of ``kind`` ("uniform", "normal" or "trunc_normal") refuses for a
-    ``dims``-dim tensor of ``dtype`` with ``params``, before anything is named or written."""
+def check_fill(
+    kind: str, dtype: torch.dtype, dims: int, params: Sequence[object]
+) -> tuple[float, ...]:
+    """``params`` as Python floats, once checked: raise what a keyed fill of ``kind``
+    ("uniform", "normal" or "trunc_normal") refuses for a ``dims``-dim tensor of ``dtype`` with
+    ``params``, before anything is named or written. A 0-dim tensor bound gives the bits its
+    float gives (float32 tensor arithmetic would not)."""
     if not dtype.is_floating_point:
         raise KernelInputTypeError(f"keyed init fills floating tensors, got {dtype}")
     if dims > MAX_DIMS:
@@ -201,18 +205,17 @@ def check_fill(kind: str, dtype: torch.dtype, dims: int, params: Sequence[object
         check_normal(*params, dtype)
     else:
         check_trunc_normal(*params)
+    return tuple(float(v) for v in params)  # type: ignore[arg-type]
 
 
 def _checked_params(local: object, kind: str, params: Sequence[object]) -> tuple[float, ...]:
-    """``params`` as Python floats, once ``local`` and they pass :func:`check_fill`: a 0-dim
-    tensor bound then gives the bits its float gives (float32 tensor arithmetic would not)."""
+    """``params`` as :func:`check_fill` returns them, once ``local`` is a CPU tensor."""
     if not isinstance(local, torch.Tensor) or local.device.type != "cpu":
         raise KernelInputError(
             "keyed init runs on CPU tensors (materialise on CPU, then move); got "
             f"{type(local).__name__} on {getattr(local, 'device', None)}"
         )
-    check_fill(kind, local.dtype, local.dim(), params)
-    return tuple(float(v) for v in params)  # type: ignore[arg-type]
+    return check_fill(kind, local.dtype, local.dim(), params)
 
 
 @torch.no_grad()
@@ -270,6 +273,27 @@ def _fill(
     return local
 
 
+def fill_checked(
+    local: torch.Tensor, kind: str, values: Sequence[float], **target: Any
+) -> torch.Tensor:
+    """Fill the CPU tensor ``local`` with the keyed values of ``kind`` for ``values``, the
+    floats :func:`check_fill` returned (nothing is checked again); ``target``: seed, name,
+    global_shape, indices, as the public fills take them."""
+    if kind == "uniform":
+        a, b = values
+        return _fill(local, _UNIFORM, (b - a, a), **target)
+    if kind == "normal":
+        mean, std = values
+        return _fill(local, _NORMAL, (std, mean), **target)
+    mean, std, a, b = values
+    lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
+    return _fill(local, _TRUNCATED_NORMAL, (0.0, 0.0, lo, hi - lo, mean, std, a, b), **target)
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
 def keyed_uniform_(
     local: torch.Tensor, a: float = 0.0, b: float = 1.0, **target: Any
 ) -> torch.Tensor:
@@ -277,20 +301,14 @@ def keyed_uniform_(
 
     Value of global element g: ``u * float32(b - a) + float32(a)``, u = (word >> 8) * 2**-24.
     """
-    a, b = _checked_params(local, "uniform", (a, b))
-    return _fill(local, _UNIFORM, (b - a, a), **target)
+    return fill_checked(local, "uniform", _checked_params(local, "uniform", (a, b)), **target)
 
 
 def keyed_normal_(
     local: torch.Tensor, mean: float = 0.0, std: float = 1.0, **target: Any
 ) -> torch.Tensor:
     """Fill ``local`` from N(mean, std²), keyed (Box-Muller of the element's Philox words)."""
-    mean, std = _checked_params(local, "normal", (mean, std))
-    return _fill(local, _NORMAL, (std, mean), **target)
-
-
-def _normal_cdf(x: float) -> float:
-    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+    return fill_checked(local, "normal", _checked_params(local, "normal", (mean, std)), **target)
 
 
 def keyed_trunc_normal_(
@@ -306,7 +324,5 @@ def keyed_trunc_normal_(
     One draw per element (no rejection loop), so no rank ever needs another's answer: the cost
     is the shard's, whatever the index map. ``std`` must be positive and ``a < b``.
     """
-    mean, std, a, b = _checked_params(local, "trunc_normal", (mean, std, a, b))
-    lo, hi = _normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)
-    params = (0.0, 0.0, lo, hi - lo, mean, std, a, b)
-    return _fill(local, _TRUNCATED_NORMAL, params, **target)
+    values = _checked_params(local, "trunc_normal", (mean, std, a, b))
+    return fill_checked(local, "trunc_normal", values, **target)

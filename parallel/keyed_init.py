@@ -15,7 +15,7 @@ docs/dtensor.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -50,23 +50,23 @@ def stable_name(fqn: str) -> str:
 FillKind = Literal["uniform", "normal", "trunc_normal"]
 
 
-def check_keyed_fill(t: object, kind: FillKind, *params: object) -> None:
-    """Raise what filling ``t`` with ``kind`` of ``params`` would refuse (the tensor, its dtype,
-    the parameters as torch's op checks them), before a name is taken or anything written."""
+def check_keyed_fill(t: object, kind: FillKind, *params: object) -> tuple[float, ...]:
+    """``params`` as floats, once checked: raise what filling ``t`` with ``kind`` of ``params``
+    would refuse (the tensor, its dtype, the parameters as torch's op checks them), before a
+    name is taken or anything written."""
     if not isinstance(t, torch.Tensor):
         raise KernelInputTypeError(
             f"keyed init fills a tensor or a DTensor, got {type(t).__name__}"
         )
-    _kernel.check_fill(kind, t.dtype, t.dim(), params)
+    return _kernel.check_fill(kind, t.dtype, t.dim(), params)
 
 
 def _fill(t: torch.Tensor, kind: FillKind, *params: object, name: str, seed: int) -> None:
-    check_keyed_fill(t, kind, *params)
-    _write(t, kind, params, name, seed)
+    _write(t, kind, check_keyed_fill(t, kind, *params), name, seed)
 
 
-def _write(t: torch.Tensor, kind: FillKind, params: Sequence[object], name: str, seed: int) -> None:
-    """:func:`_fill` of arguments :func:`check_keyed_fill` passed."""
+def _write(t: torch.Tensor, kind: FillKind, values: Sequence[float], name: str, seed: int) -> None:
+    """:func:`_fill` of the floats :func:`check_keyed_fill` returned."""
     _kernel.name_hash(name)  # a bad name or seed raises here, on the meta device too
     _kernel.init_key(seed)
     if isinstance(t, DTensor):
@@ -84,18 +84,11 @@ def _write(t: torch.Tensor, kind: FillKind, params: Sequence[object], name: str,
             local.zero_()
             return
         target = local if local.device.type == "cpu" else torch.empty_like(local, device="cpu")
-        _DRAWS[kind](
-            target, *params, seed=seed, name=name, global_shape=global_shape, indices=indices
+        _kernel.fill_checked(
+            target, kind, values, seed=seed, name=name, global_shape=global_shape, indices=indices
         )
         if target is not local:
             local.copy_(target)
-
-
-_DRAWS: dict[str, Callable[..., torch.Tensor]] = {
-    "uniform": _kernel.keyed_uniform_,
-    "normal": _kernel.keyed_normal_,
-    "trunc_normal": _kernel.keyed_trunc_normal_,
-}
 
 
 def keyed_uniform_(
@@ -208,8 +201,8 @@ class KeyedInit:
         """Fill ``t`` with the keyed values of ``kind`` (see :data:`FillKind`) under its name
         (:meth:`name_of`); a refused call is refused before it takes a name, so it leaves the
         names of later draws as they were."""
-        check_keyed_fill(t, kind, *params)
-        _write(t, kind, params, self.name_of(t), self.seed)
+        values = check_keyed_fill(t, kind, *params)
+        _write(t, kind, values, self.name_of(t), self.seed)
         return t
 
     def name_of(self, t: torch.Tensor) -> str:
