@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from rng_tracker._validate import checked_instance
+from rng_tracker._validate import checked_instance, shown_value
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
@@ -31,7 +31,7 @@ def check_p(p: object) -> float:
     if type(p) is float and 0.0 <= p <= 1.0:  # the usual case, without the ABC check
         return p
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise KernelInputTypeError(f"p must be a float, got {type(p).__name__} {p!r}")
+        raise KernelInputTypeError(f"p must be a float, got {shown_value(p)}")
     p = float(p)
     if not 0.0 <= p <= 1.0:
         raise KernelInputError(f"dropout probability p must be in [0, 1], got {p}")

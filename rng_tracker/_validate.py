@@ -22,6 +22,14 @@ _SHOWN_AS_POWER = 2**16  # bounds from here up read as 2**k, as the docs write t
 _SHOWN_VALUE_CHARS = 60  # a refused value's repr in a message is cut to this many characters
 
 
+def shown_value(value: object) -> str:
+    """``value``'s type and repr, cut to a message's length: what a refusal says it got."""
+    shown = repr(value)
+    if len(shown) > _SHOWN_VALUE_CHARS:
+        shown = f"{shown[: _SHOWN_VALUE_CHARS - 3]}..."
+    return f"{type(value).__name__} {shown}"
+
+
 def _power_of_two_exponent(value: int) -> int | None:
     """k where ``value`` is 2**k and large enough to be written so, else None."""
     if value >= _SHOWN_AS_POWER and value & (value - 1) == 0:
@@ -66,7 +74,7 @@ def checked_int(
     try:
         result = operator.index(value)
     except TypeError:
-        raise type_error(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+        raise type_error(f"{what} must be an int, got {shown_value(value)}") from None
     if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
         raise (value_error or type_error)(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
@@ -90,10 +98,11 @@ def checked_size(value: object, what: str, *, minimum: int = 1, note: str = "") 
 def checked_instance(
     value: object, kind: type[_T], what: str, *, error: type[Exception] = ArgumentTypeError
 ) -> _T:
-    """``value`` if it is a ``kind``, else ``error`` with the message "``what``, got <its type>"
-    (``what`` says what the argument must be, e.g. "tracker must be an RNGStatesTracker")."""
+    """``value`` if it is a ``kind``, else ``error`` with the message "``what``, got <its type
+    and repr>" (``what`` says what the argument must be, e.g. "tracker must be an
+    RNGStatesTracker")."""
     if not isinstance(value, kind):
-        raise error(f"{what}, got {type(value).__name__}")
+        raise error(f"{what}, got {shown_value(value)}")
     return value
 
 
@@ -111,10 +120,7 @@ def checked_flag(
         return value
     if _is_numpy_bool(value):
         return bool(value)
-    shown = repr(value)
-    if len(shown) > _SHOWN_VALUE_CHARS:
-        shown = f"{shown[: _SHOWN_VALUE_CHARS - 3]}..."
-    raise type_error(f"{what} must be a bool, got {type(value).__name__} {shown}")
+    raise type_error(f"{what} must be a bool, got {shown_value(value)}")
 
 
 def first_repeat(values: Iterable[tuple[str, Hashable]]) -> tuple[str, str, Hashable] | None:
