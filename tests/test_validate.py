@@ -1,5 +1,5 @@
-"""The one integer check: bools refused, __index__ accepted, bounds named, typed errors; and the
-one flag check: only real bools."""
+"""The one integer check: bools refused, __index__ accepted, bounds named, typed errors; the one
+flag check: only real bools; and the one instance check. Each refusal shows the value it got."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker._validate import checked_flag, checked_instance, checked_int
 from rng_tracker.errors import (
     ArgumentTypeError,
     InvalidSeedError,
@@ -67,3 +67,15 @@ def test_flags_take_python_and_numpy_bools_only() -> None:
         checked_flag("x" * 10_000, "flag")
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
     assert len(str(info.value)) < 200
+
+
+def test_instances_pass_through_and_refusals_show_the_value_cut() -> None:
+    generator = torch.Generator()
+    assert checked_instance(generator, torch.Generator, "generator must be a Generator") is generator
+    with pytest.raises(InvalidSeedTypeError, match=r"^g must be a Generator, got int 7$"):
+        checked_instance(7, torch.Generator, "g must be a Generator", error=InvalidSeedTypeError)
+    with pytest.raises(ArgumentTypeError, match=r"got list \[0, 0, .*\.\.\.$") as info:
+        checked_instance([0] * 10_000, torch.Generator, "g must be a Generator")
+    assert len(str(info.value)) < 200
+    with pytest.raises(InvalidSeedTypeError, match=r"^seed must be an int, got str 'x{10}.*\.\.\.$"):
+        checked_int("x" * 10_000, "seed", type_error=InvalidSeedTypeError)
