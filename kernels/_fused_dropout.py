@@ -42,12 +42,12 @@ def _check_training(training: object) -> None:
 
 
 def _check_skipped_call(generator: object, impl: object) -> None:
-    """What a call that draws nothing (training=False or p == 0) does not reach: the generator's
-    type and impl, checked as a call that runs checks them."""
-    if generator is not None:
-        check_generator(generator)
+    """What a call that draws nothing (training=False or p == 0) does not reach: impl, then the
+    generator's type, checked in the order a call that runs checks them (route, then draw)."""
     if impl not in IMPLS:
         raise unknown_impl(impl)
+    if generator is not None:
+        check_generator(generator)
 
 
 def _check_seed(

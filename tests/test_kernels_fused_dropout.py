@@ -364,6 +364,10 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
                 lambda g: bias_dropout_add(
                     torch.ones(4), None, torch.ones(4), 0.1, training=False, impl="bogus"
                 ),
+                # impl and generator both bad: impl is named first, drawing or not
+                lambda g: dropout(torch.ones(4), 0.1, impl="bogus", generator="g"),
+                lambda g: dropout(torch.ones(4), 0.0, impl="bogus", generator="g"),
+                lambda g: dropout(torch.ones(4), 0.1, training=False, impl="bogus", generator="g"),
             )
         ),
         *(
