@@ -316,6 +316,9 @@ def _kernel_only(x: torch.Tensor, p: float, path: str) -> Callable[[], object]:
     return call
 
 
+_CORE_LOOP = 16  # calls per sample of the per-core section's loop columns
+
+
 def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
     """Elements/s on one thread (one core), the whole call and the kernel alone."""
     from rng_tracker.kernels import _c_build, _cpu_kernel
@@ -336,13 +339,18 @@ def _core_rows(log2s: list[int], p: float, repeats: int) -> None:
         print(
             f"\n2. per core: G elements/s on 1 thread (its CPU time: time.thread_time), best "
             f"of {repeats} interleaved; "
-            f"call = dropout(x, p, impl='cpu') forward / its backward; kernel = one ctypes "
+            f"call = dropout(x, p, impl='cpu') forward / its backward (torch.autograd.grad), "
+            f"each a single call between the others (so its caches are cold); loop = "
+            f"{_CORE_LOOP} such calls back to back (x and the output memory stay in cache); "
+            f"kernel = one ctypes "
             f"call, per instruction-set path ({', '.join(paths)}); the call runs {picks}; "
             "copy = y.copy_(x) into a tensor made once, the same bytes as the kernel alone "
             "(the core's memory speed where x and y leave the caches); "
             "target >= 1.5 G elements/s"
         )
-        header = f"{'dtype':<9}{'N':>5}{'call fwd':>10}{'call bwd':>10}"
+        header = f"{'dtype':<9}{'N':>5}" + "".join(
+            f"{name:>10}" for name in ("call fwd", "call bwd", "loop fwd", "loop bwd")
+        )
         print(header + "".join(f"{'kernel ' + path:>16}" for path in paths) + f"{'copy':>10}")
         for dtype in (torch.bfloat16, torch.float32):
             for log2 in log2s:
@@ -357,10 +365,18 @@ def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list
     grad = torch.randn_like(x)
     out = dropout(x, p, impl="cpu")
     copy = torch.empty_like(x.detach())
+    def forward() -> object:
+        return dropout(x.detach(), p, impl="cpu")
+
+    def backward() -> object:
+        return torch.autograd.grad(out, (x,), grad, retain_graph=True)
+
     times = _interleaved_medians(
         [
-            lambda: dropout(x.detach(), p, impl="cpu"),
-            lambda: torch.autograd.grad(out, (x,), grad, retain_graph=True),
+            forward,
+            backward,
+            _looped(forward, _CORE_LOOP),
+            _looped(backward, _CORE_LOOP),
             *(_kernel_only(x.detach(), p, path) for path in paths),
             lambda: copy.copy_(x.detach()),
         ],
@@ -368,11 +384,12 @@ def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list
         clock=time.thread_time,
         statistic=min,  # what the code sustains: load only ever adds time
     )
+    times[2:4] = [t / _CORE_LOOP for t in times[2:4]]
     label = str(dtype).replace("torch.", "")
     print(
         f"{label:<9}{'2^' + str(log2):>5}"
         + "".join(
-            f"{n / t / 1e9:{16 if 2 <= i < 2 + len(paths) else 10}.2f}" for i, t in enumerate(times)
+            f"{n / t / 1e9:{16 if 4 <= i < 4 + len(paths) else 10}.2f}" for i, t in enumerate(times)
         ),
         flush=True,
     )
