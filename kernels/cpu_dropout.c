@@ -401,14 +401,11 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
            on one core the memory then overlaps the arithmetic instead of following it */
         rt_ahead ahead = {{NULL, NULL}, NULL, 0, 0};
         const int64_t next = start + BLOCK;
-        if (ahead_on && next + BLOCK <= c->end) { /* a whole next block, in this part */
-            const int steps = RT_AHEAD_PARTS * ((groups + philox_step - 1) / philox_step);
-            ahead.read[0] = (const char *)j->x + next * size;
-            ahead.read[1] = has_residual ? (const char *)j->residual + next * size : NULL;
-            ahead.write = stream ? NULL : (char *)j->out + next * size;
-            ahead.bytes = (int)(BLOCK * size);
-            ahead.step_bytes = ((ahead.bytes + steps - 1) / steps + 63) & ~63;
-        }
+        if (ahead_on && next + BLOCK <= c->end) /* a whole next block, in this part */
+            ahead = rt_ahead_over((const char *)j->x + next * size,
+                                  has_residual ? (const char *)j->residual + next * size : NULL,
+                                  stream ? NULL : (char *)j->out + next * size,
+                                  (int)(BLOCK * size), groups, philox_step);
         philox(groups, counter_lo, hi, j->c2, j->c3, j->k0, j->k1, words,
                ahead.bytes ? &ahead : NULL);
         if (!j->aligned) {

@@ -70,6 +70,16 @@ static inline __attribute__((always_inline)) void rt_ahead_step(const rt_ahead *
     }
 }
 
+/* An rt_ahead of `bytes` from each stream, shared out over the parts of a Philox loop that
+   makes `counters` counters `step` at a time (RT_AHEAD_PARTS parts per step), whole 64-byte
+   lines per part. */
+static inline rt_ahead rt_ahead_over(const char *read0, const char *read1, char *write, int bytes,
+                                     int counters, int step) {
+    const int parts = RT_AHEAD_PARTS * ((counters + step - 1) / step);
+    rt_ahead a = {{read0, read1}, write, bytes, ((bytes + parts - 1) / parts + 63) & ~63};
+    return a;
+}
+
 /* What rounds 1 and 2 share across a run of consecutive counters (hi * 2^32 + lo + i, no carry
    into hi) under c2, c3 and the key (k0, k1): words 1, 2 and 3 are the same for every counter
    until round 1 multiplies word 0, so round 1 needs one product per counter (word 0's) and
