@@ -58,7 +58,7 @@ from rng_tracker._rng_entries import (
     split_blob,
 )
 from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
-from rng_tracker._validate import checked_instance, checked_int, checked_size
+from rng_tracker._validate import checked_flag, checked_instance, checked_int, checked_size
 from rng_tracker.errors import (
     ParallelConfigTypeError,
     RankError,
@@ -143,11 +143,12 @@ def _check_per_rank(per_rank: object) -> None:
             minimum=0,
             maximum=MAX_RANK,
         )
-        if not isinstance(states, Mapping):
-            raise StateDictTypeError(
-                f"per_rank[{rank!r}] must be a mapping of states (a dict of tensors), got "
-                f"{type(states).__name__}"
-            )
+        checked_instance(
+            states,
+            Mapping,
+            f"per_rank[{rank!r}] must be a mapping of states (a dict of tensors)",
+            error=StateDictTypeError,
+        )
 
 
 def _check_keyed_text(keyed: object) -> None:
@@ -327,8 +328,7 @@ class RNGStateful:
                 f"step must be a callable returning the trainer's step (e.g. lambda: "
                 f"train_state.step), got {type(step).__name__}"
             )
-        if not isinstance(strict, bool):
-            raise RNGStateConfigError(f"strict must be a bool, got {type(strict).__name__}")
+        strict = checked_flag(strict, "strict", type_error=RNGStateConfigError)
         if tracker is not None:
             checked_instance(
                 tracker,

@@ -28,6 +28,7 @@ import random
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -585,6 +586,10 @@ def test_options_are_checked_when_built() -> None:
     for kwargs in ({"saved_by": "rank0"}, {"step": 3}, {"strict": "yes"}):
         with pytest.raises(RNGStateConfigError):
             RNGStateful(**kwargs)
+    # strict is checked as every flag is: the refusal shows the value; numpy's bools are bools
+    with pytest.raises(RNGStateConfigError, match=r"strict must be a bool, got int 1$"):
+        RNGStateful(strict=1)
+    assert RNGStateful(strict=np.True_).strict is True
 
 
 def _live_states(tracker: RNGStatesTracker, keyed: KeyedRNG) -> tuple:
