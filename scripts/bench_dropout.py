@@ -365,6 +365,7 @@ def _core_row(dtype: torch.dtype, log2: int, p: float, repeats: int, paths: list
     grad = torch.randn_like(x)
     out = dropout(x, p, impl="cpu")
     copy = torch.empty_like(x.detach())
+
     def forward() -> object:
         return dropout(x.detach(), p, impl="cpu")
 
