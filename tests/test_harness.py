@@ -71,8 +71,10 @@ def test_results_come_back_in_rank_order():
 def test_a_failing_rank_reports_its_traceback(tmp_path):
     """The raising rank's traceback is in the error; its peer, left in barrier, is reported too,
     stopped early rather than left to the (long) timeout."""
+    start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_fail_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=600)
+    assert time.monotonic() - start < 60
     message = str(info.value)
     assert "hung: no result after" not in message
     assert "rank 1 raised" in message and "ValueError: rank one is unhappy" in message
@@ -83,9 +85,13 @@ def test_a_failing_rank_reports_its_traceback(tmp_path):
 
 
 def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
-    """A rank that never returns is reported with the Python frame it was stuck in."""
+    """A rank that never returns is reported with the Python frame it was stuck in, once the
+    timeout has passed and not long after (the ranks' start and the stack dump)."""
+    start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_hang_on_rank_0, world_size=2, args=(str(tmp_path),), timeout=6)
+    elapsed = time.monotonic() - start
+    assert 6 <= elapsed < 6 + 30, f"reported after {elapsed:.1f} s for a 6 s timeout"
     message = str(info.value)
     assert "rank 0 hung: no result after 6 s" in message and "_sleep_forever" in message
     assert set(info.value.failures) == {0}
@@ -98,8 +104,10 @@ def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
 def test_a_dying_rank_is_reported(tmp_path, how, words):
     """A rank killed by a signal or by os._exit is named with how it died; its peer is stopped
     early rather than left to the (long) timeout."""
+    start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_die_on_rank_1, world_size=2, args=(str(tmp_path), how), timeout=600)
+    assert time.monotonic() - start < 60
     assert f"rank 1 died: {words}" in str(info.value)
     assert "hung: no result after" not in str(info.value)
     _assert_all_gone(tmp_path)
