@@ -71,11 +71,15 @@ def test_flags_take_python_and_numpy_bools_only() -> None:
 
 def test_instances_pass_through_and_refusals_show_the_value_cut() -> None:
     generator = torch.Generator()
-    assert checked_instance(generator, torch.Generator, "generator must be a Generator") is generator
+    assert (
+        checked_instance(generator, torch.Generator, "generator must be a Generator") is generator
+    )
     with pytest.raises(InvalidSeedTypeError, match=r"^g must be a Generator, got int 7$"):
         checked_instance(7, torch.Generator, "g must be a Generator", error=InvalidSeedTypeError)
     with pytest.raises(ArgumentTypeError, match=r"got list \[0, 0, .*\.\.\.$") as info:
         checked_instance([0] * 10_000, torch.Generator, "g must be a Generator")
     assert len(str(info.value)) < 200
-    with pytest.raises(InvalidSeedTypeError, match=r"^seed must be an int, got str 'x{10}.*\.\.\.$"):
+    with pytest.raises(
+        InvalidSeedTypeError, match=r"^seed must be an int, got str 'x{10}.*\.\.\.$"
+    ):
         checked_int("x" * 10_000, "seed", type_error=InvalidSeedTypeError)
