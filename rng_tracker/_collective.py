@@ -22,8 +22,11 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def as_bytes(data: torch.Tensor) -> bytes:
-    """The bytes of a uint8 tensor (on any device)."""
-    return bytes(data.cpu().tolist())  # no numpy needed
+    """The bytes of a uint8 tensor (on any device), copied in one pass (no numpy needed)."""
+    out = bytearray(data.numel())
+    if out:  # torch.frombuffer refuses an empty buffer
+        torch.frombuffer(out, dtype=torch.uint8).copy_(data.detach().reshape(-1))
+    return bytes(out)
 
 
 def as_uint8(payload: bytes, device: torch.device) -> torch.Tensor:
@@ -36,26 +39,42 @@ def as_uint8(payload: bytes, device: torch.device) -> torch.Tensor:
 def all_gather_bytes(payload: bytes, group: dist.ProcessGroup | None = None) -> list[bytes]:
     """Every rank's ``payload`` (any length), in rank order of ``group`` (None: the world).
 
-    Two all-gathers: the lengths, then the payloads zero-padded to the longest.
+    Two all-gathers into one flat tensor each: the lengths, then the payloads zero-padded to the
+    longest; the result is read back to the host in one copy, however many ranks there are.
     """
     device = collective_device(group)
     data = as_uint8(payload, device)
     world = dist.get_world_size(group)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(n) for n in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    dist.all_gather_single(lengths, length, group=group)
+    sizes = lengths.tolist()
+    width = max(sizes)
+    if width == 0:  # every rank agrees: nothing to gather
+        return [b""] * world
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return [as_bytes(part[:n]) for part, n in zip(parts, sizes, strict=True)]
+    gathered = torch.empty(world * width, dtype=torch.uint8, device=device)
+    dist.all_gather_single(gathered, padded, group=group)
+    return unpad(gathered, sizes)
+
+
+def unpad(gathered: torch.Tensor, sizes: list[int]) -> list[bytes]:
+    """The payloads of ``sizes`` bytes each out of ``gathered``: rank by rank, each zero-padded
+    to the longest. One copy to the host, then slices."""
+    width = max(sizes, default=0)
+    flat = as_bytes(gathered)
+    return [flat[rank * width : rank * width + n] for rank, n in enumerate(sizes)]
 
 
 def all_gather_json(payload: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's JSON-serialisable ``payload``, in rank order of ``group``."""
-    gathered = all_gather_bytes(json.dumps(payload).encode(), group)
-    return [json.loads(part.decode()) for part in gathered]
+    return parse_each(all_gather_bytes(json.dumps(payload).encode(), group))
+
+
+def parse_each(parts: list[bytes]) -> list[Any]:
+    """Each of these JSON texts parsed, as one JSON array: one parse, however many ranks."""
+    return json.loads(b"[" + b",".join(parts) + b"]")
 
 
 _TENSOR = "__tensor__"  # marks a tensor leaf in the JSON header of all_gather_tensor_tree

@@ -32,6 +32,7 @@ def test_gathers_every_ranks_payload_in_rank_order(rank: int) -> None:
     dist.all_gather_object = _refuse_pickles  # this rank's process is fresh and ends after
     payloads = [b"", b"\x00one\n", bytes(range(256)) * 3]  # empty, zeros and newlines, long
     assert all_gather_bytes(payloads[rank]) == payloads
+    assert all_gather_bytes(b"") == [b""] * 3
     assert all_gather_json({"rank": rank, "s": "é\n"}) == [
         {"rank": r, "s": "é\n"} for r in range(3)
     ]
