@@ -50,17 +50,38 @@ class RNGReport:
     def __str__(self) -> str:
         world = len(self.coordinates)
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
-        lines = [
-            f"RNG consistency over {world} ranks: {verdict}",
-            "  (a letter per rank and stream; one letter = one state)",
-        ]
+        most = max((len(set(prints)) for prints in self.fingerprints.values()), default=1)
+        width = 1
+        while 26**width < most:
+            width += 1
+        legend = (
+            "a letter per rank and stream; one letter = one state"
+            if width == 1
+            else f"a label of {width} letters per rank and stream; one label = one state"
+        )
+        if world > _GRID_RANKS:
+            legend += f"; ranks 0-{_GRID_RANKS - 1} of {world} shown"
+        lines = [f"RNG consistency over {world} ranks: {verdict}", f"  ({legend})"]
         for stream, prints in self.fingerprints.items():
             distinct = {fp: i for i, fp in enumerate(dict.fromkeys(prints))}
-            lines.append(
-                f"  {stream:<22} " + " ".join(chr(ord("A") + distinct[fp]) for fp in prints)
-            )
+            row = " ".join(_label(distinct[fp], width) for fp in prints[:_GRID_RANKS])
+            if world > _GRID_RANKS:
+                row += f" ... ({len(distinct)} state{'s' * (len(distinct) != 1)} in all)"
+            lines.append(f"  {stream:<22} {row}")
         lines.extend(f"  ! {problem}" for problem in self.problems)
         return "\n".join(lines)
+
+
+_GRID_RANKS = 64  # the ranks the printed grid shows; the problems name any rank
+
+
+def _label(index: int, width: int) -> str:
+    """The ``index``-th state's label: ``width`` letters, A to Z in each place."""
+    letters = []
+    for _ in range(width):
+        index, place = divmod(index, 26)
+        letters.append(chr(ord("A") + place))
+    return "".join(reversed(letters))
 
 
 def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, str]:

@@ -178,3 +178,28 @@ def test_verify_refuses_arguments_of_the_wrong_type(kwargs: dict, match: str):
         verify_rng_consistency(**kwargs)
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
     _assert_states_unchanged(before)
+
+
+def test_the_report_prints_a_readable_grid_at_any_world_size():
+    """Past 26 states a rank's label is letters, never punctuation or control characters (it
+    was chr(ord("A") + i)); past 64 ranks the grid shows the first 64 and counts the states."""
+    from rng_tracker.parallel import RNGReport
+
+    small = RNGReport(True, (), {"default": ["a", "a", "b", "b"]}, [{}] * 4)
+    assert str(small).splitlines()[1:] == [
+        "  (a letter per rank and stream; one letter = one state)",
+        "  default                A A B B",
+    ]
+    world = 16384
+    prints = {"default": [f"{r // 8:x}" for r in range(world)], "one": ["s"] * world}
+    text = str(RNGReport(True, (), prints, [{}] * world))
+    assert text.isascii() and all(line.isprintable() for line in text.splitlines())
+    legend, default, one = text.splitlines()[1:]
+    assert legend == (
+        "  (a label of 3 letters per rank and stream; one label = one state; ranks 0-63 of "
+        "16384 shown)"
+    )
+    labels = default.split()[1:65]
+    assert labels[:10] == ["AAA"] * 8 + ["AAB"] * 2 and len(set(labels)) == 8
+    assert default.endswith(" ... (2048 states in all)")
+    assert one.endswith(" ... (1 state in all)") and one.split()[1:65] == ["AAA"] * 64
