@@ -40,6 +40,7 @@ import time
 import warnings
 
 import torch
+from _scale import TARGET_WORLD, fit
 
 _SITES = 64
 _FIELDS = ("held", "sent", "recv", "wrote", "read", "ours_ms", "save_ms", "load_ms")
@@ -210,14 +211,6 @@ def _held_under_dcp(stateful, path: str) -> dict:
     return seen
 
 
-def _fit(worlds: list[int], values: list[float]) -> tuple[float, float]:
-    """Least-squares a + b * world."""
-    mean_w, mean_v = statistics.fmean(worlds), statistics.fmean(values)
-    var = sum((w - mean_w) ** 2 for w in worlds)
-    slope = sum((w - mean_w) * (v - mean_v) for w, v in zip(worlds, values, strict=True)) / var
-    return mean_v - slope * mean_w, slope
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -272,9 +265,11 @@ def main() -> None:
     for name, by_world in rows.items():
         for f in (*_FIELDS, "metadata"):
             values = [by_world[w][f] for w in fitted]
-            base, slope = _fit(fitted, values)
+            base, slope = fit(fitted, values)
             ratio = by_world[max(fitted)][f] / max(by_world[min(fitted)][f], 1e-9)
-            print(f"{name:22}{f:>10}{slope:>12.1f}{base + slope * 16384:>16.0f}{ratio:>8.2f}")
+            print(
+                f"{name:22}{f:>10}{slope:>12.1f}{base + slope * TARGET_WORLD:>16.0f}{ratio:>8.2f}"
+            )
             if name == "format 2" and f in ("held", "sent", "recv", "wrote", "read"):
                 verdict &= ratio <= 1.25
     old, new = rows["format 1 (baseline)"], rows["format 2"]
