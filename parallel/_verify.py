@@ -40,7 +40,8 @@ _POLICIES = POLICY_STREAMS
 
 @dataclass(frozen=True, slots=True)
 class RNGReport:
-    """What :func:`verify_rng_consistency` found, readable with ``print``."""
+    """What :func:`verify_rng_consistency` found. ``print`` shows a grid of each stream's states
+    on ranks 0-63 (a label per state) and every problem, which names any rank."""
 
     ok: bool
     problems: tuple[str, ...]
