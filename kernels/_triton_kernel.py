@@ -67,6 +67,15 @@ if HAS_TRITON:
         rounded = tl.where(value != value, 0x7FC0, rounded).to(tl.uint16)
         return rounded.to(tl.bfloat16, bitcast=True)
 
+    @triton.jit
+    def _widen(value, BF16_IN_SOFTWARE: tl.constexpr):
+        # x, bias or residual as fp32. bf16 → fp32 is exact (the bits, shifted); spelled out for
+        # the interpreter, whose conversion loses bf16 subnormals.
+        if BF16_IN_SOFTWARE:
+            bits = value.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+            return bits.to(tl.float32, bitcast=True)
+        return value.to(tl.float32)
+
     # the seed words as arguments change from call to call: no recompile for their values
     @triton.jit(do_not_specialize=["key_arg", "base_arg", "word2_arg", "word3_arg"])
     def _fused_dropout_kernel(
@@ -140,18 +149,22 @@ if HAS_TRITON:
             w0, w1, w2, w3 = _philox_at(key, base + g // 4, word2, word3)
             word = _pick(g % 4, w0, w1, w2, w3)
         keep = word.to(tl.int64) >= threshold
-        value = tl.load(x_ptr + local, mask=inside, other=0.0).to(tl.float32)
+        value = _widen(tl.load(x_ptr + local, mask=inside, other=0.0), BF16_IN_SOFTWARE)
         if HAS_BIAS:
             if BIAS_BY_GROUP:
                 # bias_numel % 4 == 0: a group's 4 columns are consecutive and in bounds.
                 column = tl.multiple_of((groups * 4) % bias_numel, 4)
-                value += tl.load(bias_ptr + column[:, None] + lane[None, :]).to(tl.float32)
+                value += _widen(
+                    tl.load(bias_ptr + column[:, None] + lane[None, :]), BF16_IN_SOFTWARE
+                )
             else:
                 bias_at = local % bias_numel
-                value += tl.load(bias_ptr + bias_at, mask=inside, other=0.0).to(tl.float32)
+                value += _widen(
+                    tl.load(bias_ptr + bias_at, mask=inside, other=0.0), BF16_IN_SOFTWARE
+                )
         value = tl.where(keep, value * scale, 0.0)
         if HAS_RESIDUAL:
-            value += tl.load(residual_ptr + local, mask=inside, other=0.0).to(tl.float32)
+            value += _widen(tl.load(residual_ptr + local, mask=inside, other=0.0), BF16_IN_SOFTWARE)
         if BF16_IN_SOFTWARE:
             tl.store(out_ptr + local, _to_bf16_rne(value), mask=inside)
         else:
@@ -201,7 +214,7 @@ def fused_dropout_triton(
         ALIGNED=index_map.aligned,
         WHOLE_GROUPS=x.numel() % 4 == 0,
         BIAS_BY_GROUP=bias is not None and bias.numel() % 4 == 0,
-        # A GPU rounds fp32 → bf16 to nearest even in one instruction; the interpreter needs it spelled out.
+        # A GPU converts bf16 in one instruction each way; the interpreter needs both spelled out.
         BF16_IN_SOFTWARE=x.dtype == torch.bfloat16 and x.device.type != "cuda",
         SEED_IN_ARGS=in_args,
         BLOCK=_GROUPS_PER_PROGRAM,
