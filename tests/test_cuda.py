@@ -81,6 +81,24 @@ def test_triton_on_gpu_equals_reference_bitwise(dtype, columns):
         assert ours == reference if isinstance(ours, int) else torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_on_gpu_converts_every_16_bit_value_like_the_reference(dtype):
+    """All 65536 bit patterns (zeros, subnormals, inf) as x, bias and residual; NaNs stay NaN
+    (their payloads are outside the claim)."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16)
+    every = every.view(dtype)
+    x, bias, residual = every.view(2**8, 2**8), every[: 2**8].roll(1), every.flip(0).view(2**8, -1)
+    ref, got = (
+        bias_dropout_add(
+            x, bias, residual, 0.3, generator=torch.Generator("cuda").manual_seed(3), impl=impl
+        )
+        for impl in ("torch", "triton")
+    )
+    nan = ref.isnan()
+    assert torch.equal(nan, got.isnan())
+    assert torch.equal(ref.view(torch.int16)[~nan], got.view(torch.int16)[~nan])
+
+
 def test_capture_in_a_cuda_graph_is_refused_before_drawing():
     x = torch.ones(64, device="cuda")
     generator = torch.cuda.default_generators[torch.cuda.current_device()]
