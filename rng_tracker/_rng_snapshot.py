@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 
 from rng_tracker._device_rng import RNGState, device_rng
-from rng_tracker._tracker import RNGStatesTracker
+from rng_tracker._tracker import HeldContext, RNGStatesTracker
 from rng_tracker.errors import ArgumentTypeError, CheckpointUsageError
 
 _CPU = torch.device("cpu")
@@ -60,11 +60,14 @@ def _all_of(values: Iterable[_T], kind: type[_T], what: str, wanted: str) -> tup
 @dataclass(frozen=True, slots=True)
 class RNGSnapshot:
     """The CPU generator, device generators and tracker streams at one moment (copies, or
-    states no draw modifies); treat it as read-only."""
+    states no draw modifies); treat it as read-only. ``contexts``: each tracker's open forks
+    and seeds then, which a checkpoint's replay puts back with the streams (:meth:`restore`
+    leaves a tracker's forks as they are)."""
 
     cpu: torch.Tensor
     devices: tuple[tuple[torch.device, RNGState], ...]
     streams: tuple[tuple[RNGStatesTracker, dict[str, RNGState]], ...]
+    contexts: tuple[HeldContext, ...] = ()
 
     @classmethod
     def capture(
@@ -92,10 +95,13 @@ class RNGSnapshot:
                     "preserve_rng_state=False"
                 )
             device_states = tuple((d, device_rng(d).snapshot()) for d in wanted)
+        if not trackers:
+            return cls(torch.default_generator.get_state(), device_states, ())
         return cls(
             torch.default_generator.get_state(),
             device_states,
             tuple([(t, t.held_states()) for t in trackers]),
+            tuple([t.held_context() for t in trackers]),
         )
 
     def restore(self) -> None:
@@ -113,10 +119,14 @@ class RNGSnapshot:
             raise
 
     def _install(self, *, checked: bool) -> None:
-        for tracker, states in self.streams:
-            if checked:
+        if checked:
+            for tracker, states in self.streams:
                 tracker.restore_states(states)
-            else:
+        elif self.contexts:
+            for (tracker, states), context in zip(self.streams, self.contexts, strict=True):
+                tracker.restore_held(states, context)
+        else:  # built by hand, without contexts
+            for tracker, states in self.streams:
                 tracker.restore_held(states)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))

@@ -103,6 +103,13 @@ class _Fork:
                 self._tracker._warn_cpu_changed(inspect.currentframe(), self._name)
 
 
+# What a snapshot keeps of a tracker besides its streams' states, for a checkpoint's replay to
+# put back: the open forks (outermost first), the generator's own state under them, and the
+# streams' seeds (a dict the tracker replaces, never modifies). A plain tuple: a checkpointed
+# call takes and restores two per tracker.
+HeldContext = tuple[tuple[str, ...], "RNGState | None", dict[str, int]]
+
+
 class RNGStatesTracker:
     """Named RNG streams of one device, forked in and out of its default generator.
 
@@ -125,7 +132,7 @@ class RNGStatesTracker:
         self._serial = next(_SERIALS)
         _SERIALS_ISSUED[0] = self._serial + 1
         self._states: dict[str, RNGState] = {}
-        self._seeds: dict[str, int] = {}
+        self._seeds: dict[str, int] = {}  # replaced, never modified: snapshots share it
         self._open_forks: list[str] = []  # the streams of the open forks, outermost first
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
@@ -194,13 +201,13 @@ class RNGStatesTracker:
                     f"{_shown(name)} another seed"
                 )
         self._states[name] = self._rng.fresh(seed)
-        self._seeds[name] = seed
+        self._seeds = {**self._seeds, name: seed}
 
     def reset(self) -> None:
         """Forget every stream."""
         self._require_idle("reset()")
         self._states.clear()
-        self._seeds.clear()
+        self._seeds = {}
 
     # -- forking -----------------------------------------------------------------
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> _Fork:
@@ -353,11 +360,22 @@ class RNGStatesTracker:
         self._check_snapshot(states)
         self.restore_held(states)
 
-    def restore_held(self, states: Mapping[str, RNGState]) -> None:
+    def held_context(self) -> HeldContext:
+        """The open forks, the generator's own state under them and the seeds, as
+        :meth:`restore_held` puts them back with the streams of :meth:`held_states`."""
+        return tuple(self._open_forks), self._outer, self._seeds
+
+    def restore_held(
+        self, states: Mapping[str, RNGState], context: HeldContext | None = None
+    ) -> None:
         """:meth:`restore_states` of what :meth:`held_states` of this tracker returned, unchecked:
-        a checkpoint's replay puts back its own snapshot at every recompute."""
+        a checkpoint's replay puts back its own snapshot at every recompute. With the
+        ``context`` taken alongside, the open forks and seeds become the snapshot's too: a
+        recompute runs inside the forks its forward ran in (re-entering one continues it), not
+        the ones open where backward was called, and then gets those back."""
         rng = self._rng
-        missing = [name for name in self._open_forks if name not in states]
+        open_forks = self._open_forks if context is None else context[0]
+        missing = [name for name in open_forks if name not in states]
         if missing:
             raise TrackerBusyError(
                 f"restoring would drop the open fork(s) {_shown_names(missing)}; close them first"
@@ -369,7 +387,10 @@ class RNGStatesTracker:
             }
         else:
             restored = dict(states)
-        if restored.keys() != self._states.keys():
+        if context is not None:
+            forks, self._outer, self._seeds = context
+            self._open_forks = list(forks)
+        elif restored.keys() != self._states.keys():
             self._seeds = {n: s for n, s in self._seeds.items() if n in restored}
         self._states = restored
         if self._open_forks:

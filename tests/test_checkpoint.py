@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointTypeError,
     CheckpointUsageError,
+    SeedReuseError,
     TrackerDeviceError,
 )
 from rng_tracker.megatron import checkpoint as megatron_checkpoint
@@ -578,3 +581,90 @@ def test_a_recompute_restores_its_snapshot_without_making_generators(mode, monke
     assert len(forward_masks) == len(first) == 4
     for a, b in zip(first, forward_masks, strict=True):
         assert torch.equal(a, b)
+
+
+def _cwo(fn, x):
+    """CheckpointWithoutOutput around ``fn``, its output discarded once consumed."""
+    act = CheckpointWithoutOutput()
+    y = act.checkpoint(fn, x) * x
+    act.discard_output_and_register_recompute(y)
+    return y
+
+
+_WRAPS = {
+    "non-reentrant": lambda fn, x: checkpoint(fn, x, use_reentrant=False) * x,
+    "reentrant": lambda fn, x: checkpoint(fn, x, use_reentrant=True) * x,
+    "torch + rng_context_fn": lambda fn, x: (
+        torch_checkpoint.checkpoint(fn, x, use_reentrant=False, context_fn=rng_context_fn()) * x
+    ),
+    "CheckpointWithoutOutput": _cwo,
+}
+
+
+@pytest.mark.parametrize("wrap", list(_WRAPS), ids=str)
+@pytest.mark.parametrize("where", ["checkpoint in the fork", "backward in the fork"])
+def test_a_recompute_runs_in_the_forks_of_its_forward_not_of_its_backward(wrap, where):
+    """The function forks stream "s". Called inside fork("s"), its fork re-enters the open
+    stream and continues it, and the dropout after it draws from "s" too; called outside, the
+    fork swaps "s" in. The recompute ran in the forks open at backward instead: wrong masks,
+    wrong gradients, and no error."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("s", 1)
+
+    def fork_if(case: str) -> contextlib.AbstractContextManager:
+        return tracker.fork("s") if where == case else contextlib.nullcontext()
+
+    def f(x):
+        with tracker.fork("s"):
+            x = F.dropout(x, 0.5)
+        return F.dropout(x, 0.5)
+
+    def run(call):
+        torch.manual_seed(0)
+        tracker.set_states({"s": torch.Generator().manual_seed(1).get_state()})
+        x = torch.ones(4, 16, requires_grad=True)
+        with fork_if("checkpoint in the fork"):
+            y = call(f, x)
+        with fork_if("backward in the fork"):
+            y.sum().backward()
+        return y.detach(), x.grad, torch.get_rng_state(), tracker.get_states()["s"]
+
+    plain, checkpointed = run(lambda fn, x: fn(x) * x), run(_WRAPS[wrap])
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_check_rng_accepts_a_checkpoint_inside_a_fork(mode):
+    """Megatron's pattern (checkpoint a dropout inside tracker.fork()) raised a false
+    CheckpointRNGMismatchError: the recompute, outside the fork, advanced the generator but not
+    the stream the forward's end state showed."""
+    tracker = make_tracker()
+    x = torch.ones(8, requires_grad=True)
+    with tracker.fork("model-parallel-rng"):
+        y = checkpoint(
+            lambda t: F.dropout(t, 0.5), x, use_reentrant=mode, check_rng=True, tracker=tracker
+        )
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, (y != 0) * 2.0)
+
+
+@pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
+def test_a_recompute_keeps_the_seeds_of_streams_added_after_its_forward(mode):
+    """The replay put the forward's streams back and, with them, dropped the seed of a stream
+    added later: after backward seeds() lost it and add() accepted its seed again."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 1)
+
+    def f(x):
+        with tracker.fork("a"):
+            return F.dropout(x, 0.5)
+
+    x = torch.ones(4, requires_grad=True)
+    y = checkpoint(f, x, use_reentrant=mode, tracker=tracker)
+    tracker.add("b", 2)
+    y.sum().backward()
+    assert tracker.seeds() == {"a": 1, "b": 2}
+    assert tracker.state_dict()["streams"]["b"]["seed"] == 2
+    with pytest.raises(SeedReuseError):
+        tracker.add("c", 2)
