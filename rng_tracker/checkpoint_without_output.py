@@ -12,7 +12,9 @@ into ``h``'s storage before ``fc2``'s backward reads it (views of ``h`` see it t
 
 Only storage that the outputs alone hold is freed: an output that shares storage with an
 input (Megatron's fused residual norm returns the residual) or with any other live tensor
-keeps its memory.
+keeps its memory. Where no input needs grad (a frozen layer before a trainable consumer),
+autograd keeps no input, so the object keeps them until the recompute, and refuses one
+modified in place since.
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ class CheckpointWithoutOutput:
         self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
         self._recomputed: tuple[list[Any], tuple[Any, ...]] | None = None
+        # (inputs, their versions) while no autograd node keeps them: no output needs grad
+        self._held_inputs: tuple[tuple[Any, ...], list[int | None]] | None = None
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
         """Run ``run_function(*args)`` without saving its output for its own backward."""
@@ -177,6 +181,12 @@ class CheckpointWithoutOutput:
             if isinstance(o, torch.Tensor)
         )
         self._freeable = self._storage_only_outputs_hold(args)
+        self._held_inputs = None
+        if torch.is_grad_enabled() and not any(o.requires_grad for o in self.outputs):
+            # No input needs grad, so autograd keeps no node and no input; a consumer with
+            # parameters (a frozen fc1 before a trainable fc2) still needs the outputs refilled.
+            versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+            self._held_inputs = (args, versions)
         if self.ckpt_manager is not None:
             self.ckpt_manager.add_checkpoint(self)
         return outputs
@@ -231,19 +241,43 @@ class CheckpointWithoutOutput:
             )
         assert self._snapshot is not None and self._function is not None
         ctx = self._ctx() if self._ctx is not None else None
-        if ctx is None:
+        if ctx is None and self._held_inputs is None:
+            if not self._discarded:
+                return  # no autograd node waits for a recompute, and the outputs hold their data
             raise CheckpointUsageError(
-                "no output of checkpoint() requires grad: nothing to recompute for backward"
+                "the outputs of checkpoint() were discarded but its inputs are no longer kept: "
+                "it ran under torch.no_grad(), or an earlier backward freed its graph (pass "
+                "retain_graph=True to that backward to recompute again)"
             )
-        args = list(ctx.non_tensors)
-        for slot, tensor in zip(ctx.slots, ctx.saved_tensors, strict=True):
-            args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
+        if ctx is not None:
+            args = list(ctx.non_tensors)
+            for slot, tensor in zip(ctx.slots, ctx.saved_tensors, strict=True):
+                args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
+        else:
+            args = self._unchanged_held_inputs()
         with replaying(self._snapshot, self._wanted, self._replayed), torch.enable_grad():
             outputs = self._function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self._discarded:
             self._refill([o for o in outputs if isinstance(o, torch.Tensor)])
+        if ctx is None:  # no autograd node takes the recompute: let the inputs go
+            self._held_inputs = None
+            return
         self._recomputed = (args, outputs)
+
+    def _unchanged_held_inputs(self) -> list[Any]:
+        """The inputs kept while no output needed grad, refused if one was modified in place
+        since checkpoint() (autograd refuses it for the inputs it keeps)."""
+        assert self._held_inputs is not None
+        args, versions = self._held_inputs
+        for index, (arg, version) in enumerate(zip(args, versions, strict=True)):
+            if version is not None and arg._version != version:
+                raise CheckpointUsageError(
+                    f"input {index} of checkpoint() was modified in place after the call (its "
+                    f"version is {arg._version}, was {version}), so the recompute cannot "
+                    "rebuild the output; clone it before modifying it"
+                )
+        return list(args)
 
     def _refill(self, fresh: list[torch.Tensor]) -> None:
         assert self.outputs is not None

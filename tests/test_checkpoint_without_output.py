@@ -320,3 +320,54 @@ def test_retain_input_tensors_must_be_a_bool(bad):
         CheckpointWithoutOutput(retain_input_tensors=bad)
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
     assert CheckpointWithoutOutput(retain_input_tensors=np.True_).retain_input_tensors is True
+
+
+@pytest.mark.parametrize("use_manager", [False, True], ids=["alone", "manager"])
+def test_an_input_without_grad_before_a_trainable_consumer_is_recomputed(use_manager):
+    """A frozen fc1 before a trainable fc2: no input of the checkpointed activation needs grad,
+    so autograd keeps neither a node nor the input, but fc2's weight gradient needs the freed
+    output. It raised "no output of checkpoint() requires grad"; now the inputs are kept for
+    the recompute and the gradient equals the plain run's, bitwise."""
+    torch.manual_seed(0)
+    fc2 = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)  # the frozen layer's output: needs no grad
+    tracker = make_tracker()
+
+    def act(t):
+        with tracker.fork(STREAM):
+            return F.dropout(F.gelu(t), 0.5)
+
+    def weight_grad(checkpointed: bool) -> torch.Tensor:
+        fc2.weight.grad = None
+        tracker.set_states({STREAM: torch.Generator().manual_seed(5).get_state()})
+        if not checkpointed:
+            fc2(act(x)).sum().backward()
+            return fc2.weight.grad
+        manager = CheckpointWithoutOutputManager() if use_manager else None
+        ckpt = CheckpointWithoutOutput(ckpt_manager=manager)
+        h = ckpt.checkpoint(act, x)
+        y = fc2(h)
+        if manager is None:
+            ckpt.discard_output_and_register_recompute(y)
+        else:
+            manager.discard_all_outputs_and_register_unified_recompute(y)
+        assert h.untyped_storage().nbytes() == 0
+        y.sum().backward()
+        assert ckpt._held_inputs is None  # let go once recomputed
+        return fc2.weight.grad
+
+    assert torch.equal(weight_grad(checkpointed=True), weight_grad(checkpointed=False))
+
+
+def test_an_input_without_grad_modified_in_place_before_the_recompute_is_refused():
+    """Autograd refuses it for the inputs it keeps; the inputs kept without it are checked too."""
+    fc2 = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    ckpt = CheckpointWithoutOutput()
+    y = fc2(ckpt.checkpoint(torch.exp, x))
+    ckpt.discard_output_and_register_recompute(y)
+    x.add_(1)
+    with pytest.raises(
+        CheckpointUsageError, match=r"input 0 of checkpoint\(\) was modified in place"
+    ):
+        y.sum().backward()
