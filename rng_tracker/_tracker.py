@@ -129,14 +129,36 @@ class RNGStatesTracker:
         generator_states: bool | None = None,
     ) -> None:
         self._rng: DeviceRNG = device_rng(device, generator_states=generator_states)
-        self._serial = next(_SERIALS)
-        _SERIALS_ISSUED[0] = self._serial + 1
         self._states: dict[str, RNGState] = {}
         self._seeds: dict[str, int] = {}  # replaced, never modified: snapshots share it
+        self._register()
+
+    def _register(self) -> None:
+        """Start with no open fork, and join the trackers that checkpoints replay."""
+        self._serial = next(_SERIALS)
+        _SERIALS_ISSUED[0] = self._serial + 1
         self._open_forks: list[str] = []  # the streams of the open forks, outermost first
         self._outer: RNGState | None = None  # the generator's own state while forks are open
         self._warned_sites: set[tuple[str, int]] = set()
         _ALL_TRACKERS.add(self)
+
+    # -- copies and pickles ------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """What a pickle or a copy (``copy.deepcopy``, ``copy.copy``) keeps: the device, the
+        state form, copies of the streams (an open fork's live state) and the seeds. The copy
+        forks that device's default generator, as the original does (a copied generator would
+        draw nothing anyone sees), has no open fork, and its checkpoints replay it."""
+        kept = {k: v for k, v in self.__dict__.items() if k not in _PER_INSTANCE}
+        kept["_states"] = {n: self._rng.to_bytes(s) for n, s in self.get_states().items()}
+        kept["_rng"] = (str(self.device), self._rng.generator_states)
+        return kept
+
+    def __setstate__(self, kept: dict[str, Any]) -> None:
+        device, generator_states = kept.pop("_rng")
+        self.__dict__.update(kept)
+        self._rng = device_rng(device, generator_states=generator_states)
+        self._states = {n: self._rng.from_bytes(data) for n, data in kept["_states"].items()}
+        self._register()
 
     # -- inspection -----------------------------------------------------------------
     @property
@@ -520,6 +542,8 @@ _PROCESS_TRACKERS: dict[torch.device, RNGStatesTracker] = {}
 # Every live tracker (what a checkpoint replays by default), and all_trackers()' last answer as
 # (creation serial, live count, weak references), replaced in one store.
 _ALL_TRACKERS: weakref.WeakSet[RNGStatesTracker] = weakref.WeakSet()
+# a tracker's own bookkeeping, which a pickle or copy starts afresh (RNGStatesTracker._register)
+_PER_INSTANCE = frozenset({"_serial", "_open_forks", "_outer", "_warned_sites"})
 _ORDERED: list[Any] = [None]
 
 

@@ -619,3 +619,38 @@ def test_a_refused_restore_leaves_every_stream_usable(generator_states):
         torch.rand(3)
     tracker.restore_states(snapshot)
     assert full_state(tracker)[2] == full_state(_seeded(generator_states))[2]
+
+
+@pytest.mark.parametrize("generator_states", [False, True], ids=["uint8 states", "generators"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_or_pickled_tracker_forks_the_default_generator(generator_states, how):
+    """A copy (an EMA copy of a model that holds the tracker, a pickle) copied the device's
+    generator too, so its forks swapped states into a generator nothing draws from: its
+    dropout drew the default generator's values, silently. Now it forks the same default
+    generator, from copies of the streams (an open fork's live state), with no fork open, and
+    checkpoints replay it; Megatron's tracker copies that way too. The facade's attributes
+    stay."""
+    import copy
+    import pickle
+
+    from rng_tracker import megatron as mg
+    from rng_tracker._tracker import all_trackers
+
+    tracker = mg.CudaRNGStatesTracker(use_cudagraphable_rng=generator_states)
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    with tracker.fork("a"):
+        torch.rand(3)  # the live state of "a" is past its stored one
+        copied = (
+            copy.deepcopy(tracker) if how == "deepcopy" else pickle.loads(pickle.dumps(tracker))
+        )
+        expected = torch.rand(4)
+    assert copied.open_forks() == () and copied.seeds() == {"a": 1, "b": 2}
+    assert copied.use_cudagraphable_rng is generator_states and copied.is_initialized()
+    assert copied.generator is torch.default_generator and copied in all_trackers()
+    torch.manual_seed(0)
+    with copied.fork("a"):
+        drawn = torch.rand(4)
+    after = torch.rand(4)  # the default generator is back where the fork found it
+    assert torch.equal(drawn, expected)
+    assert torch.equal(after, torch.rand(4, generator=torch.Generator().manual_seed(0)))
