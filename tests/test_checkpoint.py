@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -668,3 +669,13 @@ def test_a_recompute_keeps_the_seeds_of_streams_added_after_its_forward(mode):
     assert tracker.state_dict()["streams"]["b"]["seed"] == 2
     with pytest.raises(SeedReuseError):
         tracker.add("c", 2)
+
+
+def test_megatron_checkpoint_of_inputs_without_grad_gives_no_warning():
+    """Megatron's own test_checkpoint call: its CheckpointFunction warns of nothing, so under
+    -W error the facade must not either (torch's reentrant checkpoint, our use_reentrant=True,
+    does warn: test_reentrant_warns_and_raises_where_torch_does)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = mg.checkpoint(lambda a, b: a + b, None, torch.ones(16), torch.ones(16) * 2)
+    assert torch.equal(out, torch.full((16,), 3.0))
