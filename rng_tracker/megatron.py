@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -615,12 +616,25 @@ def _in_batch_position(function: Any) -> Any:
     return function
 
 
+def _megatron_graphs_warming_up(*, or_capturing: bool = False) -> bool:
+    """Whether megatron-core's CUDA graphs are warming up (or capturing): its checkpoints then
+    run the function plainly, since a recompute cannot run inside a captured graph. Its module
+    is only looked up: a process that never imported it has no graphs of it."""
+    graphs = sys.modules.get("megatron.core.transformer.cuda_graphs")
+    if graphs is None:
+        return False
+    return graphs.is_graph_warmup() or (or_capturing and graphs.is_graph_capturing())
+
+
 def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
     """Megatron's positional checkpoint: reentrant, replaying every tracker stream.
 
     With ``distribute_saved_activations`` the caller's ``args[0].data`` keeps only this
-    rank's 1/tp chunk until backward, as in Megatron.
+    rank's 1/tp chunk until backward, as in Megatron. While megatron-core's CUDA graphs warm
+    up or capture, the function runs plainly, as Megatron's checkpoint does.
     """
+    if _megatron_graphs_warming_up(or_capturing=True):
+        return function(*args)
     group = None
     if distribute_saved_activations:
         check_split_input(args)
@@ -654,11 +668,26 @@ class CheckpointFunction:
 
 class CheckpointWithoutOutput(_without_output.CheckpointWithoutOutput):
     """Megatron's ``CheckpointWithoutOutput`` (:class:`rng_tracker.CheckpointWithoutOutput`);
-    in invariant mode its recompute re-enters the batch position of the first forward."""
+    in invariant mode its recompute re-enters the batch position of the first forward. While
+    megatron-core's CUDA graphs warm up, it checkpoints, discards and recomputes nothing, as
+    Megatron's does (the discard may come in a separate warmup)."""
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
         """Run ``run_function(*args)`` without saving its output (see the base class)."""
+        if _megatron_graphs_warming_up():
+            return run_function(*args)
         return super().checkpoint(_in_batch_position(run_function), *args)
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the outputs' memory now; refill it when backward reaches ``hook_tensor``."""
+        if _megatron_graphs_warming_up():
+            return
+        super().discard_output_and_register_recompute(hook_tensor)
+
+    def _recompute(self, grad: Any) -> None:
+        if _megatron_graphs_warming_up():
+            return
+        super()._recompute(grad)
 
 
 # -- routing megatron-core's own modules here ------------------------------------------------

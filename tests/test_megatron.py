@@ -978,3 +978,33 @@ def test_device_state_helpers_refuse_a_bad_device_index(device):
     with pytest.raises(TrackerDeviceError, match="device index must be in"):
         megatron._set_cuda_rng_state(torch.get_rng_state(), device=device)
     assert _unchanged(before)
+
+
+def test_checkpoints_run_plainly_while_megatrons_cuda_graphs_warm_up(mg):
+    """Megatron's checkpoint runs the function plainly during its CUDA graphs' warmup and
+    capture, and its CheckpointWithoutOutput checkpoints and discards nothing during warmup (a
+    recompute cannot run inside a captured graph); installed, ours checkpointed and freed the
+    output there."""
+    import megatron.core.transformer.cuda_graphs as graphs
+
+    from rng_tracker.activation_checkpoint import is_checkpointing
+
+    seen = []
+
+    def body(a: torch.Tensor) -> torch.Tensor:
+        seen.append(is_checkpointing())
+        return a * 2
+
+    x = torch.ones(3, requires_grad=True)
+    graphs._set_warmup_start()
+    try:
+        out = mg.checkpoint(body, False, x)
+        act = mg.CheckpointWithoutOutput()
+        h = act.checkpoint(torch.nn.functional.gelu, x)
+        act.discard_output_and_register_recompute(h * 3)
+    finally:
+        graphs._set_warmup_end()
+    assert seen == [False] and type(out.grad_fn).__name__ == "MulBackward0"
+    assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
+    out = mg.checkpoint(body, False, x)  # after the warmup: checkpointed again
+    assert seen == [False, True] and type(out.grad_fn).__name__ != "MulBackward0"
