@@ -32,6 +32,7 @@ from rng_tracker._validate import checked_flag, checked_instance, checked_int, r
 from rng_tracker.errors import (
     ParallelStateError,
     RankError,
+    RankTypeError,
     SeedCoordinateError,
     SeedCoordinateTypeError,
     SeedOverflowError,
@@ -115,7 +116,7 @@ class SeedPlan:
 
 def checked_rank(what: str, value: object) -> int:
     """``value`` as a rank, an int >= 0 (bools refused), else :class:`RankError` naming ``what``."""
-    return checked_int(value, what, type_error=RankError, minimum=0)
+    return checked_int(value, what, type_error=RankTypeError, value_error=RankError, minimum=0)
 
 
 def _coordinates(coordinates: object) -> dict[str, int]:

@@ -358,4 +358,9 @@ class StateDictTypeError(StateDictError, TypeError):
     state that is not a uint8 tensor); also a :class:`StateDictError`."""
 
 
-__all__ += ["ArgumentTypeError", "ParallelConfigTypeError", "StateDictTypeError"]
+class RankTypeError(RankError, TypeError):
+    """A parallel rank that is not an int (a float, a string, a bool), as Megatron's seed
+    arithmetic refuses it with a TypeError; also a :class:`RankError`."""
+
+
+__all__ += ["ArgumentTypeError", "ParallelConfigTypeError", "RankTypeError", "StateDictTypeError"]
