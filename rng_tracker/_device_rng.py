@@ -15,7 +15,7 @@ from typing import TypeAlias, cast
 import torch
 
 from rng_tracker._validate import checked_flag, checked_int
-from rng_tracker.errors import TrackerDeviceError
+from rng_tracker.errors import TrackerDeviceError, TrackerDeviceTypeError
 
 _MAX_DEVICE_INDEX = 127  # torch keeps a device index in 8 signed bits: 128 would wrap to -128
 
@@ -66,12 +66,13 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         return default_device()
     if isinstance(device, bool):
-        raise TrackerDeviceError(f"device must be a torch.device, str or int, got {device!r}")
+        raise TrackerDeviceTypeError(f"device must be a torch.device, str or int, got {device!r}")
     if isinstance(device, int):
         index = checked_int(
             device,
             "device index",
-            type_error=TrackerDeviceError,
+            type_error=TrackerDeviceTypeError,
+            value_error=TrackerDeviceError,
             minimum=0,
             maximum=_MAX_DEVICE_INDEX,
             note="; pass the index of a visible device (or None for the current one)",
@@ -83,7 +84,7 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
         except RuntimeError as error:
             raise TrackerDeviceError(f"{device!r} is not a torch device: {error}") from None
     else:
-        raise TrackerDeviceError(
+        raise TrackerDeviceTypeError(
             f"device must be a torch.device, str or int, got {type(device).__name__}"
         )
     if device.type == "cpu":
@@ -205,18 +206,18 @@ class DeviceRNG:
         self,
         state: object,
         *,
-        type_error: type[Exception] = TrackerDeviceError,
+        type_error: type[Exception] = TrackerDeviceTypeError,
         value_error: type[Exception] = TrackerDeviceError,
     ) -> None:
         """Refuse, without converting or copying it, what is not a saved state of this device
         type: anything but a ``torch.Generator`` of this device type or a CPU uint8 tensor of
-        the generator's state size (what ``get_state()`` returns). Not a type: ``type_error``;
-        a generator or tensor that does not fit: ``value_error``."""
+        the generator's state size (what ``get_state()`` returns). Not a state's type (nor a
+        uint8 tensor): ``type_error``; a generator or tensor that does not fit: ``value_error``."""
         kind = self.device.type
         if isinstance(state, torch.Tensor):  # the common case first: restores run per checkpoint
             size = self._state_size or self._read_state_size()
             if state.dtype is not torch.uint8 or not state.is_cpu or state.numel() != size:
-                raise value_error(
+                raise (value_error if state.dtype is torch.uint8 else type_error)(
                     f"the tensor is not a {kind} generator state (dtype {state.dtype} on "
                     f"{state.device}, {state.numel()} elements; a {kind} state is a CPU uint8 "
                     f"tensor of {size}); pass what get_rng_state() or get_states() of the {kind} "
@@ -240,12 +241,16 @@ class DeviceRNG:
 
     def convert(self, state: object) -> RNGState:
         """A copy of ``state`` (a state tensor or a generator of this device type) in this
-        object's form; raises :class:`TrackerDeviceError` if it is neither."""
+        object's form; raises :class:`TrackerDeviceError` if it is neither (a
+        :class:`TrackerDeviceTypeError` where torch's own refusal is a TypeError)."""
         if isinstance(state, torch.Tensor):  # any device: from_bytes copies it to the CPU
             try:
                 return self.from_bytes(state)
-            except (RuntimeError, TypeError):
-                raise TrackerDeviceError(
+            except (RuntimeError, TypeError) as error:
+                refused = (
+                    TrackerDeviceTypeError if isinstance(error, TypeError) else TrackerDeviceError
+                )
+                raise refused(
                     f"the tensor is not a {self.device.type} generator state (dtype "
                     f"{state.dtype}, {state.numel()} elements); pass what get_rng_state() or "
                     f"get_states() of the {self.device.type} device returns"

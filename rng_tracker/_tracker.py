@@ -32,6 +32,7 @@ from rng_tracker.errors import (
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
+    TrackerDeviceTypeError,
     UnknownStreamError,
 )
 
@@ -340,7 +341,7 @@ class RNGStatesTracker:
         """
         rng = self._rng
         if not isinstance(states, Mapping):
-            raise TrackerDeviceError(
+            raise TrackerDeviceTypeError(
                 f"set_states() takes a mapping of stream name to state, got {type(states).__name__}"
             )
         converted = {name: self._converted(name, state) for name, state in states.items()}

@@ -358,9 +358,20 @@ class StateDictTypeError(StateDictError, TypeError):
     state that is not a uint8 tensor); also a :class:`StateDictError`."""
 
 
+class TrackerDeviceTypeError(TrackerDeviceError, TypeError):
+    """A device or generator state of the wrong type (a bool or a list for a device; an int for
+    a state), a TypeError as torch's own refusal is; also a :class:`TrackerDeviceError`."""
+
+
 class RankTypeError(RankError, TypeError):
     """A parallel rank that is not an int (a float, a string, a bool), as Megatron's seed
     arithmetic refuses it with a TypeError; also a :class:`RankError`."""
 
 
-__all__ += ["ArgumentTypeError", "ParallelConfigTypeError", "RankTypeError", "StateDictTypeError"]
+__all__ += [
+    "ArgumentTypeError",
+    "ParallelConfigTypeError",
+    "RankTypeError",
+    "StateDictTypeError",
+    "TrackerDeviceTypeError",
+]

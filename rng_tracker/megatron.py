@@ -67,6 +67,7 @@ from rng_tracker.errors import (
     SeedOverflowError,
     SeedReuseError,
     TrackerDeviceError,
+    TrackerDeviceTypeError,
     TrackerNotInitializedError,
 )
 
@@ -160,7 +161,7 @@ def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGSt
             return device_rng(None, generator_states=True).convert(state)
         device_rng(None, generator_states=False).check(state)
         return state
-    raise TrackerDeviceError(
+    raise TrackerDeviceTypeError(
         f"convert_cuda_rng_state takes a torch.Tensor or a torch.Generator, got "
         f"{type(state).__name__}"
     )

@@ -777,11 +777,17 @@ def test_device_state_helpers_work_on_any_device_in_both_forms():
     megatron._set_cuda_rng_state(as_generator, graph_safe=True)
     assert torch.equal(torch.rand(4, device=DEVICE), first)
     before = device_generator().get_state()
-    for bad in (1234, torch.zeros(3, dtype=torch.uint8)):
-        with pytest.raises(TrackerDeviceError):
-            megatron._set_cuda_rng_state(bad)
-        with pytest.raises(ValueError):
-            convert_cuda_rng_state(bad, to_graphable=True)
+    # not a state's type (torch raises TypeError, and so Megatron): also a TypeError here
+    bad_types = (1234, torch.zeros(5056))
+    for bad in (*bad_types, torch.zeros(3, dtype=torch.uint8)):
+        for call, kwargs in (
+            (megatron._set_cuda_rng_state, {}),
+            (convert_cuda_rng_state, {"to_graphable": True}),
+        ):
+            with pytest.raises(TrackerDeviceError) as info:
+                call(bad, **kwargs)
+            assert isinstance(info.value, ValueError)
+            assert isinstance(info.value, TypeError) is any(bad is b for b in bad_types)
     assert torch.equal(device_generator().get_state(), before)
 
 
