@@ -654,3 +654,27 @@ def test_a_copied_or_pickled_tracker_forks_the_default_generator(generator_state
     after = torch.rand(4)  # the default generator is back where the fork found it
     assert torch.equal(drawn, expected)
     assert torch.equal(after, torch.rand(4, generator=torch.Generator().manual_seed(0)))
+
+
+def test_a_fork_decorates_a_function_as_megatrons_does():
+    """Megatron's fork is a @contextmanager, so ``@tracker.fork()`` decorates a function; ours
+    raised "'_Fork' object is not callable". Each call runs in its own fork: a recursive call
+    re-enters the open stream and continues it."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 1)
+    twin = RNGStatesTracker("cpu")
+    twin.add("model-parallel-rng", 1)
+
+    @tracker.fork()
+    def draw(times: int) -> list[torch.Tensor]:
+        return [torch.rand(2), *(draw(times - 1) if times > 1 else [])]
+
+    torch.manual_seed(0)
+    decorated = draw(3)
+    outside = torch.rand(2)
+    torch.manual_seed(0)
+    with twin.fork():
+        expected = [torch.rand(2) for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(decorated, expected, strict=True))
+    assert torch.equal(outside, torch.rand(2)) and tracker.open_forks() == ()
+    assert draw.__name__ == "draw"
