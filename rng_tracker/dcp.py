@@ -57,7 +57,7 @@ from rng_tracker._rng_entries import (
     is_rank_key,
     split_blob,
 )
-from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker
+from rng_tracker._tracker import RNGStatesTracker, all_trackers, get_rng_tracker
 from rng_tracker._validate import checked_flag, checked_instance, checked_int, checked_size
 from rng_tracker.errors import (
     ParallelConfigTypeError,
@@ -66,6 +66,7 @@ from rng_tracker.errors import (
     RNGStateLayoutError,
     RNGStateRederivedWarning,
     RNGStateSaveError,
+    RNGTrackerError,
     StateDictError,
     StateDictTypeError,
     TrackerBusyError,
@@ -291,8 +292,10 @@ class RNGStateful:
 
     Args:
         tracker: the rng_tracker tracker whose streams to save; None means the process's
-            tracker for the default device (``get_rng_tracker()``).
-        keyed: the keyed RNG; None means ``get_keyed_rng()`` (saved only once seeded).
+            tracker for the default device (``get_rng_tracker()``) at each save and load, so a
+            reseed that replaces it (Megatron's ``force_reset_rng=True``) is followed.
+        keyed: the keyed RNG; None means ``get_keyed_rng()`` at each save and load (saved only
+            once seeded).
         layout: what makes two runs' per-rank states interchangeable: a str, a mapping of
             axis sizes (``{"tp": 2, "dp": 2}``) or the DeviceMesh (whose named axes then also
             give each rank's coordinates). The world size always counts. None: the axis sizes of
@@ -341,12 +344,33 @@ class RNGStateful:
             )
         self.layout = _layout_text(layout)
         self._device = default_device()
-        self.tracker = tracker if tracker is not None else get_rng_tracker(self._device)
-        self.keyed = keyed if keyed is not None else get_keyed_rng(self._device)
+        self._tracker, self._keyed = tracker, keyed  # None: the process's, at each save and load
         self._mesh = layout if getattr(layout, "mesh_dim_names", None) is not None else None
         self.strict = strict
         self.saved_by: SavedBy = saved_by
         self._step = step
+
+    @property
+    def tracker(self) -> RNGStatesTracker:
+        """The tracker saved and loaded: the one given, else the process's at this moment (a
+        reseed that replaces it, as ``force_reset_rng=True`` does, is followed)."""
+        return self._tracker if self._tracker is not None else get_rng_tracker(self._device)
+
+    @property
+    def keyed(self) -> KeyedRNG:
+        """The keyed RNG saved and loaded: the one given, else the process's at this moment."""
+        return self._keyed if self._keyed is not None else get_keyed_rng(self._device)
+
+    def _open_forks_over_generators(self) -> str | None:
+        """The open forks of any tracker of the saved generators' devices, described, or None.
+        Inside one, a default generator holds a stream's state, not its own."""
+        devices = {torch.device("cpu"), self._device}
+        busy = [
+            f"{list(t.open_forks())} of the {t.device} tracker"
+            for t in all_trackers()
+            if t.open_forks() and t.device in devices
+        ]
+        return "; ".join(busy) if busy else None
 
     # -- where this rank sits -------------------------------------------------------------
     def _coordinates(self, group: Any) -> dict[str, tuple[int, int, Any]]:
@@ -431,14 +455,24 @@ class RNGStateful:
 
     def _entries(self, group: Any, *, single: bool) -> tuple[bytes, bytes, int]:
         rank, world = (0, 1) if single else _world(group)
-        layout = self._layout_key()
-        parts = self._parts()
-        keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
-        problem = None
-        try:
+        layout, parts, keyed, trainer_step = "", [], None, None
+        problem, cause = None, None
+        forks = self._open_forks_over_generators()
+        try:  # any failure here is agreed on below, so that every rank refuses
+            if forks is not None:
+                raise TrackerBusyError(
+                    f"cannot save RNG state inside open fork(s) {forks}: the generator then "
+                    "holds a stream's state, not its own; save outside any fork"
+                )
+            layout = self._layout_key()
+            parts = self._parts()
+            keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
             trainer_step = self._trainer_step()
-        except RNGStateConfigError as exc:
-            trainer_step, problem = None, str(exc)
+        except Exception as exc:
+            cause = exc
+            problem = (
+                str(exc) if isinstance(exc, RNGTrackerError) else f"{type(exc).__name__}: {exc}"
+            )
         if keyed is not None and trainer_step is not None and keyed["step"] != trainer_step:
             problem = (
                 f"the keyed step {keyed['step']} is not the trainer's step {trainer_step}: a resume "
@@ -467,7 +501,7 @@ class RNGStateful:
         agreed = local if world == 1 else _all_reduce_max(local, group)
         if agreed[0]:
             if problem:
-                raise RNGStateSaveError(f"{problem}; nothing was written")
+                raise RNGStateSaveError(f"{problem}; nothing was written") from cause
             raise RNGStateSaveError(
                 f"rank {agreed[1]} refused to save its RNG state (see its error); nothing was "
                 "written by any rank"
@@ -611,10 +645,11 @@ class RNGStateful:
                 f"expected the mapping RNGStateful.state_dict() returns, got "
                 f"{type(state_dict).__name__}"
             )
-        if self.tracker.open_forks():
+        forks = self._open_forks_over_generators()
+        if forks is not None:
             raise TrackerBusyError(
-                f"cannot load RNG state inside open fork(s) {list(self.tracker.open_forks())}; "
-                "load outside any fork"
+                f"cannot load RNG state inside open fork(s) {forks}: the generators restored "
+                "would go into a stream; load outside any fork"
             )
         if "blob" in state_dict:
             return self._plan_format1(state_dict, rank, world)

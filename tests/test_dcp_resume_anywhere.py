@@ -21,6 +21,7 @@ Claims (issues 23 and 26), each on real gloo ranks and real DCP checkpoints:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -191,6 +192,14 @@ def _save_at_tp2(root: str) -> dict:
     out["different_streams"] = _refused_save(root, "streams", RNGStateful(other, keyed))
     step = RNGStateful(tracker, keyed, step=lambda: 4)  # the keyed step is 5
     out["keyed_not_trainer_step"] = _refused_save(root, "step", step)
+    # a step callable that raises on one rank: every rank refuses (the others hung in the save)
+    failing = RNGStateful(tracker, keyed, step=(lambda: {}["step"]) if rank == 0 else (lambda: 5))
+    out["step_raises_on_rank_0"] = _refused_save(root, "raises", failing)
+    # inside a fork the CPU generator holds the stream's state: it was saved as the generator's
+    other_fork = RNGStatesTracker("cpu")
+    other_fork.add("elsewhere", 9)
+    with other_fork.fork("elsewhere") if rank == 1 else contextlib.nullcontext():
+        out["in_a_fork_on_rank_1"] = _refused_save(root, "fork", RNGStateful(tracker, keyed))
 
     # format-1 checkpoints of the previous release load on their own layout
     format1 = {}
@@ -355,11 +364,24 @@ def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(t
         message, unchanged = result["strict"]
         assert unchanged and "differs between the 2 saved ranks" in message
         assert f"tracker stream {_MP!r}" in message and f"tracker stream {_EP!r}" in message
-        for case in ("different_streams", "keyed_not_trainer_step"):
+        for case in (
+            "different_streams",
+            "keyed_not_trainer_step",
+            "step_raises_on_rank_0",
+            "in_a_fork_on_rank_1",
+        ):
             message, written = result[case]
             assert not written, case
         assert "different generators and tracker streams" in result["different_streams"][0]
         assert "not the trainer's step 4" in result["keyed_not_trainer_step"][0]
+        assert ("KeyError: 'step'" if rank == 0 else "rank 0 refused") in result[
+            "step_raises_on_rank_0"
+        ][0]
+        assert (
+            "inside open fork(s) ['elsewhere'] of the cpu tracker"
+            if rank == 1
+            else "rank 1 refused"
+        ) in result["in_a_fork_on_rank_1"][0]
     assert (
         saved[0]["cpu"] == saved[1]["cpu"]
         and saved[0][f"stream/{_MP}"] != saved[1][f"stream/{_MP}"]
@@ -578,6 +600,56 @@ def test_a_refused_load_leaves_an_unseeded_keyed_rng_unseeded() -> None:
     with tracker.fork("a"), pytest.raises(TrackerBusyError):
         RNGStateful(tracker, fresh).load_state_dict(state)
     assert fresh.seed is None and fresh.step == 0 and fresh.sites == {}
+
+
+def test_save_and_load_inside_any_fork_over_the_generators_are_refused() -> None:
+    """Inside a fork of a CPU tracker the CPU generator holds the stream's state. A save there
+    wrote it as the generator's (a resume then replayed the stream on the CPU generator), and a
+    load inside another tracker's fork put the saved state into that stream. Both are refused
+    now, with nothing written or changed."""
+    tracker, keyed = _setup()
+    other = RNGStatesTracker("cpu")
+    other.add("elsewhere", 21)
+    state = RNGStateful(tracker, keyed).state_dict()
+    for fork in (tracker.fork("a"), other.fork("elsewhere")):
+        with fork:
+            before = _live_states(tracker, keyed)
+            with pytest.raises(RNGStateSaveError, match=r"inside open fork\(s\) \['"):
+                RNGStateful(tracker, keyed).state_dict()
+            with pytest.raises(TrackerBusyError, match=r"inside open fork\(s\) \['"):
+                RNGStateful(tracker, keyed).load_state_dict(state)
+            _assert_unchanged(before, _live_states(tracker, keyed))
+
+
+def test_the_default_tracker_and_keyed_rng_are_the_processs_at_each_call() -> None:
+    """An RNGStateful built once (registered with a CheckpointManager, say) kept the tracker of
+    its construction; a reseed that replaces the process tracker (Megatron's
+    force_reset_rng=True) left it saving and loading a dead one, and the live streams were never
+    checkpointed."""
+    from rng_tracker import get_keyed_rng, get_rng_tracker
+    from rng_tracker import megatron as mg
+    from rng_tracker._tracker import _PROCESS_TRACKERS
+
+    before = dict(_PROCESS_TRACKERS)  # this worker's other tests keep their process tracker
+    try:
+        mg.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+        stateful = RNGStateful()
+        mg.model_parallel_cuda_manual_seed(
+            1234, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True
+        )
+        assert stateful.tracker is get_rng_tracker() and stateful.keyed is get_keyed_rng()
+        with get_rng_tracker().fork():
+            torch.rand(10)
+        state = stateful.state_dict()
+        with get_rng_tracker().fork():
+            expected = torch.rand(3)
+            torch.rand(50)
+        stateful.load_state_dict(state)
+        with get_rng_tracker().fork():
+            assert torch.equal(torch.rand(3), expected)
+    finally:
+        _PROCESS_TRACKERS.clear()
+        _PROCESS_TRACKERS.update(before)
 
 
 def test_options_are_checked_when_built() -> None:
