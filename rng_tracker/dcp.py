@@ -276,6 +276,21 @@ def _fresh_state(seed: int) -> bytes:
     return as_bytes(torch.Generator().manual_seed(seed).get_state())
 
 
+def _refuse_equal_streams(parts: list[_Part]) -> None:
+    """Refuse, as every load would, two streams of one state (``set_states`` accepts them):
+    they would draw identical values."""
+    holder: dict[bytes, str] = {}
+    for part in parts:
+        if part.name.startswith("stream/"):
+            first = holder.setdefault(part.state, part.name)
+            if first != part.name:
+                raise StateDictError(
+                    f"{_label(first)} and {_label(part.name)} hold the same generator state, "
+                    "which no load restores (they would draw identical values); give each "
+                    "stream its own seed"
+                )
+
+
 @dataclass
 class _Plan:
     """What a load will install, chosen and checked before anything changes."""
@@ -466,6 +481,7 @@ class RNGStateful:
                 )
             layout = self._layout_key()
             parts = self._parts()
+            _refuse_equal_streams(parts)
             keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
             trainer_step = self._trainer_step()
         except Exception as exc:

@@ -621,6 +621,16 @@ def test_save_and_load_inside_any_fork_over_the_generators_are_refused() -> None
             _assert_unchanged(before, _live_states(tracker, keyed))
 
 
+def test_a_save_of_two_streams_in_one_state_is_refused_as_every_load_would_be() -> None:
+    """set_states accepts two streams of one state; the save wrote them, and every load then
+    refused the checkpoint (SeedReuseError)."""
+    tracker, keyed = _setup()
+    state = tracker.get_states()["a"]
+    tracker.set_states({**tracker.get_states(), "twin": state.clone()})
+    with pytest.raises(RNGStateSaveError, match="'a' and tracker stream 'twin' hold the same"):
+        RNGStateful(tracker, keyed).state_dict()
+
+
 def test_the_default_tracker_and_keyed_rng_are_the_processs_at_each_call() -> None:
     """An RNGStateful built once (registered with a CheckpointManager, say) kept the tracker of
     its construction; a reseed that replaces the process tracker (Megatron's
