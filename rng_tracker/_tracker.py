@@ -212,6 +212,11 @@ class RNGStatesTracker:
     def __len__(self) -> int:
         return len(self._states)
 
+    def __bool__(self) -> bool:
+        """Always true, as Megatron's tracker is: a tracker without streams (an inference one,
+        or one before seeding) is still a tracker, and ``if tracker:`` must not say otherwise."""
+        return True
+
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._states))
 

@@ -678,3 +678,13 @@ def test_a_fork_decorates_a_function_as_megatrons_does():
     assert all(torch.equal(a, b) for a, b in zip(decorated, expected, strict=True))
     assert torch.equal(outside, torch.rand(2)) and tracker.open_forks() == ()
     assert draw.__name__ == "draw"
+
+
+def test_a_tracker_without_streams_is_true_as_megatrons_is():
+    """len() counts the streams, but an empty tracker (an inference one, one before seeding)
+    was false: ``if tracker:`` and ``tracker or fallback`` differed from Megatron's."""
+    from rng_tracker import megatron as mg
+
+    empty = RNGStatesTracker("cpu")
+    assert len(empty) == 0 and bool(empty) is True
+    assert bool(mg.CudaRNGStatesTracker()) is True
