@@ -54,6 +54,14 @@ def _check_name(name: object) -> str:
         raise KeyedTypeError(f"a keyed site name must be a str, got {type(name).__name__}")
     if not name:
         raise SiteIdError("a keyed site name must not be empty; use a stable global name")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")  # a site's id is a hash of its UTF-8 bytes
+        except UnicodeEncodeError as error:
+            raise SiteIdError(
+                f"a keyed site name must be text UTF-8 can encode; {name!r} is not ({error.reason} "
+                f"at {error.start}); use a stable global name"
+            ) from None
     return name
 
 

@@ -519,3 +519,19 @@ def test_keyed_masks_are_equal_across_tp_sp_and_dp_ranks():
             for site, mask in reference.items():
                 got = result[layout][site]
                 assert bool((got >= 0).all()) and torch.equal(got, mask), (layout, site)
+
+
+def test_a_site_name_utf8_cannot_encode_is_refused_typed_when_registered_and_loaded():
+    """A lone surrogate raised a bare UnicodeEncodeError from register, and load_state_dict
+    accepted the same name (its id then failed later)."""
+    from rng_tracker import KeyedRNG
+    from rng_tracker.errors import RNGTrackerError, SiteIdError
+
+    rng = KeyedRNG("cpu", seed=1)
+    with pytest.raises(SiteIdError, match="UTF-8 can encode") as info:
+        rng.register("\ud800")
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    with pytest.raises(SiteIdError, match="UTF-8 can encode"):
+        rng.load_state_dict({"version": 1, "seed": 5, "step": 3, "sites": {"\ud800": 7}})
+    assert rng.seed == 1 and rng.sites == {}
+    assert rng.register("é-site") > 0  # any text UTF-8 encodes is a name
