@@ -73,7 +73,10 @@ def _clone(generator: torch.Generator) -> torch.Generator:
 
 
 def _last_dim_indices(slices: tuple[slice, ...], region: Region) -> range:
-    """Global indices along the last dim of the box that ``slices`` cut from the local tensor."""
+    """Global indices along the last dim of the box that ``slices`` cut from the local tensor
+    (a 0-d tensor has no last dim, and no bias: its one element)."""
+    if not slices:
+        return range(1)
     return range(region.offset[-1], region.offset[-1] + slices[-1].stop - slices[-1].start)
 
 
