@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 
+from rng_tracker._torch_private import storage_identity
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import InvariantRandomConfigError, KernelInputTypeError
 from rng_tracker.kernels import _keyed_fill as _kernel
@@ -127,7 +128,7 @@ def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
     local = t.to_local() if isinstance(t, DTensor) else t
     if local.device.type == "meta":
         return None
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(t.shape))
+    return (storage_identity(local), local.storage_offset(), tuple(t.shape))
 
 
 class KeyedInit:

@@ -35,6 +35,13 @@ def storage_use_count(storage: torch.UntypedStorage) -> int | None:
     return int(_storage_use_count(storage._cdata))
 
 
+def storage_identity(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s storage object: the same for every view of it and for
+    ``.data``, and distinct between storages even when empty (every empty storage has data
+    pointer 0)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
 # torch._C._len_torch_dispatch_stack and _are_functorch_transforms_active: whether any
 # dispatch mode or functorch transform is active. Without them, the CPU kernel always goes
 # through its registered op (correct, about 50 us slower per call).

@@ -640,3 +640,22 @@ def test_a_generator_passed_positionally_runs_torchs_draw_as_generator_keyword_d
     with invariant_random(init="keyed", seed=1):
         routed = init(torch.empty(6, 5), torch.Generator().manual_seed(3))
     assert torch.equal(routed, init(torch.empty(6, 5), torch.Generator().manual_seed(3)))
+
+
+def test_an_empty_tensor_is_not_taken_for_an_empty_parameter_in_keyed_init():
+    """Every empty storage has data pointer 0, so a tensor that is none of the model's, with the
+    shape of an empty parameter (an empty local shard on some rank), was named as that parameter:
+    the anonymous draws after it shifted on that rank alone. The draw after it must not depend
+    on whether that tensor is empty."""
+
+    def u_after(other: torch.Tensor) -> torch.Tensor:
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(0, 4))
+        u = torch.zeros(3)
+        with invariant_random(model, seed=7):
+            torch.nn.init.normal_(model.w)
+            torch.nn.init.normal_(other)  # anonymous: none of the model's
+            torch.nn.init.normal_(u)
+        return u
+
+    assert torch.equal(u_after(torch.zeros(0, 4)), u_after(torch.zeros(1, 4)))
