@@ -57,8 +57,15 @@ from rng_tracker._rng_entries import (
     is_rank_key,
     split_blob,
 )
+from rng_tracker._tracker import STATE_DICT_VERSION as TRACKER_STATE_VERSION
 from rng_tracker._tracker import RNGStatesTracker, all_trackers, get_rng_tracker
-from rng_tracker._validate import checked_flag, checked_instance, checked_int, checked_size
+from rng_tracker._validate import (
+    checked_flag,
+    checked_instance,
+    checked_int,
+    checked_size,
+    refuse_repeat,
+)
 from rng_tracker.errors import (
     ParallelConfigTypeError,
     RankError,
@@ -279,16 +286,13 @@ def _fresh_state(seed: int) -> bytes:
 def _refuse_equal_streams(parts: list[_Part]) -> None:
     """Refuse, as every load would, two streams of one state (``set_states`` accepts them):
     they would draw identical values."""
-    holder: dict[bytes, str] = {}
-    for part in parts:
-        if part.name.startswith("stream/"):
-            first = holder.setdefault(part.state, part.name)
-            if first != part.name:
-                raise StateDictError(
-                    f"{_label(first)} and {_label(part.name)} hold the same generator state, "
-                    "which no load restores (they would draw identical values); give each "
-                    "stream its own seed"
-                )
+    refuse_repeat(
+        ((p.name, p.state) for p in parts if p.name.startswith("stream/")),
+        lambda first, second, _: (
+            f"{_label(first)} and {_label(second)} hold the same generator state, which no "
+            "load restores (they would draw identical values); give each stream its own seed"
+        ),
+    )
 
 
 @dataclass
@@ -536,7 +540,6 @@ class RNGStateful:
         replicated, axes = self._variation(parts, group, world)
         shared_parts = [p for p in parts if replicated[p.name]]
         own = [p for p in parts if not replicated[p.name]]
-        tracker_sd = self.tracker.state_dict()
         step = keyed["step"] if keyed is not None else trainer_step
         shared_header = {
             "kind": "shared",
@@ -548,7 +551,7 @@ class RNGStateful:
             "step": step,
             "trainer_step": trainer_step,
             "keyed": keyed,
-            "tracker": {"version": tracker_sd["version"], "device_type": tracker_sd["device_type"]},
+            "tracker": {"version": TRACKER_STATE_VERSION, "device_type": self.tracker.device.type},
             "parts": [
                 {
                     "name": p.name,
