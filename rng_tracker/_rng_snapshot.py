@@ -95,8 +95,6 @@ class RNGSnapshot:
                     "preserve_rng_state=False"
                 )
             device_states = tuple((d, device_rng(d).snapshot()) for d in wanted)
-        if not trackers:
-            return cls(torch.default_generator.get_state(), device_states, ())
         return cls(
             torch.default_generator.get_state(),
             device_states,
@@ -119,15 +117,12 @@ class RNGSnapshot:
             raise
 
     def _install(self, *, checked: bool) -> None:
-        if checked:
-            for tracker, states in self.streams:
+        contexts = self.contexts or (None,) * len(self.streams)  # built by hand: none
+        for (tracker, states), context in zip(self.streams, contexts, strict=True):
+            if checked:
                 tracker.restore_states(states)
-        elif self.contexts:
-            for (tracker, states), context in zip(self.streams, self.contexts, strict=True):
+            else:
                 tracker.restore_held(states, context)
-        else:  # built by hand, without contexts
-            for tracker, states in self.streams:
-                tracker.restore_held(states)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
         torch.default_generator.set_state(self.cpu)
