@@ -51,7 +51,12 @@ class RNGReport:
     def __str__(self) -> str:
         world = len(self.coordinates)
         verdict = "OK" if self.ok else f"{len(self.problems)} problem(s)"
-        most = max((len(set(prints)) for prints in self.fingerprints.values()), default=1)
+        # each stream's states in order of first appearance, numbered
+        numbered = {
+            stream: {fp: i for i, fp in enumerate(dict.fromkeys(prints))}
+            for stream, prints in self.fingerprints.items()
+        }
+        most = max(map(len, numbered.values()), default=1)
         width = 1
         while 26**width < most:
             width += 1
@@ -64,7 +69,7 @@ class RNGReport:
             legend += f"; ranks 0-{_GRID_RANKS - 1} of {world} shown"
         lines = [f"RNG consistency over {world} ranks: {verdict}", f"  ({legend})"]
         for stream, prints in self.fingerprints.items():
-            distinct = {fp: i for i, fp in enumerate(dict.fromkeys(prints))}
+            distinct = numbered[stream]
             row = " ".join(_label(distinct[fp], width) for fp in prints[:_GRID_RANKS])
             if world > _GRID_RANKS:
                 row += f" ... ({len(distinct)} state{'s' * (len(distinct) != 1)} in all)"
