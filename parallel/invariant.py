@@ -7,9 +7,9 @@ layout-invariant ops of :mod:`rng_tracker.parallel.dtensor` and the same kernels
 single-device run draws what any mesh draws, and a model parallelized with
 ``parallelize_module`` (or torchtitan) gets them without an edit. ``init="keyed"`` (the default)
 computes each rank's shard of a parameter from (seed, name, index) alone
-(:mod:`rng_tracker.parallel.keyed_init`), and swaps torch's ``trunc_normal_`` for one keyed draw
-per element while a keyed block is open. See docs/dtensor.md for the routed calls and the torch
-internals this relies on.
+(:mod:`rng_tracker.parallel.keyed_init`). ``trunc_normal_``, which bypasses function modes, is
+swapped while a block is open: one keyed draw per element, or torch's on the full tensor. See
+docs/dtensor.md for the routed calls and the torch internals this relies on.
 """
 
 from __future__ import annotations
@@ -330,20 +330,20 @@ def _first_tensor(args: tuple, kwargs: dict) -> object:
     return args[0] if args else next(iter(kwargs.values()), None)
 
 
-# Keyed blocks open in this thread (innermost last); nn.init.trunc_normal_ is routed while any
-# thread has one open, and the route draws keyed only for the thread that has.
-_KEYED_BLOCKS = threading.local()
+# invariant_random blocks open in this thread (innermost last); nn.init.trunc_normal_ is routed
+# while any thread has one open, and the route acts only for the thread that has.
+_BLOCKS = threading.local()
 _TRUNC_ROUTE_LOCK = threading.Lock()
 _TRUNC_ROUTE: dict[str, Any] = {"users": 0, "torch": None}
 
 
-def _keyed_blocks() -> list[_InvariantRandomMode]:
-    if not hasattr(_KEYED_BLOCKS, "modes"):
-        _KEYED_BLOCKS.modes = []
-    return _KEYED_BLOCKS.modes
+def _open_blocks() -> list[_InvariantRandomMode]:
+    if not hasattr(_BLOCKS, "modes"):
+        _BLOCKS.modes = []
+    return _BLOCKS.modes
 
 
-def _keyed_trunc_normal(
+def _routed_trunc_normal(
     tensor: torch.Tensor,
     mean: float,
     std: float,
@@ -351,14 +351,23 @@ def _keyed_trunc_normal(
     b: float,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """torch's ``_no_grad_trunc_normal_`` inside a keyed block: one keyed inverse-CDF draw per
-    element (keyed by the parameter's name, or by its place among the block's draws); a
-    ``generator=`` call or invalid bounds run torch's own."""
-    blocks = _keyed_blocks()
+    """torch's ``_no_grad_trunc_normal_`` inside an ``invariant_random`` block.
+
+    Keyed: one keyed inverse-CDF draw per element (keyed by the parameter's name, or by its
+    place among the block's draws). Otherwise (``init="full"``, a ``generator=``, or bounds the
+    keyed draw refuses) torch's own, on the full tensor for a DTensor: run on the DTensor, its
+    pointwise steps would redistribute a ``Partial`` one and round its values.
+    """
+    torch_trunc_normal = _TRUNC_ROUTE["torch"]
+    blocks = _open_blocks()
     keyed = blocks[-1].keyed if blocks else None
-    if keyed is None or generator is not None or not _keyed_bounds(mean, std, a, b):
-        return _TRUNC_ROUTE["torch"](tensor, mean, std, a, b, generator=generator)
-    return keyed.fill(tensor, "trunc_normal", mean, std, a, b)
+    if keyed is not None and generator is None and _keyed_bounds(mean, std, a, b):
+        return keyed.fill(tensor, "trunc_normal", mean, std, a, b)
+    if blocks and isinstance(tensor, DTensor):
+        return fill_from_full(
+            tensor, lambda full: torch_trunc_normal(full, mean, std, a, b, generator=generator)
+        )
+    return torch_trunc_normal(tensor, mean, std, a, b, generator=generator)
 
 
 def _keyed_bounds(mean: object, std: object, a: object, b: object) -> bool:
@@ -371,19 +380,19 @@ def _keyed_bounds(mean: object, std: object, a: object, b: object) -> bool:
     return True
 
 
-def _open_keyed_block(mode: _InvariantRandomMode) -> None:
+def _open_block(mode: _InvariantRandomMode) -> None:
     with _TRUNC_ROUTE_LOCK:
         if _TRUNC_ROUTE["users"] == 0:
             torch_impl = trunc_normal_impl()
             if torch_impl is not None:
                 _TRUNC_ROUTE["torch"] = torch_impl
-                set_trunc_normal_impl(_keyed_trunc_normal)
+                set_trunc_normal_impl(_routed_trunc_normal)
         _TRUNC_ROUTE["users"] += 1
-    _keyed_blocks().append(mode)
+    _open_blocks().append(mode)
 
 
-def _close_keyed_block(mode: _InvariantRandomMode) -> None:
-    blocks = _keyed_blocks()
+def _close_block(mode: _InvariantRandomMode) -> None:
+    blocks = _open_blocks()
     for i in range(len(blocks) - 1, -1, -1):  # the innermost entry of this mode
         if blocks[i] is mode:
             del blocks[i]
@@ -391,7 +400,7 @@ def _close_keyed_block(mode: _InvariantRandomMode) -> None:
     with _TRUNC_ROUTE_LOCK:
         _TRUNC_ROUTE["users"] -= 1
         if _TRUNC_ROUTE["users"] == 0 and _TRUNC_ROUTE["torch"] is not None:
-            if trunc_normal_impl() is _keyed_trunc_normal:
+            if trunc_normal_impl() is _routed_trunc_normal:
                 set_trunc_normal_impl(_TRUNC_ROUTE["torch"])
             _TRUNC_ROUTE["torch"] = None
 
@@ -428,21 +437,18 @@ class _InvariantRandomMode(TorchFunctionMode):
             self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
 
     def __enter__(self) -> _InvariantRandomMode:
-        if self.keyed is not None:
-            _open_keyed_block(self)
+        _open_block(self)
         try:
             return super().__enter__()
         except BaseException:
-            if self.keyed is not None:
-                _close_keyed_block(self)
+            _close_block(self)
             raise
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
             super().__exit__(exc_type, exc_value, traceback)
         finally:
-            if self.keyed is not None:
-                _close_keyed_block(self)
+            _close_block(self)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None

@@ -625,6 +625,35 @@ def test_a_rank_initialises_its_shard_without_the_others(rank: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.distributed(world_size=3, timeout=120)
+def test_torchs_trunc_normal_on_a_partial_dtensor_is_the_one_device_draw(rank: int) -> None:
+    """init="full" (and a keyed block's generator= call) draw torch's trunc_normal_ on a
+    Partial("sum") DTensor bitwise as on one device, in all three of torch's branches: run on the
+    DTensor, its pointwise steps redistributed the partial tensor (values / 3 on three ranks,
+    off by an ulp after the sum) or refused in place (the narrow branch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    def draw(tensor: torch.Tensor, options: dict, generator: int | None, **kw: float) -> object:
+        torch.manual_seed(5)
+        gen = None if generator is None else torch.Generator().manual_seed(generator)
+        with invariant_random(**options):
+            return torch.nn.init.trunc_normal_(tensor, generator=gen, **kw)
+
+    mesh = init_device_mesh("cpu", (3,))
+    bounds = {"wide": {"a": -2.0, "b": 2.0}, "resampled": {"a": -1.0, "b": 1.0}}
+    bounds["narrow"] = {"a": -0.2, "b": 0.2}  # torch's uniform-proposal branch
+    for name, kw in bounds.items():
+        for options, generator in (({"init": "full"}, None), ({"seed": 3}, 7)):
+            want = draw(torch.zeros(10, 7), options, generator, **kw)
+            want_state = torch.get_rng_state()
+            x = distribute_tensor(torch.zeros(10, 7), mesh, [Partial()])
+            got = draw(x, options, generator, **kw)
+            assert got is x
+            assert torch.equal(x.full_tensor(), want), (name, options)
+            assert torch.equal(torch.get_rng_state(), want_state), (name, options)
+
+
 @pytest.mark.parametrize(
     "init",
     [
