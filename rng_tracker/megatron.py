@@ -48,13 +48,19 @@ from rng_tracker._seeds import (
     ranks_from_layout,
 )
 from rng_tracker._streams import (
+    AXES,
     DATA_PARALLEL_RNG,
     EXPERT_GTP_REMAT_RNG,
     EXPERT_PARALLEL_RNG,
     GTP_REMAT_RNG,
     MODEL_PARALLEL_RNG,
 )
-from rng_tracker._tracker import RNGStatesTracker, process_tracker, set_process_tracker
+from rng_tracker._tracker import (
+    RNGStatesTracker,
+    process_tracker,
+    set_process_tracker,
+    validate_seed,
+)
 from rng_tracker._validate import checked_size
 from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
@@ -362,6 +368,15 @@ def _gtp_seed(
     return base + offset + 65536 * (1 + rank)
 
 
+def _keeps_streams(inference_rng_tracker: bool, force_reset: bool) -> bool:
+    """Whether the tracker ``initialize_rng_tracker`` leaves with these flags keeps streams: an
+    existing tracker stays (whatever the flag) unless ``force_reset``."""
+    existing = _megatron_tracker()
+    if existing is not None and not force_reset:
+        return not isinstance(existing, _InferenceCudaRNGStatesTracker)
+    return not inference_rng_tracker
+
+
 def _megatron_seeds(
     seed: int,
     layout: ParallelLayout | None,
@@ -372,9 +387,20 @@ def _megatron_seeds(
     egtp_remat_rank: int | None,
     gtp_remat_world_size: int | None,
     egtp_remat_world_size: int | None,
+    keeps_streams: bool = True,
 ) -> tuple[SeedPlan, dict[str, int]]:
-    """Megatron's seed plan and the GTP-remat seeds, checked; touches nothing."""
+    """Megatron's seed plan and the GTP-remat seeds, checked; touches nothing.
+
+    For a tracker that keeps no streams (Megatron's inference tracker adds none) the plan is
+    the default seed alone: stream seeds that are never made cannot collide or overflow.
+    """
     ranks = _parallel_ranks(layout, tp_rank, ep_rank, etp_rank)
+    if not keeps_streams:
+        _gtp_seed("gtp_remat", gtp_remat_rank, gtp_remat_world_size, 0, 0)  # checked all the same
+        _gtp_seed("egtp_remat", egtp_remat_rank, egtp_remat_world_size, 0, 0)
+        coordinates = {axis: checked_rank(f"{axis}_rank", ranks.get(axis, 0)) for axis in AXES}
+        seed = validate_seed(seed)
+        return SeedPlan("megatron", seed, seed, stream_seeds={}, coordinates=coordinates), {}
     plan = plan_seeds(seed, scheme="megatron", coordinates=ranks)  # validates, touches nothing
     extra = {
         name: value
@@ -505,7 +531,9 @@ def model_parallel_cuda_manual_seed(
     streams only where their world size is above 1. Ranks not given come from
     rng_tracker.parallel's parallel state, else are 0 when torch.distributed runs one rank
     (or none); several ranks without a parallel state raise :class:`ParallelStateError`.
-    Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan.
+    Seeds the CPU generator too. Nothing changes if the call raises. Returns the plan. Under an
+    inference tracker, which adds no streams, only the default generators are seeded, so stream
+    seeds that would collide or overflow are not refused (as in Megatron).
 
     In invariant mode (``install(invariant=True)``) the call also sets the keyed state to (the
     run's seed, step 0) and is collective: every rank calls it, and one all-reduce checks that
@@ -528,6 +556,7 @@ def model_parallel_cuda_manual_seed(
             egtp_remat_rank,
             gtp_remat_world_size,
             egtp_remat_world_size,
+            keeps_streams=_keeps_streams(inference_rng_tracker, force_reset_rng),
         )
     except Exception as exc:
         if not invariant:

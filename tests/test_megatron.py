@@ -714,6 +714,27 @@ def test_inference_tracker_keeps_no_streams_and_forks_the_default_generator():
     assert torch.equal(inside, torch.rand(5, device=DEVICE))
 
 
+def test_an_inference_tracker_accepts_the_seeds_megatron_accepts():
+    """Megatron's inference tracker adds no streams, so megatron-core never makes, and never
+    refuses, their seeds: tp_rank 6 with ep_rank 17 (one seed for two streams) or seed 2**64-1
+    (streams past 2**64-1). Only the default generator is seeded; a tracker that keeps streams
+    still refuses them."""
+    for seed, ranks in ((100, {"tp_rank": 6, "ep_rank": 17, "etp_rank": 0}), (2**64 - 1, {})):
+        plan = model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True, **ranks
+        )
+        assert plan.stream_seeds == {} and plan.default_seed == seed
+        assert get_cuda_rng_tracker().get_states() == {}
+        assert torch.equal(device_generator().get_state(), seeded_state(seed))
+        # the tracker stays an inference one without the flag, as in megatron-core
+        model_parallel_cuda_manual_seed(seed, **ranks)
+        assert get_cuda_rng_tracker().is_inference_rng_tracker
+    with pytest.raises(SeedReuseError):
+        model_parallel_cuda_manual_seed(100, tp_rank=6, ep_rank=17, force_reset_rng=True)
+    with pytest.raises(RankError):  # the ranks are still checked
+        model_parallel_cuda_manual_seed(1, inference_rng_tracker=True, tp_rank=-1)
+
+
 def test_get_cuda_rng_tracker_is_the_process_tracker_and_checkpoint_replays_it():
     """The Megatron tracker is what get_rng_tracker() returns, and Megatron's checkpoint
     replays its streams: recomputed dropout masks match the forward's bitwise."""
