@@ -87,6 +87,30 @@ class MegatronParallelState:
         return f"MegatronParallelState({parts})"
 
 
+# axis -> Megatron's virtual rank, set by parallel_state.set_<name>_rank; its rank getters
+# return it before asking any group, with or without torch.distributed
+_VIRTUAL_RANKS = {
+    "tp": "_MPU_TENSOR_MODEL_PARALLEL_RANK",
+    "pp": "_MPU_PIPELINE_MODEL_PARALLEL_RANK",
+    "dp": "_MPU_DATA_PARALLEL_RANK",
+    "ep": "_MPU_EXPERT_MODEL_PARALLEL_RANK",
+    "etp": "_MPU_EXPERT_TENSOR_PARALLEL_RANK",
+}
+
+
+def megatron_virtual_ranks() -> dict[str, int]:
+    """The ranks set with Megatron's ``parallel_state.set_*_rank``, by axis (the axes set only;
+    {} when ``megatron.core.parallel_state`` is not imported). Without an expert-tensor group
+    the etp rank is the tp rank, as Megatron's getter answers."""
+    ps = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+    if ps is None:
+        return {}
+    ranks = {axis: getattr(ps, name, None) for axis, name in _VIRTUAL_RANKS.items()}
+    if ranks["etp"] is None and getattr(ps, "_EXPERT_TENSOR_PARALLEL_GROUP", None) is None:
+        ranks["etp"] = ranks["tp"]
+    return {axis: rank for axis, rank in ranks.items() if rank is not None}
+
+
 def megatron_parallel_state_or_none() -> MegatronParallelState | None:
     """Megatron's parallel state if ``megatron.core.parallel_state`` is imported and
     initialised in this process, else None (Megatron is never imported here)."""

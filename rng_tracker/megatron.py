@@ -332,8 +332,14 @@ def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker: Any) -> bool:
 def _parallel_ranks(
     layout: ParallelLayout | None, tp_rank: int | None, ep_rank: int | None, etp_rank: int | None
 ) -> dict[str, int]:
-    """The tp/ep/etp ranks: as given, else from ``layout``, else 0 in one process."""
+    """The tp/ep/etp ranks: as given, else from ``layout``, else Megatron's virtual ranks
+    (``parallel_state.set_*_rank``, which its getters read first), else 0 in one process."""
     given = {"tp": tp_rank, "ep": ep_rank, "etp": etp_rank}
+    if layout is None:
+        from rng_tracker.parallel._megatron_state import megatron_virtual_ranks  # lazy, as _layout
+
+        virtual = megatron_virtual_ranks()
+        given = {axis: virtual.get(axis) if rank is None else rank for axis, rank in given.items()}
     missing = [f"{axis}_rank" for axis, rank in given.items() if rank is None]
     found = ranks_from_layout(layout, missing, "model_parallel_cuda_manual_seed") if missing else {}
     return {axis: found[axis] if rank is None else rank for axis, rank in given.items()}

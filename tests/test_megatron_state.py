@@ -229,3 +229,35 @@ def test_megatron_state_is_read_only_if_megatron_was_imported():
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_seeding_reads_megatrons_virtual_ranks_as_its_getters_do():
+    """Without torch.distributed, ranks set with Megatron's ``parallel_state.set_*_rank`` are
+    what its getters return, so they are the ranks model_parallel_cuda_manual_seed seeds with
+    (they were read as 0); an explicit rank still wins, and the etp rank falls back to the tp
+    rank as Megatron's getter does."""
+    import megatron.core.parallel_state as ps
+
+    assert not dist.is_initialized()
+    ps.set_tensor_model_parallel_rank(3)
+    ps.set_expert_model_parallel_rank(2)
+    try:
+        tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        etp = ps.get_expert_tensor_parallel_rank()
+        assert (tp, ep, etp) == (3, 2, 3)
+        plan = megatron.model_parallel_cuda_manual_seed(10, force_reset_rng=True)
+        assert plan.stream_seeds["model-parallel-rng"] == 10 + 2718 + tp
+        assert plan.stream_seeds["expert-parallel-rng"] == 10 + 1024 + 100 * ep + etp
+        ps.set_expert_tensor_parallel_rank(1)
+        plan = megatron.model_parallel_cuda_manual_seed(10, tp_rank=0, force_reset_rng=True)
+        assert (plan.coordinates["tp"], plan.coordinates["ep"], plan.coordinates["etp"]) == (
+            0,
+            2,
+            1,
+        )
+    finally:
+        ps.set_tensor_model_parallel_rank(None)
+        ps.set_expert_model_parallel_rank(None)
+        ps.set_expert_tensor_parallel_rank(None)
+    plan = megatron.model_parallel_cuda_manual_seed(10, force_reset_rng=True)
+    assert (plan.coordinates["tp"], plan.coordinates["ep"], plan.coordinates["etp"]) == (0, 0, 0)
