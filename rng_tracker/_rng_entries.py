@@ -198,12 +198,17 @@ def check_rank_entry(
     shared: dict[str, Any],
     shared_sum: str,
     per_rank: list[str],
-) -> dict[str, tuple[bytes, int | None]]:
-    """The parts of entry ``key`` (name -> (bytes, seed)), checked against the format and against
-    the save its ``shared`` entry (checksum ``shared_sum``) records; else :class:`StateDictError`."""
+) -> tuple[dict[str, tuple[bytes, int | None]], dict[str, int] | None]:
+    """The parts of entry ``key`` (name -> (bytes, seed)) and the rank's coordinates at the save
+    (axis -> coordinate on the axes of size > 1; None in entries written before they were kept),
+    checked against the format and against the save its ``shared`` entry (checksum
+    ``shared_sum``) records; else :class:`StateDictError`."""
     header, blob, _ = decode_entry(key, data)
-    if set(header) != {"kind", "format", "rank", "world", "nonce", "shared", "parts"} or not (
-        header["kind"] == "rank"
+    fields = {"kind", "format", "rank", "world", "nonce", "shared", "parts"}
+    at = header.get("at")
+    if set(header) - {"at"} != fields or not (
+        ((at is None and "at" not in header) or _is_coordinates(at))
+        and header["kind"] == "rank"
         and header["format"] == FORMAT
         and _is_int(header["rank"])
         and f"rank{header['rank']}" == key
@@ -234,4 +239,10 @@ def check_rank_entry(
     ):
         raise _malformed(f"entry {key!r}'s list of states")
     pieces = split_blob(key, blob, [p["nbytes"] for p in parts])
-    return {p["name"]: (piece, p["seed"]) for p, piece in zip(parts, pieces, strict=True)}
+    return {p["name"]: (piece, p["seed"]) for p, piece in zip(parts, pieces, strict=True)}, at
+
+
+def _is_coordinates(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(axis, str) and axis and _is_int(rank) for axis, rank in value.items()
+    )

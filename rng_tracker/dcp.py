@@ -15,11 +15,13 @@ state. docs/resume.md has the whole story; in short:
   checks everything it was given and what it will restore, then all ranks agree (one small
   all-reduce) before any rank changes anything. A save refuses, before writing, what no load could
   restore (ranks with different streams, keyed states or layouts).
-- **Layouts.** The same layout (world size and ``layout=``) restores every state bitwise. On
-  another layout the keyed state and the shared states are restored, and each per-rank part is
-  re-derived from (the run's seed, the saved step, the rank's new coordinates on the axes that
-  part varied over when saved), with one :class:`RNGStateRederivedWarning` naming them;
-  ``strict=True`` raises :class:`RNGStateLayoutError` instead.
+- **Layouts.** The same layout (world size, ``layout=`` and each rank's coordinates) restores
+  every state bitwise. On another layout the keyed state and the shared states are restored, and
+  each per-rank part is re-derived from (the run's seed, the saved step, the rank's new
+  coordinates on the axes that part varied over when saved), with one
+  :class:`RNGStateRederivedWarning` naming them; so is a shared stream of the library's seeding
+  policy that must now vary over an axis that had one rank at the save. ``strict=True`` raises
+  :class:`RNGStateLayoutError` instead.
 
 :class:`RankStates` is the lower-level container (given ranks' states under ``rank<r>`` keys
 and the keyed state as JSON) for a job that gathers states itself and saves from one process,
@@ -57,6 +59,7 @@ from rng_tracker._rng_entries import (
     is_rank_key,
     split_blob,
 )
+from rng_tracker._streams import DEFAULT_STREAM, POLICY_STREAMS, stream_axes
 from rng_tracker._tracker import STATE_DICT_VERSION as TRACKER_STATE_VERSION
 from rng_tracker._tracker import RNGStatesTracker, all_trackers, get_rng_tracker
 from rng_tracker._validate import (
@@ -279,6 +282,21 @@ def _label(name: str) -> str:
     return _Part(name, b"").label
 
 
+def _policy_axes(name: str) -> tuple[str, ...]:
+    """The axes the library's seeding varies part ``name`` over (a default generator as the
+    default stream); () for a stream with no declared policy."""
+    stream = DEFAULT_STREAM if name in ("cpu", "device") else name[len("stream/") :]
+    return stream_axes(stream) if stream in POLICY_STREAMS else ()
+
+
+Coordinates = dict[str, tuple[int, int, Any]]  # axis -> (this rank's coordinate, size, group)
+
+
+def _placed(coordinates: Coordinates) -> dict[str, int]:
+    """This rank's coordinates on the axes of size > 1 (where a rank order shows)."""
+    return {axis: c for axis, (c, size, _) in coordinates.items() if size > 1}
+
+
 def _fresh_state(seed: int) -> bytes:
     return as_bytes(torch.Generator().manual_seed(seed).get_state())
 
@@ -304,6 +322,15 @@ class _Plan:
     tracker: dict[str, Any] | None = None
     keyed: dict[str, Any] | None = None
     rederived: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Choice:
+    """The states a load takes from the checkpoint, and the parts it must re-derive instead."""
+
+    states: dict[str, tuple[bytes, int | None]]
+    shared: dict[str, Any]
+    rederive: list[str]
 
 
 class RNGStateful:
@@ -392,7 +419,7 @@ class RNGStateful:
         return "; ".join(busy) if busy else None
 
     # -- where this rank sits -------------------------------------------------------------
-    def _coordinates(self, group: Any) -> dict[str, tuple[int, int, Any]]:
+    def _coordinates(self, group: Any) -> Coordinates:
         """Axis -> (coordinate, size, group) from ``layout``'s DeviceMesh, else the process's
         parallel state; {} when neither describes the whole world."""
         world = _world(group)[1]
@@ -537,7 +564,17 @@ class RNGStateful:
         nonce_hex = (tail[0].to_bytes(8, "little") + tail[1].to_bytes(8, "little")).hex()
         run_seed = (tail[2] << 32) | tail[3]
 
-        replicated, axes = self._variation(parts, group, world)
+        coordinates = self._coordinates(group)
+        replicated, axes = self._variation(parts, group, world, coordinates)
+        # A policy axis of size 1 here shows nothing: a part equal across it now must still vary
+        # over it where a resume gives it more ranks (model-parallel-rng saved at TP=1).
+        for p in parts:
+            measured = axes.get(p.name, [])
+            axes[p.name] = measured + [
+                a
+                for a in _policy_axes(p.name)
+                if a not in _placed(coordinates) and a not in measured
+            ]
         shared_parts = [p for p in parts if replicated[p.name]]
         own = [p for p in parts if not replicated[p.name]]
         step = keyed["step"] if keyed is not None else trainer_step
@@ -572,12 +609,13 @@ class RNGStateful:
             "nonce": nonce_hex,
             "shared": hashlib.blake2b(shared, digest_size=32).hexdigest(),
             "parts": [{"name": p.name, "nbytes": len(p.state), "seed": p.seed} for p in own],
+            "at": _placed(coordinates),
         }
         mine = encode_entry(f"rank{rank}", mine_header, [p.state for p in own])
         return shared, mine, rank
 
     def _variation(
-        self, parts: list[_Part], group: Any, world: int
+        self, parts: list[_Part], group: Any, world: int, coordinates: Coordinates
     ) -> tuple[dict[str, bool], dict[str, list[str]]]:
         """Which parts are equal on every rank, and for the others the axes they vary over."""
         if world == 1:
@@ -589,7 +627,6 @@ class RNGStateful:
         varying = [i for i, p in enumerate(parts) if not replicated[p.name]]
         if not varying:
             return replicated, {}
-        coordinates = self._coordinates(group)
         names = sorted(a for a, (_, size, _) in coordinates.items() if size > 1)
         flags = []
         for axis in names:
@@ -632,12 +669,26 @@ class RNGStateful:
         rank, world = (0, 1) if single else _world(group)
         plan: _Plan | None = None
         error: BaseException | None = None
+        moved_here: tuple[dict[str, int], dict[str, int]] | None = None
+        moved_plan: _Plan | None = None
         try:
-            plan = self._plan(state_dict, rank, world, group)
+            choice, if_moved = self._plan(state_dict, rank, world, group)
+            if isinstance(choice, _Plan):  # format 1
+                plan = choice
+            else:
+                plan = self._decide(choice, rank, group)
+                if if_moved is not None:
+                    moved_here = if_moved[1]
+                    if not self.strict:  # checked now, so every rank can take it if one moved
+                        moved_plan = self._decide(if_moved[0], rank, group)
         except Exception as exc:  # every rank must reach the agreement below, whatever failed
             error = exc
+        moved = moved_here is not None
         if world > 1:
-            bad, who = _all_reduce_max([1 if error else 0, rank if error else -1], group)
+            bad, who, moved_flag = _all_reduce_max(
+                [1 if error else 0, rank if error else -1, 1 if moved else 0], group
+            )
+            moved = bool(moved_flag)
             if bad and error is None:
                 error = StateDictError(
                     f"rank {who} refused the RNG state (see its error), so no rank restores "
@@ -646,19 +697,38 @@ class RNGStateful:
         if error is not None:
             raise error
         assert plan is not None
+        if moved:
+            if moved_plan is None:  # strict
+                where = (
+                    ""
+                    if moved_here is None
+                    else f" (rank {rank}: {moved_here[0]}, now {moved_here[1]})"
+                )
+                raise RNGStateLayoutError(
+                    "the checkpoint was saved with this run's world size and axis sizes but in "
+                    f"another rank order{where}, so each rank's own RNG states belong to another "
+                    "position; resume in the saved rank order, or pass strict=False to re-derive "
+                    "them"
+                )
+            plan = moved_plan
         self._apply(plan)
         if plan.rederived:
             warnings.warn(
-                "the checkpoint was saved on another layout: re-derived "
+                "the checkpoint was saved on another layout (or rank order): re-derived "
                 f"{', '.join(_label(n) for n in plan.rederived)} from the run's seed, the saved "
-                "step and this rank's coordinates (they differed between the saved ranks, so "
-                "they cannot move); the keyed state and the shared streams were restored. "
-                "Pass strict=True to refuse instead",
+                "step and this rank's coordinates (they differed between the saved ranks, or "
+                "must differ here along an axis that had one rank there, so they cannot move); "
+                "the keyed state and the other shared states were restored. Pass strict=True to "
+                "refuse instead",
                 RNGStateRederivedWarning,
                 stacklevel=2,
             )
 
-    def _plan(self, state_dict: object, rank: int, world: int, group: Any) -> _Plan:
+    def _plan(
+        self, state_dict: object, rank: int, world: int, group: Any
+    ) -> tuple[_Choice | _Plan, tuple[_Choice, tuple[Any, Any] | None] | None]:
+        """What this rank would restore, and, on the saved layout with per-rank parts, what it
+        would restore if any rank sits elsewhere than at the save (with this rank's own move)."""
         if not isinstance(state_dict, Mapping):
             raise StateDictError(
                 f"expected the mapping RNGStateful.state_dict() returns, got "
@@ -671,7 +741,7 @@ class RNGStateful:
                 "would go into a stream; load outside any fork"
             )
         if "blob" in state_dict:
-            return self._plan_format1(state_dict, rank, world)
+            return self._plan_format1(state_dict, rank, world), None
         unknown = [k for k in state_dict if k != "shared" and not is_rank_key(k)]
         if unknown or "shared" not in state_dict:
             raise StateDictError(
@@ -696,41 +766,61 @@ class RNGStateful:
             if key != "shared" and (key == own_key or int(key[4:]) % world == rank):
                 entries[key] = check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
         layout = self._layout_key()
-        same = shared["world"] == world and shared["layout"] == layout
-        rederived: list[str] = []
-        if per_rank and same:
-            if own_key not in entries:
-                raise StateDictError(
-                    f"the RNG state lacks this rank's entry {own_key!r} (saved on {shared['world']} "
-                    "ranks): the checkpoint is incomplete; resume from another one"
-                )
-            states.update(entries[own_key])
-        elif per_rank:
+        coordinates = self._coordinates(group)
+        # on another layout: the per-rank parts, and the shared ones that must now vary over an
+        # axis that had one rank at the save
+        moving = per_rank + [
+            p["name"]
+            for p in shared["parts"]
+            if p["replicated"] and any(a in _placed(coordinates) for a in p["axes"])
+        ]
+        elsewhere = _Choice(states, shared, moving)
+        if not (shared["world"] == world and shared["layout"] == layout):
+            return elsewhere, None
+        if not per_rank:
+            return _Choice(states, shared, []), None
+        if own_key not in entries:
+            raise StateDictError(
+                f"the RNG state lacks this rank's entry {own_key!r} (saved on {shared['world']} "
+                "ranks): the checkpoint is incomplete; resume from another one"
+            )
+        own, at = entries[own_key]
+        here = _placed(coordinates)
+        moved = None if at is None or at == here else (at, here)
+        return _Choice({**states, **own}, shared, []), (elsewhere, moved)
+
+    def _decide(self, choice: _Choice, rank: int, group: Any) -> _Plan:
+        """The checked plan of ``choice``; its parts that cannot move are re-derived, or refused
+        with ``strict``."""
+        if choice.rederive:
+            shared = choice.shared
             if self.strict:
                 raise RNGStateLayoutError(
-                    f"{_label(per_rank[0])} differs between the {shared['world']} saved ranks "
-                    f"(layout {shared['layout']!r}), so it can only be restored on that layout; "
-                    f"this run has {world} ranks, layout {layout!r}; per-rank parts: "
-                    f"{', '.join(_label(n) for n in per_rank)}. Resume on the saved layout, pass "
-                    "strict=False to re-derive them, or use replicated streams / keyed "
-                    "randomness, which reshard"
+                    f"{_label(choice.rederive[0])} differs between the {shared['world']} saved "
+                    f"ranks (layout {shared['layout']!r}), or must differ here where it did not "
+                    f"there, so it can only be restored on the saved layout; this run has "
+                    f"{_world(group)[1]} ranks, layout {self._layout_key()!r}; parts that cannot "
+                    f"move: {', '.join(_label(n) for n in choice.rederive)}. Resume on the saved "
+                    "layout, pass strict=False to re-derive them, or use replicated streams / "
+                    "keyed randomness, which reshard"
                 )
-            states.update(self._rederive(shared, per_rank, rank, group))
-            rederived = per_rank
-        return self._checked_plan(states, shared["tracker"], shared["keyed"], rederived)
+            choice.states.update(self._rederive(shared, choice.rederive, rank, group))
+        return self._checked_plan(
+            choice.states, choice.shared["tracker"], choice.shared["keyed"], choice.rederive
+        )
 
     def _rederive(
         self, shared: dict[str, Any], names: list[str], rank: int, group: Any
     ) -> dict[str, tuple[bytes, int | None]]:
-        """Fresh states of the per-rank parts ``names`` for this rank of the new layout."""
+        """Fresh states of the parts ``names`` for this rank of the new layout."""
         coordinates = self._coordinates(group)
         out = {}
         for part in shared["parts"]:
             if part["name"] not in names:
                 continue
             axes = part["axes"]
-            if all(a in coordinates for a in axes):
-                at = {a: coordinates[a][0] for a in axes}
+            if coordinates and "rank" not in axes:  # an axis the layout lacks has one rank
+                at = {a: coordinates[a][0] if a in coordinates else 0 for a in axes}
             else:  # the rank's place along those axes is unknown here: its global rank decides
                 at = {"rank": rank}
             moment = (

@@ -722,3 +722,85 @@ def test_layout_sizes_that_are_ints_keep_their_key() -> None:
     tracker, keyed = _setup()
     for layout in ({"tp": 2, "dp": 2}, {"tp": torch.tensor(2), "dp": 2}, "tp=2,dp=2"):
         assert RNGStateful(tracker, keyed, layout=layout).layout == "tp=2,dp=2"
+
+
+# --- a layout that looks the same, or gives one rank more along an axis ------------------------
+
+
+def _seeded(tensor: int, pipeline: int, order: str = "tp-cp-ep-dp-pp"):
+    from rng_tracker import model_parallel_seed
+    from rng_tracker.parallel import init_model_parallel
+
+    state = init_model_parallel(tensor=tensor, pipeline=pipeline, order=order)
+    model_parallel_seed(1234, layout=state)
+    return state
+
+
+def _save_dp4_and_pp2(root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker.parallel import destroy_model_parallel
+
+    _seeded(1, 1)  # dp=4: every generator and stream is equal on all ranks
+    dcp.save({"rng": RNGStateful()}, checkpoint_id=os.path.join(root, "dp4"))
+    destroy_model_parallel()
+    _seeded(1, 2)  # pp=2 x dp=2 in Megatron's default order (dp before pp)
+    dcp.save({"rng": RNGStateful()}, checkpoint_id=os.path.join(root, "pp2"))
+    destroy_model_parallel()
+
+
+def _resume_on_tp2pp2_and_reordered(root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker import get_keyed_rng, get_rng_tracker
+    from rng_tracker.parallel import destroy_model_parallel, verify_rng_consistency
+
+    out = {}
+    cases = {
+        "grown": ((2, 2, "tp-cp-ep-dp-pp"), "dp4"),
+        "reordered": ((1, 2, "tp-cp-ep-pp-dp"), "pp2"),
+    }
+    for name, ((tensor, pipeline, order), saved) in cases.items():
+        state = _seeded(tensor, pipeline, order)
+        path = os.path.join(root, saved)
+        before = _states(get_rng_tracker("cpu"), get_keyed_rng("cpu"))
+        with pytest.raises(RNGStateLayoutError) as refused:
+            dcp.load({"rng": RNGStateful(strict=True)}, checkpoint_id=path)
+        unchanged = _states(get_rng_tracker("cpu"), get_keyed_rng("cpu")) == before
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.load({"rng": RNGStateful()}, checkpoint_id=path)
+        out[name] = {
+            "refused": str(refused.value),
+            "unchanged": unchanged,
+            "warnings": [str(w.message) for w in caught if w.category is RNGStateRederivedWarning],
+            "consistent": verify_rng_consistency(state).ok,
+        }
+        destroy_model_parallel()
+    return out
+
+
+def test_a_grown_axis_or_another_rank_order_is_not_taken_for_the_saved_layout(tmp_path) -> None:
+    """Saved at dp=4, every stream is equal on all ranks, model-parallel-rng too (tp=1): resumed
+    at tp=2 x pp=2 it must differ across tp, and the default generator across pp, so they are
+    re-derived (they were copied to every rank). Saved at pp=2 x dp=2 and resumed with the same
+    sizes in Megatron's other order (pp before dp), each rank's entry is another position's
+    states, so they are re-derived (each rank took its old entry). strict=True refuses both on
+    every rank, changing nothing; re-derived, the states pass verify_rng_consistency."""
+    root = str(tmp_path)
+    run_distributed(_save_dp4_and_pp2, world_size=4, args=(root,), timeout=240)
+    results = run_distributed(
+        _resume_on_tp2pp2_and_reordered, world_size=4, args=(root,), timeout=240
+    )
+    for rank, result in enumerate(results):
+        grown, reordered = result["grown"], result["reordered"]
+        assert grown["unchanged"] and reordered["unchanged"]
+        assert "must differ here" in grown["refused"]
+        assert "another rank order" in reordered["refused"]
+        (warning,) = grown["warnings"]
+        for part in ("the CPU default generator", f"tracker stream {_MP!r}"):
+            assert part in warning, (rank, warning)
+        assert "'data-parallel-rng'" in warning  # it varies over pp too
+        (warning,) = reordered["warnings"]
+        assert "another layout (or rank order)" in warning
+        assert grown["consistent"] and reordered["consistent"], rank

@@ -74,6 +74,8 @@ class _Run:
         from rng_tracker.parallel import dtensor
 
         self.model = _build(tp, dp_shard)
+        self.tp, self.dp_shard = tp, dp_shard
+        self.layout: Any = None
         torch.manual_seed(0)  # a run's start-up seeding, the same on every rank, after the build
         self.keyed = get_keyed_rng("cpu")
         self.keyed.manual_seed(7)
@@ -120,7 +122,14 @@ class _Run:
 
         states: dict[str, Any] = {"train_state": self.train_state}
         if rng:
-            states["rng"] = RNGStateful(step=lambda: self.train_state.step)
+            if self.layout is None:  # the ranks laid out as torchtitan's ParallelDims lays them
+                from torch.distributed.device_mesh import init_device_mesh
+
+                sizes = (1, self.dp_shard, 1, self.tp)
+                self.layout = init_device_mesh(
+                    "cpu", sizes, mesh_dim_names=("pp", "dp", "cp", "tp")
+                )
+            states["rng"] = RNGStateful(step=lambda: self.train_state.step, layout=self.layout)
         config = CheckpointManager.Config(
             enable=True, folder=folder, interval=1, async_mode=async_mode, keep_latest_k=0
         )
