@@ -91,12 +91,19 @@ def _label(index: int, width: int) -> str:
 
 
 def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, str]:
+    """A digest per generator and stream of what decides its draws (not a CPU state's stored
+    seed: seeds equal modulo 2**32 draw alike there), each as it is outside any open fork of
+    ``tracker``: inside one the generator holds the forked stream, and the default state waits
+    in the tracker."""
     rng = device_rng(tracker.device)
-    prints = {DEFAULT_STREAM: state_digest(rng.to_bytes(rng.snapshot()))}
+    outer = tracker.held_context()[1] if tracker.open_forks() else None
+    prints = {
+        DEFAULT_STREAM: state_digest(rng.drawn_bytes(rng.snapshot() if outer is None else outer))
+    }
     if tracker.device.type != "cpu":
-        prints["cpu"] = state_digest(torch.get_rng_state())
+        prints["cpu"] = state_digest(device_rng("cpu").drawn_bytes(torch.get_rng_state()))
     for name, state in tracker.get_states().items():
-        prints[name] = state_digest(rng.to_bytes(state))
+        prints[name] = state_digest(rng.drawn_bytes(state))
     return prints
 
 

@@ -10,6 +10,7 @@ modes store them.
 
 from __future__ import annotations
 
+import functools
 from typing import TypeAlias, cast
 
 import torch
@@ -18,6 +19,8 @@ from rng_tracker._validate import checked_flag, checked_int
 from rng_tracker.errors import TrackerDeviceError, TrackerDeviceTypeError
 
 _MAX_DEVICE_INDEX = 127  # torch keeps a device index in 8 signed bits: 128 would wrap to -128
+_SEED_PROBE = 0x0123456789ABCDEF  # a seed whose 32-bit halves differ
+_HIGH_HALF = 0xFFFFFFFF << 32
 
 # A saved generator state: a ``torch.Generator`` (graph-safe handle on CUDA, clone
 # elsewhere) or a uint8 CPU tensor.
@@ -94,6 +97,33 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
         current = getattr(module, "current_device", None)
         device = torch.device(device.type, current() if current is not None else 0)
     return device
+
+
+def plain_state(state: torch.Tensor) -> torch.Tensor:
+    """``state`` itself where it starts its storage and is contiguous, else a contiguous copy.
+
+    torch's ``Generator.set_state`` misreads a view at a storage offset (wrong bytes, "Invalid
+    mt19937 state", or a crash) and refuses a strided one, so every state tensor the library
+    did not make itself passes through here before torch reads it."""
+    if state.storage_offset() == 0 and state.is_contiguous():
+        return state
+    return state.clone(memory_format=torch.contiguous_format)
+
+
+@functools.cache
+def _cpu_seed_layout() -> tuple[int, int]:
+    """(how many low bits of a seed torch's CPU generator uses, how many leading bytes of its
+    state hold only the stored seed). torch's mt19937 takes the low 32 bits and stores the whole
+    seed in the state's first 8 bytes, which no draw reads; probed on two seeds that differ in
+    their high 32 bits alone, so a torch that uses all 64 bits gives (64, 0)."""
+    low, high = (
+        torch.Generator().manual_seed(s).get_state()
+        for s in (_SEED_PROBE, _SEED_PROBE ^ _HIGH_HALF)
+    )
+    differ = (low != high).nonzero()
+    if differ.numel() and int(differ.max()) >= 8:  # the high half changed the mt19937 state
+        return 64, 0
+    return 32, (8 if differ.numel() else 0)  # 0: no seed stored
 
 
 def default_generator(device: torch.device | str | int | None = None) -> torch.Generator:
@@ -195,11 +225,27 @@ class DeviceRNG:
     def from_bytes(self, data: torch.Tensor) -> RNGState:
         """A state for this device made from :meth:`to_bytes` output."""
         generator = torch.Generator(device=self.device)
-        generator.set_state(data.to("cpu"))
+        generator.set_state(plain_state(data.to("cpu")))
         return self._state_of(generator)
 
+    def used_seed(self, seed: int) -> int:
+        """The part of ``seed`` the generator uses: on CPU its low 32 bits (torch's mt19937 takes
+        no more), so seeds equal modulo 2**32 draw identical values; elsewhere all of it."""
+        if self.device.type != "cpu":
+            return seed
+        return seed & ((1 << _cpu_seed_layout()[0]) - 1)
+
+    def drawn_bytes(self, state: RNGState) -> torch.Tensor:
+        """:meth:`to_bytes` of ``state`` without what no draw reads (a CPU state's stored seed,
+        zeroed): two states draw identical values exactly when these bytes are equal."""
+        data = self.to_bytes(state)
+        if self.device.type == "cpu":
+            data[: _cpu_seed_layout()[1]] = 0
+        return data
+
     def equal(self, a: RNGState, b: RNGState) -> bool:
-        """Whether two saved states would draw the same values."""
+        """Whether two saved states are bitwise equal, the seed a CPU state stores included (a
+        replay check compares states so; :meth:`drawn_bytes` compares only what is drawn)."""
         return torch.equal(self.to_bytes(a), self.to_bytes(b))
 
     def check(

@@ -17,9 +17,14 @@ from typing import TypeVar
 
 import torch
 
-from rng_tracker._device_rng import RNGState, device_rng
+from rng_tracker._device_rng import RNGState, device_rng, plain_state
 from rng_tracker._tracker import HeldContext, RNGStatesTracker
-from rng_tracker.errors import ArgumentTypeError, CheckpointUsageError
+from rng_tracker.errors import (
+    ArgumentTypeError,
+    CheckpointUsageError,
+    StateDictError,
+    StateDictTypeError,
+)
 
 _CPU = torch.device("cpu")
 _T = TypeVar("_T")
@@ -105,8 +110,10 @@ class RNGSnapshot:
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream).
         Each tracker's states are checked, as :meth:`RNGStatesTracker.restore_states` does (a
-        snapshot built by hand may hold anything); where one is refused, every state is put
-        back as it was before the error is raised."""
+        snapshot built by hand may hold anything), and so are the generators' (before anything
+        changes): a part of the wrong type raises :class:`StateDictTypeError`, a state that does
+        not fit :class:`StateDictError`. Where one is refused, every state is as it was before."""
+        self._check_parts()
         found = RNGSnapshot.take(
             tuple(device for device, _ in self.devices), [t for t, _ in self.streams]
         )
@@ -115,6 +122,34 @@ class RNGSnapshot:
         except BaseException:
             found._install(checked=False)
             raise
+
+    def _check_parts(self) -> None:
+        """Refuse what a hand-built snapshot holds that is no generator state or no pair of
+        (device, state) or (tracker, streams); the streams' states :meth:`restore` checks."""
+        cpu = device_rng(_CPU, generator_states=False)
+        try:
+            cpu.check(self.cpu, type_error=StateDictTypeError, value_error=StateDictError)
+        except StateDictError as error:
+            raise type(error)(f"RNGSnapshot.restore(): the CPU state: {error}") from None
+        for kind, parts, pairs in (
+            (torch.device, self.devices, "(torch.device, state) pairs"),
+            (RNGStatesTracker, self.streams, "(RNGStatesTracker, dict of states) pairs"),
+        ):
+            if not isinstance(parts, tuple) or not all(
+                isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], kind)
+                for part in parts
+            ):
+                raise StateDictTypeError(
+                    f"RNGSnapshot.restore(): a snapshot holds a tuple of {pairs}, got "
+                    f"{reprlib.repr(parts)}; take one with RNGSnapshot.capture()"
+                )
+        for device, state in self.devices:
+            try:
+                device_rng(device).check(
+                    state, type_error=StateDictTypeError, value_error=StateDictError
+                )
+            except StateDictError as error:
+                raise type(error)(f"RNGSnapshot.restore(): the {device} state: {error}") from None
 
     def _install(self, *, checked: bool) -> None:
         contexts = self.contexts or (None,) * len(self.streams)  # built by hand: none
@@ -125,7 +160,7 @@ class RNGSnapshot:
                 tracker.restore_held(states, context)
         for device, state in self.devices:
             device_rng(device).install(device_rng(device).copy(state))
-        torch.default_generator.set_state(self.cpu)
+        torch.default_generator.set_state(plain_state(self.cpu) if checked else self.cpu)
 
     def swap_in(
         self, devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]

@@ -27,7 +27,12 @@ from rng_tracker._streams import (
     MODEL_PARALLEL_RNG,
     stream_axes,
 )
-from rng_tracker._tracker import RNGStatesTracker, get_rng_tracker, validate_seed
+from rng_tracker._tracker import (
+    RNGStatesTracker,
+    check_stream_seeds,
+    get_rng_tracker,
+    validate_seed,
+)
 from rng_tracker._validate import checked_flag, checked_instance, checked_int, refuse_repeat
 from rng_tracker.errors import (
     ParallelStateError,
@@ -231,15 +236,20 @@ def ranks_from_layout(
     return dict.fromkeys(AXES, 0)
 
 
-def apply_seed_plan(plan: SeedPlan, tracker: RNGStatesTracker) -> None:
+def apply_seed_plan(
+    plan: SeedPlan, tracker: RNGStatesTracker, extra: Mapping[str, int] | None = None
+) -> None:
     """Seed the CPU and ``tracker``'s device default generators and give ``tracker`` exactly the
-    plan's streams (it is reset first). The plan was checked when it was made: nothing here
-    can refuse it."""
+    plan's streams and ``extra`` ones (it is reset first). The plan was checked when it was made;
+    what only the tracker's device refuses (on CPU, two seeds equal modulo 2**32) is refused
+    here before anything changes."""
+    streams = {**plan.stream_seeds, **(extra or {})}
+    check_stream_seeds(tracker, streams)
     tracker.reset()
     torch.default_generator.manual_seed(plan.default_seed)
     if tracker.device.type != "cpu":
         tracker.generator.manual_seed(plan.default_seed)
-    for stream, stream_seed in plan.stream_seeds.items():
+    for stream, stream_seed in streams.items():
         tracker.add(stream, stream_seed)
 
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from rng_tracker._deprecation import warn_deprecated
-from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng
+from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
@@ -75,6 +75,32 @@ def _shown_names(names: list[str]) -> str:
     return shown or "none"
 
 
+def _one_seed(first: int, second: int) -> str:
+    """How a refusal names two seeds one generator cannot tell apart."""
+    if first == second:
+        return f"the same seed {first}"
+    return (
+        f"the seeds {first} and {second}, which are equal modulo 2**32: the CPU generator "
+        "(torch's mt19937) uses only a seed's low 32 bits, so to it they are one seed"
+    )
+
+
+def check_stream_seeds(tracker: RNGStatesTracker, seeds: Mapping[str, int]) -> None:
+    """Refuse, with :class:`SeedReuseError`, the ``seeds`` (stream name to seed) that
+    :meth:`RNGStatesTracker.add` would refuse on an emptied ``tracker``: two that its generator
+    cannot tell apart (equal, or on CPU equal modulo 2**32). Seeding checks a whole plan
+    with it before it changes anything."""
+    rng = tracker._rng
+    refuse_repeat(
+        ((name, rng.used_seed(seed)) for name, seed in seeds.items()),
+        lambda first, second, _: (
+            f"streams {_shown(first)} and {_shown(second)} of the {tracker.device} tracker get "
+            f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; give "
+            "each stream a seed of its own"
+        ),
+    )
+
+
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise StreamNameError(f"stream name must be a non-empty str, got {_shown(name)}")
@@ -83,7 +109,9 @@ def _check_name(name: object) -> str:
 
 class _Fork:
     """Context manager of one fork; a class (not a generator) to keep enter/exit cheap. Also a
-    decorator, as Megatron's ``@contextmanager`` fork is: each call runs in a fork of its own."""
+    decorator, as Megatron's ``@contextmanager`` fork is: each call runs in a fork of its own.
+    The name is checked at entry, as Megatron's is, so a function may be decorated before its
+    stream is added."""
 
     __slots__ = ("_cpu_before", "_name", "_tracker")
 
@@ -94,9 +122,9 @@ class _Fork:
 
     def __enter__(self) -> None:
         tracker = self._tracker
+        tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
             self._cpu_before = torch.default_generator.get_state()
-        tracker._enter(self._name)
 
     def __exit__(self, *exc_info: object) -> None:
         self._tracker._exit(self._name)
@@ -225,17 +253,22 @@ class RNGStatesTracker:
 
     # -- registration -----------------------------------------------------------------
     def add(self, name: str, seed: int) -> None:
-        """Register stream ``name`` starting from ``seed``; the generator is untouched."""
+        """Register stream ``name`` starting from ``seed``; the generator is untouched.
+
+        A seed another stream has is refused (:class:`SeedReuseError`), and on CPU also one
+        equal to it modulo 2**32: torch's CPU generator uses only a seed's low 32 bits."""
         _check_name(name)
         seed = validate_seed(seed)
         if name in self._states:
             raise DuplicateStreamError(
                 f"stream {_shown(name)} already exists; call reset() first or pick another name"
             )
+        used = self._rng.used_seed(seed)
         for other, other_seed in self._seeds.items():
-            if other_seed == seed:
+            if self._rng.used_seed(other_seed) == used:
+                also = "" if other_seed == seed else f" ({_one_seed(other_seed, seed)})"
                 raise SeedReuseError(
-                    f"seed {seed} is already used by stream {_shown(other)}: streams "
+                    f"seed {seed} is already used by stream {_shown(other)}{also}: streams "
                     f"{_shown(other)} and {_shown(name)} would draw identical values; give "
                     f"{_shown(name)} another seed"
                 )
@@ -256,15 +289,17 @@ class RNGStatesTracker:
         state it had on entry (also when the body raises). Forks nest, and re-entering
         the open stream continues it. Forks must close in reverse order of opening: closing
         one out of order raises :class:`ForkOrderError` and changes nothing. As a decorator
-        (``@tracker.fork(name)``), each call of the function runs in a fork of ``name``.
+        (``@tracker.fork(name)``), each call of the function runs in a fork of ``name``. The
+        name is checked on entry, as Megatron's ``@contextmanager`` fork checks it: a
+        function may be decorated before its stream is added, and entering a fork of an
+        unknown stream raises :class:`UnknownStreamError` (a name that is not a non-empty str,
+        :class:`StreamNameError`) and changes nothing.
         """
-        _check_name(name)
-        if name not in self._states:
-            raise self._unknown(name)
         return _Fork(self, name)
 
     def _enter(self, name: str) -> None:
-        if name not in self._states:
+        if not isinstance(name, str) or name not in self._states:
+            _check_name(name)
             raise self._unknown(name)
         rng = self._rng
         live = rng.live()
@@ -396,9 +431,12 @@ class RNGStatesTracker:
         is copied, since draws advance it. Open forks must be among ``states`` (the snapshot
         of a call made inside them). Names that are not str, and states that are not states of
         this device type, are refused (:class:`StreamNameError`, :class:`StateDictTypeError`,
-        :class:`StateDictError`) and nothing changes."""
+        :class:`StateDictError`) and nothing changes. A state tensor that torch cannot read in
+        place (a view at a storage offset, a strided one) is copied."""
         self._check_snapshot(states)
-        self.restore_held(states)
+        self.restore_held(
+            {n: plain_state(s) if isinstance(s, torch.Tensor) else s for n, s in states.items()}
+        )
 
     def held_context(self) -> HeldContext:
         """The open forks, the generator's own state under them and the seeds, as
@@ -452,11 +490,17 @@ class RNGStatesTracker:
         """Restore streams saved by :meth:`state_dict`, on this or a restarted process.
 
         Refuses what :meth:`add` refuses, two streams of one seed (or of one state), with
-        :class:`SeedReuseError`; nothing changes if the state dict is refused.
+        :class:`SeedReuseError`; a state dict of the wrong type (not a mapping, a stream name
+        that is not a str, a state that is not a uint8 tensor) with
+        :class:`StateDictTypeError`, other malformed ones with :class:`StateDictError`.
+        Nothing changes if the state dict is refused.
         """
         self._require_idle("load_state_dict()")
         if not isinstance(state_dict, Mapping):
-            raise StateDictError(f"expected a mapping, got {type(state_dict).__name__}")
+            raise StateDictTypeError(
+                f"load_state_dict() takes the mapping state_dict() returned, got "
+                f"{type(state_dict).__name__}"
+            )
         version = state_dict.get("version")
         if version != STATE_DICT_VERSION:
             raise StateDictError(
@@ -471,18 +515,25 @@ class RNGStatesTracker:
             )
         streams = state_dict.get("streams")
         if not isinstance(streams, Mapping):
-            raise StateDictError("state dict has no 'streams' mapping")
+            raise (StateDictError if streams is None else StateDictTypeError)(
+                f"state dict has no 'streams' mapping (got {type(streams).__name__}); pass what "
+                "state_dict() returned"
+            )
         states: dict[str, RNGState] = {}
         seeds: dict[str, int] = {}
         for name, entry in streams.items():
             if not isinstance(name, str) or not name:
-                raise StateDictError(
+                raise (StateDictTypeError if not isinstance(name, str) else StateDictError)(
                     f"stream names must be non-empty str, got {_shown(name)}; the state dict "
                     "was not saved by state_dict()"
                 )
             data = entry.get("state") if isinstance(entry, Mapping) else None
             if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
-                raise StateDictError(f"stream {_shown(name)}: 'state' must be a uint8 tensor")
+                raise StateDictTypeError(
+                    f"stream {_shown(name)}: 'state' must be a uint8 tensor, got "
+                    f"{data.dtype if isinstance(data, torch.Tensor) else type(data).__name__}; "
+                    "pass what state_dict() returned"
+                )
             try:
                 states[name] = self._rng.from_bytes(data)
             except RuntimeError as error:
@@ -498,17 +549,19 @@ class RNGStatesTracker:
     # -- helpers -----------------------------------------------------------------
     def _check_distinct(self, states: Mapping[str, RNGState], seeds: Mapping[str, int]) -> None:
         """Refuse what :meth:`add` refuses: two streams of one seed, or of one state (either
-        way they would draw identical values)."""
+        way they would draw identical values). On CPU, seeds equal modulo 2**32 are one seed,
+        and states that differ only in the seed they store are one state."""
+        rng = self._rng
         refuse_repeat(
-            seeds.items(),
-            lambda first, second, seed: (
-                f"state dict gives streams {_shown(first)} and {_shown(second)} the same seed "
-                f"{seed}: they would draw identical values; it was not saved by state_dict() of "
-                "a valid tracker (add() refuses a reused seed)"
+            ((name, rng.used_seed(seed)) for name, seed in seeds.items()),
+            lambda first, second, _: (
+                f"state dict gives streams {_shown(first)} and {_shown(second)} "
+                f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; it "
+                "was not saved by state_dict() of a valid tracker (add() refuses a reused seed)"
             ),
         )
         refuse_repeat(
-            ((name, bytes(self._rng.to_bytes(state).tolist())) for name, state in states.items()),
+            ((name, bytes(rng.drawn_bytes(state).tolist())) for name, state in states.items()),
             lambda first, second, _: (
                 f"state dict gives streams {_shown(first)} and {_shown(second)} the same "
                 "generator state: they would draw identical values; save each stream from its "
@@ -547,8 +600,8 @@ class RNGStatesTracker:
         _check_name(name)
         try:
             return self._rng.convert(state)
-        except TrackerDeviceError as error:
-            raise TrackerDeviceError(
+        except TrackerDeviceError as error:  # the narrower TrackerDeviceTypeError stays itself
+            raise type(error)(
                 f"state of stream {_shown(name)} does not fit the tracker of {self.device}: {error}"
             ) from None
 

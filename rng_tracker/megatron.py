@@ -28,7 +28,7 @@ import torch.distributed as dist
 import rng_tracker._megatron_install as _megatron_install
 from rng_tracker import checkpoint_without_output as _without_output
 from rng_tracker._collective import collective_device
-from rng_tracker._device_rng import RNGState, device_rng
+from rng_tracker._device_rng import RNGState, device_rng, plain_state
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._megatron_install import (
@@ -72,7 +72,6 @@ from rng_tracker.errors import (
     RNGTrackerError,
     SeedOverflowError,
     SeedReuseError,
-    TrackerDeviceError,
     TrackerDeviceTypeError,
     TrackerNotInitializedError,
 )
@@ -573,9 +572,7 @@ def model_parallel_cuda_manual_seed(
         te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
     )
     tracker = get_cuda_rng_tracker()
-    apply_seed_plan(plan, tracker)  # the plan made (and checked) above: seeds are planned once
-    for name, value in extra.items():
-        tracker.add(name, value)
+    apply_seed_plan(plan, tracker, extra)  # the plan made (and checked) above: planned once
     if keyed_seed is not None:  # invariant mode's keyed state is (the run's seed, step 0)
         get_keyed_rng().manual_seed(keyed_seed)
     return _placed_on_mesh(plan, layout)
@@ -621,12 +618,12 @@ def _set_all_rng_states(
     device_state = device.convert(cuda_rng_state)
     get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
     device.install(device_state)
-    torch.set_rng_state(cpu_rng_state)
+    torch.set_rng_state(plain_state(cpu_rng_state))
 
 
 def _check_cpu_state(state: object) -> None:
     if not isinstance(state, torch.Tensor):
-        raise TrackerDeviceError(
+        raise TrackerDeviceTypeError(
             f"the CPU RNG state is a uint8 tensor (what torch.get_rng_state() returns), got "
             f"{type(state).__name__}"
         )

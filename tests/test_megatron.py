@@ -861,8 +861,8 @@ def test_a_refused_seed_changes_nothing():
     assert all(torch.equal(states[n], s) for n, s in after.items())
     assert torch.equal(torch.get_rng_state(), cpu)
     assert torch.equal(device_generator().get_state(), device)
-    with pytest.raises(UnknownStreamError):
-        tracker.fork("gtp-remat-rng")
+    with pytest.raises(UnknownStreamError), tracker.fork("gtp-remat-rng"):
+        pass
 
 
 @pytest.mark.distributed(world_size=2, timeout=90)
@@ -971,6 +971,29 @@ def test_set_all_rng_states_checks_the_cpu_state_before_installing_anything(cpu_
     with pytest.raises(TrackerDeviceError, match="not a"):
         megatron._set_all_rng_states(torch.get_rng_state(), torch.zeros(3), other)
     assert _unchanged(before)
+
+
+def test_set_all_rng_states_installs_state_views_at_a_storage_offset():
+    """torch's set_state misreads a state tensor that is a view at a storage offset ("Invalid
+    mt19937 state", other bytes, or a crash); the CPU state and the streams' are installed by
+    their values."""
+
+    def view(state: Any) -> Any:
+        if not isinstance(state, torch.Tensor):
+            return state
+        return torch.cat([torch.zeros(7, dtype=torch.uint8), state.cpu()])[7:]
+
+    model_parallel_cuda_manual_seed(123)
+    cpu, device, streams = megatron._get_all_rng_states()
+    torch.rand(3)
+    with get_cuda_rng_tracker().fork():
+        torch.rand(3)
+    rng = get_cuda_rng_tracker()._rng
+    expected = {n: rng.to_bytes(s) for n, s in streams.items()}
+    megatron._set_all_rng_states(view(cpu), device, {n: view(s) for n, s in streams.items()})
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert _every_state()[2].keys() == expected.keys()
+    assert all(torch.equal(_every_state()[2][n], expected[n]) for n in expected)
 
 
 @pytest.mark.parametrize(

@@ -107,3 +107,60 @@ def test_restore_of_a_snapshot_built_by_hand_checks_its_streams(states, error) -
         after = tracker.get_states()
         assert after.keys() == states_before.keys()
         assert all(torch.equal(after[n], states_before[n]) for n in after)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "builtin", "words"),
+    [
+        (lambda cpu, streams: RNGSnapshot(5, (), streams), "StateDictTypeError", TypeError, "CPU"),
+        (
+            lambda cpu, streams: RNGSnapshot(torch.zeros(3, dtype=torch.uint8), (), streams),
+            "StateDictError",
+            ValueError,
+            "3 elements",
+        ),
+        (
+            lambda cpu, streams: RNGSnapshot(cpu, (("cpu", cpu),), streams),
+            "StateDictTypeError",
+            TypeError,
+            "(torch.device, state) pairs",
+        ),
+        (
+            lambda cpu, streams: RNGSnapshot(cpu, ((torch.device("cpu"), "x"),), streams),
+            "StateDictTypeError",
+            TypeError,
+            "the cpu state",
+        ),
+        (
+            lambda cpu, streams: RNGSnapshot(cpu, (), (("tracker", {}),)),
+            "StateDictTypeError",
+            TypeError,
+            "(RNGStatesTracker, dict of states) pairs",
+        ),
+    ],
+)
+def test_restore_of_a_malformed_snapshot_is_a_typed_error(build, error, builtin, words) -> None:
+    """A hand-built snapshot whose CPU or device state is no generator state (an int, 3 bytes),
+    or whose parts are no pairs, raised torch's bare TypeError / RuntimeError (or an
+    AttributeError); each is now a typed error, and nothing changes."""
+    from rng_tracker import errors
+
+    tracker = _tracker()
+    built = build(torch.get_rng_state(), ((tracker, tracker.get_states()),))
+    _draw(tracker)
+    before = (torch.get_rng_state(), tracker.get_states()["s"])
+    with pytest.raises(getattr(errors, error)) as info:
+        built.restore()
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert words in str(info.value)
+    assert torch.equal(before[0], torch.get_rng_state())
+    assert torch.equal(before[1], tracker.get_states()["s"])
+
+
+def test_restore_installs_a_cpu_state_view_at_a_storage_offset() -> None:
+    """torch's set_state misreads a state tensor that is a view at a storage offset ("Invalid
+    mt19937 state" here); a hand-built snapshot's CPU state is installed by its values."""
+    state = torch.Generator().manual_seed(3).get_state()
+    view = torch.cat([torch.zeros(7, dtype=torch.uint8), state])[7:]
+    RNGSnapshot(view, (), ()).restore()
+    assert torch.equal(torch.rand(5), torch.rand(5, generator=torch.Generator().manual_seed(3)))

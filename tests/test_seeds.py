@@ -100,6 +100,24 @@ def test_megatron_collision_is_reported_and_changes_nothing():
         mg.model_parallel_cuda_manual_seed(7, tp_rank=6, ep_rank=17, etp_rank=0)
 
 
+def test_seeds_one_to_the_cpu_generator_are_refused_before_anything_changes():
+    """Megatron's arithmetic at etp_rank 2**32 + 1694 gives model-parallel-rng and
+    expert-parallel-rng seeds 2**32 apart: distinct, but one seed to torch's CPU generator (it
+    uses a seed's low 32 bits), so the two streams drew identical masks. Seeding a CPU tracker
+    refuses them, and leaves the tracker and the CPU generator as they were."""
+    ranks = {"tp_rank": 0, "ep_rank": 0, "etp_rank": 2**32 + 1694, "pp_rank": 0, "dp_rank": 0}
+    plan = plan_seeds(7, scheme="megatron", coordinates={"etp": ranks["etp_rank"]})
+    mp, ep = plan.stream_seeds[MODEL_PARALLEL_RNG], plan.stream_seeds[EXPERT_PARALLEL_RNG]
+    assert ep - mp == 2**32  # the plan itself is unchanged: only the CPU tracker refuses it
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("keep", 1)
+    cpu_before = torch.get_rng_state()
+    with pytest.raises(SeedReuseError, match=r"equal modulo 2\*\*32") as info:
+        model_parallel_seed(7, scheme="megatron", tracker=tracker, **ranks)
+    assert MODEL_PARALLEL_RNG in str(info.value) and EXPERT_PARALLEL_RNG in str(info.value)
+    assert tracker.names() == ["keep"] and torch.equal(torch.get_rng_state(), cpu_before)
+
+
 def _inverse_feistel64(key: bytes, value: int) -> int:
     import hashlib
 

@@ -35,6 +35,7 @@ from rng_tracker.errors import (
     StreamNameError,
     TrackerBusyError,
     TrackerDeviceError,
+    TrackerDeviceTypeError,
 )
 from rng_tracker.parallel.testing import run_distributed
 
@@ -198,7 +199,7 @@ def test_get_rng_tracker_is_one_per_device():
 @pytest.mark.parametrize(
     ("call", "error", "builtin", "words"),
     [
-        (lambda t: t.fork("nope"), UnknownStreamError, KeyError, "known: 'a'"),
+        (lambda t: t.fork("nope").__enter__(), UnknownStreamError, KeyError, "known: 'a'"),
         (lambda t: t.add("a", 99), DuplicateStreamError, KeyError, "already exists"),
         (lambda t: t.add("b", 1), SeedReuseError, ValueError, "already used by stream 'a'"),
         (lambda t: t.add("b", -1), InvalidSeedError, ValueError, "[0, 2**64)"),
@@ -214,14 +215,35 @@ def test_get_rng_tracker_is_one_per_device():
             "generator state",
         ),
         (
-            lambda t: t.set_states({"a": 1234}),
-            TrackerDeviceError,
-            ValueError,
+            lambda t: t.set_states({"a": 1234}),  # an int for a state: the TypeError subclass
+            TrackerDeviceTypeError,
+            TypeError,
             "torch.Tensor or a torch.Generator",
+        ),
+        (
+            lambda t: t.set_states({"a": "garbage"}),
+            TrackerDeviceTypeError,
+            TypeError,
+            "stream 'a'",
         ),
         (lambda t: t.set_states([("a", 1)]), TrackerDeviceError, ValueError, "mapping"),
         (lambda t: t.set_states({7: torch.get_rng_state()}), StreamNameError, TypeError, "str"),
         (lambda t: t.load_state_dict({"version": 99}), StateDictError, ValueError, "version 99"),
+        (lambda t: t.load_state_dict([1]), StateDictTypeError, TypeError, "got list"),
+        (
+            lambda t: t.load_state_dict({**t.state_dict(), "streams": [1]}),
+            StateDictTypeError,
+            TypeError,
+            "no 'streams' mapping (got list)",
+        ),
+        (
+            lambda t: t.load_state_dict(
+                {**t.state_dict(), "streams": {"a": {"seed": 1, "state": torch.zeros(5056)}}}
+            ),
+            StateDictTypeError,
+            TypeError,
+            "must be a uint8 tensor, got torch.float32",
+        ),
         # restore_states puts no state in that a later fork or get_states() could not use
         (
             lambda t: t.restore_states({"a": "garbage"}),
@@ -263,8 +285,8 @@ def test_get_rng_tracker_is_one_per_device():
             lambda t: t.load_state_dict(
                 {**t.state_dict(), "streams": {**t.state_dict()["streams"], 7: {"state": None}}}
             ),
-            StateDictError,
-            ValueError,
+            StateDictTypeError,
+            TypeError,
             "non-empty str, got 7",
         ),
         (
@@ -277,8 +299,8 @@ def test_get_rng_tracker_is_one_per_device():
                     },
                 }
             ),
-            StateDictError,
-            ValueError,
+            StateDictTypeError,
+            TypeError,
             "got ('a',)",
         ),
         (
@@ -504,7 +526,7 @@ def test_fork_order_is_checked_under_python_dash_O():
 @pytest.mark.parametrize("name", [["a"], ("a",), 7, None, b"a"])
 def test_non_str_names_are_stream_name_errors(name):
     tracker = _seeded()
-    _refused(tracker, lambda: tracker.fork(name), StreamNameError, TypeError)
+    _refused(tracker, lambda: tracker.fork(name).__enter__(), StreamNameError, TypeError)
     _refused(tracker, lambda: name in tracker, StreamNameError, TypeError)
 
 
@@ -515,17 +537,19 @@ def test_a_huge_stream_name_is_cut_in_error_messages():
     huge = "layer." + "x" * 100_000
     bad_state = {**tracker.state_dict(), "streams": {huge: {"seed": 5, "state": None}}}
     for call, error, builtin in (
-        (lambda: tracker.fork(huge), UnknownStreamError, KeyError),
-        (lambda: tracker.set_states({huge: 1234}), TrackerDeviceError, ValueError),
+        (lambda: tracker.fork(huge).__enter__(), UnknownStreamError, KeyError),
+        (lambda: tracker.set_states({huge: 1234}), TrackerDeviceTypeError, TypeError),
         (lambda: tracker.load_state_dict(bad_state), StateDictError, ValueError),
     ):
         message = str(_refused(tracker, call, error, builtin))
         assert len(message) < 400, (error, len(message))
-    message = str(_refused(tracker, lambda: tracker.fork(huge), UnknownStreamError, KeyError))
+    message = str(
+        _refused(tracker, lambda: tracker.fork(huge).__enter__(), UnknownStreamError, KeyError)
+    )
     assert "'layer.xxx" in message and "100006 chars" in message
     tracker.add(huge, 3)
     for call, error, builtin in (
-        (lambda: tracker.fork("nope"), UnknownStreamError, KeyError),  # lists the known names
+        (lambda: tracker.fork("nope").__enter__(), UnknownStreamError, KeyError),  # known names
         (lambda: tracker.add(huge, 4), DuplicateStreamError, KeyError),
         (lambda: tracker.add("c", 3), SeedReuseError, ValueError),
     ):
@@ -534,7 +558,9 @@ def test_a_huge_stream_name_is_cut_in_error_messages():
     many = RNGStatesTracker("cpu")
     for i in range(1000):
         many.add(f"s{i}", i)
-    message = str(_refused(many, lambda: many.fork("nope"), UnknownStreamError, KeyError))
+    message = str(
+        _refused(many, lambda: many.fork("nope").__enter__(), UnknownStreamError, KeyError)
+    )
     assert len(message) < 600 and "980 more" in message
 
 
@@ -688,3 +714,90 @@ def test_a_tracker_without_streams_is_true_as_megatrons_is():
     empty = RNGStatesTracker("cpu")
     assert len(empty) == 0 and bool(empty) is True
     assert bool(mg.CudaRNGStatesTracker()) is True
+
+
+def test_a_fork_checks_its_stream_on_entry_as_megatrons_does():
+    """Megatron's @contextmanager fork checks the name when its body runs, so a function may
+    be decorated before its stream is added; ours refused at decoration time. An unknown name or
+    one of the wrong type is refused on entry, with or without a decorator, changing nothing."""
+    tracker = RNGStatesTracker("cpu")
+
+    @tracker.fork("late")
+    def draw() -> torch.Tensor:
+        return torch.rand(4)
+
+    unknown, badly_named = tracker.fork("nope"), tracker.fork(7)  # type: ignore[arg-type]
+    tracker.add("other", 2)
+    _refused(tracker, draw, UnknownStreamError, KeyError)
+    _refused(tracker, unknown.__enter__, UnknownStreamError, KeyError)
+    _refused(tracker, badly_named.__enter__, StreamNameError, TypeError)
+    tracker.add("late", 3)
+    torch.manual_seed(0)
+    drawn, after = draw(), torch.rand(4)
+    assert torch.equal(drawn, torch.rand(4, generator=fresh(3)))
+    assert torch.equal(after, torch.rand(4, generator=fresh(0)))
+
+
+def test_cpu_seeds_equal_modulo_two_to_the_32_are_one_seed():
+    """torch's CPU generator (mt19937) uses only a seed's low 32 bits: streams of seeds 5 and
+    5 + 2**32 drew identical values, and add() took them as distinct. add() and
+    load_state_dict() refuse such seeds, and two states that differ only in the seed they store."""
+    high = 5 + 2**32
+    assert torch.equal(torch.rand(8, generator=fresh(5)), torch.rand(8, generator=fresh(high)))
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 5)
+    error = _refused(tracker, lambda: tracker.add("b", high), SeedReuseError, ValueError)
+    assert "equal modulo 2**32" in str(error) and "low 32 bits" in str(error)
+    tracker.add("b", 6)
+    saved = tracker.state_dict()
+    a, b = saved["streams"]["a"], saved["streams"]["b"]
+    same_low_bits = {**saved, "streams": {"a": a, "b": {**b, "seed": high}}}
+    error = _refused(
+        tracker, lambda: tracker.load_state_dict(same_low_bits), SeedReuseError, ValueError
+    )
+    assert f"the seeds 5 and {high}" in str(error)
+    twin = {"seed": None, "state": fresh(high).get_state()}  # a's state, another stored seed
+    same_draws = {**saved, "streams": {"a": {**a, "seed": None}, "b": twin}}
+    error = _refused(
+        tracker, lambda: tracker.load_state_dict(same_draws), SeedReuseError, ValueError
+    )
+    assert "same generator state" in str(error)
+    tracker.load_state_dict(saved)  # a valid state dict still loads
+
+
+def _state_views() -> tuple[torch.Tensor, torch.Tensor]:
+    """The states of seeds 1 and 2 as views into one buffer at storage offsets 7 and 7 + n, as
+    torch.load gives states saved as views (torch's set_state misreads such a view)."""
+    one, two = fresh(1).get_state(), fresh(2).get_state()
+    flat = torch.cat([torch.zeros(7, dtype=torch.uint8), one, two])
+    n = one.numel()
+    return flat[7 : 7 + n], flat[7 + n :]
+
+
+@pytest.mark.parametrize("generator_states", [False, True], ids=["uint8 states", "generators"])
+def test_state_views_at_a_storage_offset_install_their_own_bytes(generator_states):
+    """A state tensor that is a view at a storage offset was handed to torch as it was: torch
+    read other bytes ("Invalid mt19937 state", wrong draws, or a crash). set_states,
+    restore_states and load_state_dict now install exactly the view's values."""
+    one, two = _state_views()
+    expected = {"a": torch.rand(5, generator=fresh(1)), "b": torch.rand(5, generator=fresh(2))}
+    sd = {
+        "version": 1,
+        "device_type": "cpu",
+        "streams": {"a": {"seed": None, "state": one}, "b": {"seed": None, "state": two}},
+    }
+    for put in (
+        lambda t: t.set_states({"a": one, "b": two}),
+        lambda t: t.restore_states({"a": one, "b": two}),
+        lambda t: t.load_state_dict(sd),
+    ):
+        tracker = RNGStatesTracker("cpu", generator_states=generator_states)
+        put(tracker)
+        for name, values in expected.items():
+            with tracker.fork(name):
+                assert torch.equal(torch.rand(5), values)
+    strided = torch.stack([one.clone(), two.clone()], dim=1).flatten()[::2]  # seed 1's, strided
+    tracker = RNGStatesTracker("cpu", generator_states=generator_states)
+    tracker.set_states({"a": strided})
+    with tracker.fork("a"):
+        assert torch.equal(torch.rand(5), expected["a"])

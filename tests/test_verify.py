@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker import (
+    DATA_PARALLEL_RNG,
     MODEL_PARALLEL_RNG,
     ParallelStateError,
     RNGConsistencyError,
+    RNGStatesTracker,
     get_rng_tracker,
     model_parallel_seed,
 )
@@ -203,3 +205,67 @@ def test_the_report_prints_a_readable_grid_at_any_world_size():
     assert labels[:10] == ["AAA"] * 8 + ["AAB"] * 2 and len(set(labels)) == 8
     assert default.endswith(" ... (2048 states in all)")
     assert one.endswith(" ... (1 state in all)") and one.split()[1:65] == ["AAA"] * 64
+
+
+class _FixedLayout:
+    """A layout placing this rank at fixed coordinates of a large mesh (nothing but ranks)."""
+
+    world_size = 2
+
+    def __init__(self, coordinates: dict[str, int]) -> None:
+        self._coordinates = coordinates
+
+    def rank(self, axis: str) -> int:
+        return self._coordinates.get(axis, 0)
+
+    def size(self, axis: str) -> int:
+        return {"tp": 4096, "cp": 4, "pp": 4}.get(axis, 1)
+
+    def group(self, axis: str) -> None:
+        return None
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_verify_reports_cpu_streams_whose_seeds_share_their_low_32_bits(rank):
+    """The hashed scheme gives model-parallel-rng at (tp, cp, pp) = (596, 0, 2) and
+    (3415, 2, 2) seeds that differ only in their high 32 bits, which torch's CPU generator
+    ignores: the two ranks drew identical masks and the verifier said OK, since it fingerprinted
+    the seed each state stores. It now fingerprints what decides the draws and names them."""
+    coordinates = [{"tp": 596, "cp": 0, "pp": 2}, {"tp": 3415, "cp": 2, "pp": 2}][rank]
+    layout = _FixedLayout(coordinates)
+    tracker = RNGStatesTracker("cpu")
+    plan = model_parallel_seed(1234, layout=layout, tracker=tracker)
+    seeds = [None, None]
+    dist.all_gather_object(seeds, plan.stream_seeds[MODEL_PARALLEL_RNG])
+    assert seeds[0] != seeds[1] and seeds[0] % 2**32 == seeds[1] % 2**32
+    with tracker.fork(MODEL_PARALLEL_RNG):
+        mask = torch.nn.functional.dropout(torch.ones(4096), 0.5)
+    masks = [torch.empty_like(mask) for _ in range(2)]
+    dist.all_gather(masks, mask)
+    assert torch.equal(masks[0], masks[1])  # the collision is real
+    report = verify_rng_consistency(layout, tracker=tracker, plan=plan)
+    assert not report.ok
+    assert any(
+        f"stream {MODEL_PARALLEL_RNG!r} on ranks [0]; stream {MODEL_PARALLEL_RNG!r} on ranks [1]"
+        in problem
+        for problem in report.problems
+    ), report.problems
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_verify_inside_a_fork_sees_the_states_outside_it(rank):
+    """Inside an open fork the default generator holds the forked stream; the verifier took it
+    for the default state and reported a false collision. Each stream and the default generator
+    are now fingerprinted as they are outside the forks: the report is the same in and out."""
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2)
+    try:
+        tracker = RNGStatesTracker("cpu")
+        plan = model_parallel_seed(5, layout=state, tracker=tracker)
+        outside = verify_rng_consistency(state, tracker=tracker, plan=plan)
+        with tracker.fork(MODEL_PARALLEL_RNG), tracker.fork(DATA_PARALLEL_RNG):
+            inside = verify_rng_consistency(state, tracker=tracker, plan=plan)
+        assert outside.ok, outside.problems
+        assert inside == outside, inside.problems
+    finally:
+        destroy_model_parallel()
