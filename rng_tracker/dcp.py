@@ -301,11 +301,17 @@ def _fresh_state(seed: int) -> bytes:
     return as_bytes(torch.Generator().manual_seed(seed).get_state())
 
 
-def _refuse_equal_streams(parts: list[_Part]) -> None:
+def _refuse_equal_streams(parts: list[_Part], device: torch.device) -> None:
     """Refuse, as every load would, two streams of one state (``set_states`` accepts them):
-    they would draw identical values."""
+    they would draw identical values. Compared by what is drawn (a CPU state's stored seed
+    aside)."""
+    rng = device_rng(device)
     refuse_repeat(
-        ((p.name, p.state) for p in parts if p.name.startswith("stream/")),
+        (
+            (p.name, bytes(rng.drawn_bytes(as_uint8(p.state, torch.device("cpu"))).numpy()))
+            for p in parts
+            if p.name.startswith("stream/")
+        ),
         lambda first, second, _: (
             f"{_label(first)} and {_label(second)} hold the same generator state, which no "
             "load restores (they would draw identical values); give each stream its own seed"
@@ -512,7 +518,7 @@ class RNGStateful:
                 )
             layout = self._layout_key()
             parts = self._parts()
-            _refuse_equal_streams(parts)
+            _refuse_equal_streams(parts, self.tracker.device)
             keyed = self.keyed.state_dict() if self.keyed.seed is not None else None
             trainer_step = self._trainer_step()
         except Exception as exc:

@@ -629,6 +629,13 @@ def test_a_save_of_two_streams_in_one_state_is_refused_as_every_load_would_be() 
     tracker.set_states({**tracker.get_states(), "twin": state.clone()})
     with pytest.raises(RNGStateSaveError, match="'a' and tracker stream 'twin' hold the same"):
         RNGStateful(tracker, keyed).state_dict()
+    # a CPU state stores its seed but draws from its low 32 bits: another stored seed is no
+    # other state (torch.Generator().manual_seed(11 + 2**32) is such a twin of seed 11)
+    twin = torch.Generator().manual_seed(11 + 2**32).get_state()
+    assert not torch.equal(twin, state) and torch.equal(twin[8:], state[8:])
+    tracker.set_states({"a": state, "b": tracker.get_states()["b"], "twin": twin})
+    with pytest.raises(RNGStateSaveError, match="'a' and tracker stream 'twin' hold the same"):
+        RNGStateful(tracker, keyed).state_dict()
 
 
 def test_the_default_tracker_and_keyed_rng_are_the_processs_at_each_call() -> None:
