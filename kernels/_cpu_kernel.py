@@ -89,7 +89,8 @@ def isa_paths() -> list[str]:
 def _bf16_nan_bits() -> int:
     # torch's fp32 -> bf16 cast of NaN differs across builds (0xFFFF from the x86 vector
     # path, 0x7FC0 from the scalar one): the kernel writes this build's.
-    return torch.tensor([float("nan")] * 16).to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
+    nan = torch.tensor([float("nan")] * 16, device="cpu")
+    return nan.to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
 
 
 def available() -> bool:

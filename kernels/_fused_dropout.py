@@ -100,8 +100,9 @@ def dropout(
     Philox key (lo32, hi32 of key) at counter (lo32(c), hi32(c), c2, c3), c = base + g // 4
     (mod 2**64). c2 and c3 must be in [0, 2**32): checked for a CPU seed; a seed on a device
     is not read on the host (no sync), and there only their low 32 bits count. A seed on x's
-    device is used in place, so a CUDA graph may capture the call. Backward saves the seed
-    tensor itself: modify it in place before backward and autograd reports it.
+    device is used in place (Triton reads a strided view, e.g. a column of a seed table,
+    through a copy), so a CUDA graph may capture the call. Backward saves the seed tensor
+    itself: modify it in place before backward and autograd reports it.
     """
     _check_tensor("x", x)
     p = check_p(p)

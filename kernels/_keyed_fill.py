@@ -247,7 +247,7 @@ def _fill(
     c_index = (ctypes.c_int64 * max(1, len(flat)))(*flat)
     c_strides = (ctypes.c_int64 * max(1, len(strides)))(*strides)
     direct = local.dtype == torch.float32 and local.is_contiguous()
-    out = local if direct else torch.empty(local.shape, dtype=torch.float32)  # (local shape)
+    out = local if direct else torch.empty(local.shape, dtype=torch.float32, device=local.device)
     c_params = (ctypes.c_float * 8)(*params, *[0.0] * (8 - len(params)))
     status = library.rt_keyed_fill(
         out.data_ptr(),

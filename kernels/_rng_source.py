@@ -38,18 +38,22 @@ def advanced_offset(offset: int, logical_numel: int) -> int:
     return advanced
 
 
-_SCRATCH = threading.local()  # per thread: a 0-dim int64 tensor the eager draws reuse
+_SCRATCH = threading.local()  # per thread: a 0-dim int64 CPU tensor the eager draws reuse
 
 
 def _drawn(
     generator: torch.Generator, logical_numel: int, scratch: torch.Tensor | None = None
 ) -> Words:
-    """Consume the generator's randomness for one call over ``logical_numel`` elements."""
-    if generator.device.type == "cuda":
+    """Consume the generator's randomness for one call over ``logical_numel`` elements
+    (``scratch``: a CPU generator's reusable tensor to draw into)."""
+    device = generator.device
+    if device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(advanced_offset(offset, logical_numel))
         return signed64(generator.initial_seed()), offset // 4, 0, 0
-    return _host_draw(generator, torch.empty((), dtype=torch.int64) if scratch is None else scratch)
+    if scratch is None or device.type != "cpu":  # on the generator's device, not the default one
+        scratch = torch.empty((), dtype=torch.int64, device=device)
+    return _host_draw(generator, scratch)
 
 
 def _host_draw(generator: torch.Generator, scratch: torch.Tensor) -> Words:
@@ -83,7 +87,10 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
         return 0, 0, 0, 0
     scratch = getattr(_SCRATCH, "tensor", None)
     if scratch is None:
-        scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64)
+        # a normal tensor even if this thread's first draw runs under inference mode: an
+        # inference tensor cannot be written outside it
+        with torch.inference_mode(False):
+            scratch = _SCRATCH.tensor = torch.empty((), dtype=torch.int64, device="cpu")
     if generator is None and x.is_cpu:  # the CPU's default generator, without a device lookup
         return _host_draw(torch.default_generator, scratch)
     return _drawn(_generator(x, generator), logical_numel, scratch)
@@ -92,7 +99,7 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
 def seed_tensor(words: Words, device: torch.device) -> torch.Tensor:
     """``words`` as an int64 tensor on ``device``: an op argument, never a constant baked into a
     graph."""
-    return torch.tensor(words, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor(words, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
 def refuse_capture(x: torch.Tensor) -> None:

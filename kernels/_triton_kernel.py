@@ -194,6 +194,10 @@ def fused_dropout_triton(
     # plain ints: triton.cdiv is a jit function, and calling one from Python costs ~10 us
     grid = (-(-x.numel() // (4 * _GROUPS_PER_PROGRAM)),)
     in_args = isinstance(seed, tuple)  # else a seed tensor, which the kernel loads
+    if not in_args:
+        # The kernel reads words 1..3 at seed_ptr + 1..3: a strided view (a column of a seed
+        # table, an expanded word) is copied; a contiguous seed is read in place (graph capture).
+        seed = seed.contiguous()
     kernel[grid](
         x,
         x if bias is None else bias.contiguous(),

@@ -402,6 +402,44 @@ def test_impl_cpu_refuses_other_devices_before_drawing():
         dropout(torch.randn(8, device="meta"), 0.5, impl="cpu")
 
 
+_META_FIRST_SCRIPT = textwrap.dedent(
+    """
+    import warnings
+    import torch
+    from rng_tracker.kernels import _cpu_kernel, dropout
+    from rng_tracker.kernels._keyed_fill import keyed_uniform_
+
+    x = torch.randn(16, 8)
+    x[0, :4] = float("nan")
+    x = x.to(torch.bfloat16)
+    targets = [torch.empty(7, 9, dtype=torch.bfloat16) for _ in range(2)]
+
+    def calls(target):
+        generator = torch.Generator().manual_seed(1)
+        return [
+            dropout(x, 0.5, generator=generator, impl="cpu").view(torch.int16),
+            keyed_uniform_(target, seed=1, name="w").view(torch.int16),
+        ]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference warns
+        with torch.device("meta"):
+            inside = calls(targets[0])
+    outside = calls(targets[1])
+    print(_cpu_kernel.available(), *(torch.equal(a, b) for a, b in zip(inside, outside)))
+    """
+)
+
+
+def test_a_process_whose_first_kernel_calls_run_under_a_meta_device_loads_the_kernels():
+    """In a fresh process, the first compiled dropout (which loads the kernel) and the first
+    keyed fill of a bf16 tensor run inside ``with torch.device("meta")`` on CPU tensors: the
+    kernel loads (no fallback warning) and both give the bits of the same calls outside it."""
+    result = _python(_META_FIRST_SCRIPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True", "True"]
+
+
 _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import warnings

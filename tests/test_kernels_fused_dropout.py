@@ -3,8 +3,10 @@ statistics, mask-free memory, tracker integration, compile-traceability, typed e
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -568,3 +570,110 @@ def test_triton_straight_route_equals_its_op_bitwise(keyed):
         assert torch.equal(straight, through_op) if straight is not None else through_op is None
     for straight, reference in zip(results[0], results[2], strict=True):
         assert torch.equal(straight, reference) if straight is not None else reference is None
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton", "triton_op"])
+@pytest.mark.parametrize("view", ["table_column", "expanded"])
+def test_a_strided_seed_draws_the_mask_of_its_contiguous_copy(view, impl):
+    """A seed that is a view (a column of a seed table, stride 2; one word expanded, stride 0)
+    gives every path, the registered Triton op included, the outputs and gradients of its
+    contiguous copy on the reference, bit for bit: the Triton kernel reads the view's words."""
+    from rng_tracker.kernels._index_map import index_map_of, to_op_args
+
+    table = torch.tensor([[123456789, 2**40 + 3, 7, 3], [-987654321, 5, 9, 11]]).t().contiguous()
+    seed = table[:, 0] if view == "table_column" else torch.tensor([5]).expand(4)
+    assert not seed.is_contiguous()
+    x, bias, residual = torch.randn(6, 260), torch.randn(260), torch.randn(6, 260)
+    grad = torch.randn(6, 260)
+
+    def outputs(seed: torch.Tensor, impl: str) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
+        if impl == "triton_op":
+            index_map = to_op_args(index_map_of(x.shape, None))
+            out = torch.ops.rng_tracker.fused_dropout_triton(*leaves, seed, 0.3, *index_map)
+        else:
+            out = bias_dropout_add(*leaves, 0.3, seed=seed, impl=impl)
+        out.backward(grad)
+        return [_bits(t) for t in (out, *(leaf.grad for leaf in leaves))]
+
+    expected = outputs(seed.contiguous(), "torch")
+    for got, want in zip(outputs(seed, impl), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def _on_a_new_thread(fn: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``fn()`` on a thread of its own, whose first drawn call makes the thread's scratch tensor."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize("impl", ["auto", "cpu", "torch", "triton"])
+def test_a_thread_whose_first_draw_is_in_inference_mode_draws_alike_after_it(impl):
+    """A thread's first drawn calls run under torch.inference_mode(), its later ones outside it
+    (forward and backward): every output, gradient and generator state is the same bits as those
+    of the same calls without inference mode, and no later call fails after drawing."""
+    x, grad = torch.randn(6, 260), torch.randn(6, 260)
+
+    def calls(inference: bool) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        private = gen(9)
+        with torch.inference_mode(inference):
+            outs = [dropout(x, 0.3, impl=impl), dropout(x, 0.3, generator=private, impl=impl)]
+            states = [torch.get_rng_state(), private.get_state()]
+        leaf = x.clone().requires_grad_()
+        outs.append(dropout(leaf, 0.3, impl=impl))
+        outs[-1].backward(grad)
+        outs += [leaf.grad, dropout(x, 0.3, generator=private, impl=impl)]
+        return [_bits(t) for t in outs] + states + [torch.get_rng_state(), private.get_state()]
+
+    expected, got = _on_a_new_thread(lambda: calls(False)), _on_a_new_thread(lambda: calls(True))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@contextlib.contextmanager
+def _default_device(device: str) -> Iterator[None]:
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("impl", ["auto", "cpu", "torch", "triton"])
+@pytest.mark.parametrize("how", ["device_context", "set_default_device"])
+def test_a_meta_default_device_changes_no_bit_of_a_call_on_cpu_tensors(how, impl):
+    """Inside ``with torch.device("meta")`` (or after torch.set_default_device("meta")), on a
+    thread whose first calls these are, drawn and keyed calls on CPU tensors (forward and
+    backward) give the CPU outputs, gradients and generator states of the same calls outside it,
+    bit for bit, as F.dropout does; so do the thread's later calls outside it."""
+    x, bias, residual = torch.randn(6, 260), torch.randn(260), torch.randn(6, 260)
+    grad = torch.randn(6, 260)
+    seed = torch.tensor([-(2**62) - 7, 2**40, 5, 9])
+
+    def calls(meta: bool) -> list[torch.Tensor]:
+        torch.manual_seed(5)
+        private = gen(9)
+        leaves = [t.clone().requires_grad_() for t in (x, bias, residual)]
+        keyed_leaf = x.clone().requires_grad_()
+        context = torch.device("meta") if how == "device_context" else _default_device("meta")
+        with context if meta else contextlib.nullcontext():
+            outs = [
+                dropout(x, 0.3, impl=impl),
+                bias_dropout_add(
+                    *leaves, 0.3, shard=Region((12, 260), (3, 0)), generator=private, impl=impl
+                ),
+                dropout(keyed_leaf, 0.3, seed=seed, impl=impl),
+            ]
+            outs[1].backward(grad)
+            outs[2].backward(grad)
+        states = [torch.get_rng_state(), private.get_state()]
+        later = [dropout(x, 0.3, impl=impl), dropout(x, 0.3, generator=private, impl=impl)]
+        grads = [leaf.grad for leaf in (*leaves, keyed_leaf)]
+        assert all(t.device.type == "cpu" for t in (*outs, *grads))
+        states += [torch.get_rng_state(), private.get_state()]
+        return [_bits(t) for t in (*outs, *grads, *later)] + states
+
+    expected, got = _on_a_new_thread(lambda: calls(False)), _on_a_new_thread(lambda: calls(True))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
