@@ -4,8 +4,8 @@ Each shim is documented in docs/migrating.md; none is part of rng_tracker's inst
 
 - ``cuda_means_cpu()``: megatron allocates on ``torch.cuda.current_device()`` (sequence-parallel
   collectives, pipeline p2p buffers, ``use_cpu_initialization=False`` parameters, the router's
-  weight move) and its schedules make ``torch.zeros(..., device="cuda")``; inside the block both
-  name the CPU.
+  weight move), its schedules make ``torch.zeros(..., device="cuda")`` and a tied embedding's
+  copies meet in ``weight.data.cuda()``; inside the block all three name the CPU.
 - ``sequence_parallel_spec()``: the local spec's torch LayerNorm wrapper refuses sequence
   parallelism, so SP runs swap it for a torch LayerNorm that marks its parameters
   ``sequence_parallel`` as Megatron's Apex/TE norms do.
@@ -50,14 +50,16 @@ class _CudaDeviceIsTheCPU(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_means_cpu() -> Iterator[None]:
-    """Within the block ``torch.cuda.current_device()`` and ``device="cuda"`` name the CPU."""
-    current_device = torch.cuda.current_device
+    """Within the block ``torch.cuda.current_device()``, ``device="cuda"`` and ``Tensor.cuda()``
+    name the CPU."""
+    current_device, to_cuda = torch.cuda.current_device, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         with _CudaDeviceIsTheCPU():
             yield
     finally:
-        torch.cuda.current_device = current_device
+        torch.cuda.current_device, torch.Tensor.cuda = current_device, to_cuda
 
 
 def sequence_parallel_spec(layer: Any, num_layers: int) -> Any:

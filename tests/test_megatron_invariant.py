@@ -97,6 +97,7 @@ def _build(
     moe: bool = False,
     ep: int = 1,
     seed: int = 1234,
+    share: bool = False,
     **extra: Any,
 ):
     import megatron.core.parallel_state as ps
@@ -116,6 +117,7 @@ def _build(
             max_sequence_length=_SEQ,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=share,
         )
 
 
@@ -379,6 +381,28 @@ def test_megatron_gpt_model_draws_the_same_init_masks_and_losses_on_every_layout
             experts = _plain(1, 1, False, cpu_init=cpu_init, moe=True, ep=2)["params"]
             assert _distinct_experts(experts), cpu_init
     rm.uninstall()
+
+
+@pytest.mark.distributed(world_size=2, timeout=240)
+def test_a_tied_embeddings_copy_on_the_last_stage_starts_as_the_embedding(rank):
+    """share_embeddings_and_output_weights at PP=2, the embedding with an init of its own
+    (embedding_init_method_std 0.05, the other weights 0.02): megatron starts the last stage's
+    copy equal to the first stage's embedding; invariant mode filled the copy from the output
+    layer's init (std 0.02) under the embedding's key. Both copies now equal PP=1's embedding."""
+    warnings.simplefilter("ignore")
+    rm.install(invariant=True)
+    try:
+        with _megatron_layout(pp=2):
+            model = _build(1, 2, False, cpu_init=False, share=True, embedding_init_method_std=0.05)
+            weight = model.shared_embedding_or_output_weight().detach()
+            copies = [torch.empty_like(weight) for _ in range(2)]
+            dist.all_gather(copies, weight)
+        with _megatron_layout():  # PP=1 (DP=2): one stage holds the embedding and the head
+            one = _build(1, 1, False, cpu_init=False, share=True, embedding_init_method_std=0.05)
+            embedding = one.shared_embedding_or_output_weight().detach()
+    finally:
+        rm.uninstall()
+    assert torch.equal(copies[0], embedding) and torch.equal(copies[1], embedding)
 
 
 # -- a run saved at TP=2xPP=2 and resumed on other layouts ---------------------------------------

@@ -268,6 +268,24 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
+def _tied_copy(model: torch.nn.Module) -> tuple[int, Callable[..., Any]] | None:
+    """(id of the last stage's copy of a tied embedding, the embedding's init method), or None.
+
+    With ``share_embeddings_and_output_weights`` a pipeline stage that has the output layer but
+    not the embedding holds a copy of the embedding under its key; megatron starts it equal to
+    the first stage's embedding (zeroed, then all-reduced while the model is built). Its init
+    is therefore the embedding's, not the output layer's ``init_method`` it was deferred with."""
+    if not getattr(model, "share_embeddings_and_output_weights", False) or getattr(
+        model, "pre_process", True
+    ):
+        return None
+    weight = getattr(getattr(model, "output_layer", None), "weight", None)
+    method = getattr(getattr(model, "config", None), "embedding_init_method", None)
+    if weight is None or method is None:
+        return None
+    return id(weight), getattr(method, "original", method)
+
+
 def fill_deferred(model: torch.nn.Module, *, seed: int | None) -> int:
     """Fill every deferred parameter of ``model`` from ``model.sharded_state_dict()``; returns how
     many. Raises :class:`MegatronInvariantInitError` (nothing filled) when a deferred parameter
@@ -318,8 +336,9 @@ def fill_deferred(model: torch.nn.Module, *, seed: int | None) -> int:
             )
         plan.append((name, param, boxes))
     kinds: dict[tuple[int, tuple[int, ...]], tuple[str, tuple[float, ...]] | None] = {}
+    tied = _tied_copy(model)
     for _, param, boxes in plan:
-        method = _DEFERRED[id(param)][1]
+        method = tied[1] if tied is not None and tied[0] == id(param) else _DEFERRED[id(param)][1]
         for box in boxes:
             shape = tuple(box.global_shape[box.prepend_axis_num :])
             found = kinds.get((id(method), shape), ...)
