@@ -72,7 +72,14 @@ def name_hash(name: str) -> int:
     """The 64-bit hash of a parameter's stable name (BLAKE2b of its UTF-8 bytes)."""
     if not isinstance(name, str) or not name:
         raise KernelInputTypeError(f"name must be a non-empty str, got {name!r}")
-    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8, person=b"rng_tracker.init")
+    try:
+        data = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise KernelInputError(
+            f"name {name!r} holds a lone surrogate, which UTF-8 cannot encode, so it has no "
+            "stable bytes to key by; name the tensor with text UTF-8 encodes"
+        ) from None
+    digest = hashlib.blake2b(data, digest_size=8, person=b"rng_tracker.init")
     return int.from_bytes(digest.digest(), "little")
 
 

@@ -199,6 +199,31 @@ def _bernoulli_(
         return self.copy_(keep)
 
 
+# Per thread: > 0 while a route runs torch's own init. Calls made inside a mode's handler reach
+# the next mode out, so an enclosing invariant_random block would draw them keyed instead.
+_TORCHS_OWN = threading.local()
+
+
+@contextmanager
+def _torchs_own() -> Iterator[None]:
+    """Within the block, every invariant_random mode of this thread passes calls through."""
+    depth = getattr(_TORCHS_OWN, "depth", 0)
+    _TORCHS_OWN.depth = depth + 1
+    try:
+        yield
+    finally:
+        _TORCHS_OWN.depth = depth
+
+
+def _torch_draw(torch_func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """torch's own ``torch_func`` on ``tensor``: on the full tensor for a DTensor (every rank
+    draws all of it and keeps its part), as is for a plain tensor."""
+    with _torchs_own():
+        if isinstance(tensor, DTensor):
+            return fill_from_full(tensor, lambda full: torch_func(full, *args, **kwargs))
+        return torch_func(tensor, *args, **kwargs)
+
+
 def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[..., Any]:
     """A route for uniform_/normal_: keyed by name in keyed mode, else torch's own draw on the
     full tensor (a DTensor keeps its part; a plain tensor is the full tensor)."""
@@ -213,9 +238,7 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
         if ctx.keyed is not None and kwargs.get("generator") is None:
             return ctx.keyed.fill(tensor, kind, low, high)
         _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
-        if isinstance(tensor, DTensor):
-            return fill_from_full(tensor, lambda full: torch_func(full, *args, **kwargs))
-        return torch_func(tensor, *args, **kwargs)
+        return _torch_draw(torch_func, tensor, *args, **kwargs)
 
     return route
 
@@ -231,11 +254,7 @@ def _init_kaiming_uniform(
     if ctx.keyed is not None and kwargs.get("generator") is None:
         bound = _kaiming_bound(tensor, *args, **kwargs)
         return _ROUTES[torch.Tensor.uniform_](ctx, tensor, -bound, bound)
-    if isinstance(tensor, DTensor):
-        return fill_from_full(
-            tensor, lambda full: torch.nn.init.kaiming_uniform_(full, *args, **kwargs)
-        )
-    return torch.nn.init.kaiming_uniform_(tensor, *args, **kwargs)
+    return _torch_draw(torch.nn.init.kaiming_uniform_, tensor, *args, **kwargs)
 
 
 def _kaiming_bound(
@@ -354,19 +373,20 @@ def _routed_trunc_normal(
     """torch's ``_no_grad_trunc_normal_`` inside an ``invariant_random`` block.
 
     Keyed: one keyed inverse-CDF draw per element (keyed by the parameter's name, or by its
-    place among the block's draws). Otherwise (``init="full"``, a ``generator=``, or bounds the
-    keyed draw refuses) torch's own, on the full tensor for a DTensor: run on the DTensor, its
-    pointwise steps would redistribute a ``Partial`` one and round its values.
+    place among the block's draws); bounds the keyed draw refuses run torch's code, which answers
+    them as torch does. ``init="full"`` or a ``generator=``: torch's own draw, on the full tensor
+    for a DTensor (run on the DTensor, its pointwise steps would redistribute a ``Partial`` one
+    and round its values).
     """
     torch_trunc_normal = _TRUNC_ROUTE["torch"]
     blocks = _open_blocks()
     keyed = blocks[-1].keyed if blocks else None
-    if keyed is not None and generator is None and _keyed_bounds(mean, std, a, b):
-        return keyed.fill(tensor, "trunc_normal", mean, std, a, b)
-    if blocks and isinstance(tensor, DTensor):
-        return fill_from_full(
-            tensor, lambda full: torch_trunc_normal(full, mean, std, a, b, generator=generator)
-        )
+    if keyed is not None and generator is None:
+        if _keyed_bounds(mean, std, a, b):
+            return keyed.fill(tensor, "trunc_normal", mean, std, a, b)
+        return torch_trunc_normal(tensor, mean, std, a, b)  # torch's answer, its draws keyed
+    if blocks:
+        return _torch_draw(torch_trunc_normal, tensor, mean, std, a, b, generator=generator)
     return torch_trunc_normal(tensor, mean, std, a, b, generator=generator)
 
 
@@ -454,6 +474,8 @@ class _InvariantRandomMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if getattr(_TORCHS_OWN, "depth", 0):  # torch's own init, run by a route
+            return func(*args, **kwargs)
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
             return route(self, *args, **kwargs)

@@ -15,6 +15,7 @@ docs/dtensor.md.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -124,7 +125,10 @@ def keyed_trunc_normal_(
     return t
 
 
-def _local_key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+_Key = tuple[int, int, tuple[int, ...]]  # (storage identity, offset, shape) of the local tensor
+
+
+def _local_key(t: torch.Tensor) -> _Key | None:
     local = t.to_local() if isinstance(t, DTensor) else t
     if local.device.type == "meta":
         return None
@@ -137,8 +141,11 @@ class KeyedInit:
     among the block's draws, the same on every rank that runs the same init.
 
     A tensor is found by identity (the parameter object ``nn.init`` receives) or by its
-    storage (``param.data``); the map is rebuilt when a lookup misses, so parameters that
-    ``to_empty``, FSDP or TP replaced after this was made are found too.
+    storage (``param.data``); a hit counts only while that tensor still holds that storage, and
+    the map is rebuilt when a lookup misses and the model's tensors or their storages changed,
+    so parameters that ``to_empty``, ``.to()``, FSDP or TP replaced after this was made are
+    found, never taken for the tensor that held the address before. A tensor under several
+    names (tied weights) takes the smallest, whatever order the modules were registered in.
     """
 
     def __init__(self, model: torch.nn.Module | None, seed: int) -> None:
@@ -159,9 +166,10 @@ class KeyedInit:
             ) from None
         self.model = model
         self.seed = checked
-        self._by_id: dict[int, str] = {}
-        self._by_storage: dict[tuple[int, int, tuple[int, ...]], str] = {}
-        self._ids: list[int] = []
+        # id / storage -> (a weak reference to the model's tensor, its name)
+        self._by_id: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._by_storage: dict[_Key, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._seen: list[tuple[int, _Key | None]] = []  # the model's tensors at the last rebuild
         self._anonymous = 0
         self._rebuild()
 
@@ -179,24 +187,31 @@ class KeyedInit:
             *self.model.named_buffers(remove_duplicate=False),
         ]
 
+    def _state(self) -> list[tuple[int, _Key | None]]:
+        return [(id(t), _local_key(t)) for _, t in self._named()]
+
     def _rebuild(self) -> None:
         self._by_id.clear()
         self._by_storage.clear()
         named = self._named()
-        self._ids = [id(t) for _, t in named]
-        for fqn, tensor in named:
+        self._seen = [(id(t), _local_key(t)) for _, t in named]
+        for (fqn, tensor), (ident, key) in zip(named, self._seen, strict=True):
             name = stable_name(fqn)
-            self._by_id.setdefault(id(tensor), name)  # a tied weight keeps its first name
-            key = _local_key(tensor)
-            if key is not None:
-                self._by_storage.setdefault(key, name)
+            for table, at in ((self._by_id, ident), (self._by_storage, key)):
+                if at is not None and (at not in table or name < table[at][1]):  # tied: smallest
+                    table[at] = (weakref.ref(tensor), name)
 
     def _lookup(self, t: torch.Tensor) -> str | None:
-        name = self._by_id.get(id(t))
-        if name is None:
-            key = _local_key(t)
-            name = None if key is None else self._by_storage.get(key)
-        return name
+        entry = self._by_id.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        key = _local_key(t)
+        entry = None if key is None else self._by_storage.get(key)
+        if entry is None:
+            return None
+        owner = entry[0]()
+        # the storage's address may now be another tensor's: a hit only while the owner holds it
+        return entry[1] if owner is not None and _local_key(owner) == key else None
 
     def fill(self, t: torch.Tensor, kind: FillKind, *params: object) -> torch.Tensor:
         """Fill ``t`` with the keyed values of ``kind`` (see :data:`FillKind`) under its name
@@ -210,7 +225,7 @@ class KeyedInit:
         """``t``'s stable name in the model, or, for a tensor that is none of its parameters or
         buffers (or with no model), its place among such draws (:meth:`anonymous_name`)."""
         name = self._lookup(t)
-        if name is None and [id(t) for _, t in self._named()] != self._ids:
-            self._rebuild()  # parameters were replaced (to_empty, FSDP, TP) since the last look
+        if name is None and self._state() != self._seen:
+            self._rebuild()  # tensors or storages replaced (to_empty, .to(), FSDP, TP) since
             name = self._lookup(t)
         return self.anonymous_name() if name is None else name

@@ -688,3 +688,26 @@ def test_an_empty_tensor_is_not_taken_for_an_empty_parameter_in_keyed_init():
         return u
 
     assert torch.equal(u_after(torch.zeros(0, 4)), u_after(torch.zeros(1, 4)))
+
+
+def test_an_init_full_block_inside_a_keyed_block_draws_torchs_values() -> None:
+    """Calls a route makes inside its handler reach the next mode out: torch's own init in an
+    inner init="full" block was drawn keyed by the enclosing block. Now it is torch's values and
+    torch's generator state, also in torch's resampling loops (trunc_normal_)."""
+    inits = {
+        "uniform_": lambda t: torch.nn.init.uniform_(t),
+        "Tensor.normal_": lambda t: t.normal_(),
+        "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t),
+        "xavier_normal_": lambda t: torch.nn.init.xavier_normal_(t),
+        "trunc_normal_": lambda t: torch.nn.init.trunc_normal_(t, a=-1.0, b=1.0),
+        "trunc_normal_ narrow": lambda t: torch.nn.init.trunc_normal_(t, a=-0.2, b=0.2),
+    }
+    for name, init in inits.items():
+        torch.manual_seed(3)
+        want = init(torch.empty(16, 8))
+        want_state = torch.get_rng_state()
+        torch.manual_seed(3)
+        with invariant_random(seed=99), invariant_random(init="full"):
+            got = init(torch.empty(16, 8))
+        assert torch.equal(got, want), name
+        assert torch.equal(torch.get_rng_state(), want_state), name

@@ -362,3 +362,65 @@ def test_a_refused_fill_takes_no_name() -> None:
     got = keyed.fill(torch.empty(4), "uniform", 0.0, 1.0)
     assert keyed.anonymous_name() == "<anonymous>.2"
     assert torch.equal(got, keyed_uniform_reference((4,), seed=5, name="<anonymous>.1"))
+
+
+def test_a_tensor_is_never_named_by_a_storage_another_tensor_held() -> None:
+    """The name map is keyed by storage for ``param.data``; a storage that changed hands since
+    the map was made must not name its new holder after its old one. Swapped explicitly here
+    (weight 1 takes weight 0's old storage), and as ``.to()`` inside the block does, after which
+    HF-style ``.data.normal_()`` init gave layer i the values of layer i - 1."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)])
+    keyed = KeyedInit(model, seed=7)
+    w0, w1 = model[0].weight, model[1].weight
+    old = w0.data
+    w0.data, w1.data = torch.empty_like(old), old
+    assert keyed.name_of(w1.data) == "1.weight" and keyed.name_of(w0.data) == "0.weight"
+
+    def build() -> torch.nn.Sequential:
+        return torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(4)])
+
+    reference = build().to(torch.float64)
+    with invariant_random(reference, seed=7):
+        for layer in reference:
+            layer.weight.data.normal_(0.0, 0.02)
+    moved = build()
+    with invariant_random(moved, seed=7):
+        moved.to(torch.float64)  # new storages for the same Parameter objects
+        for layer in moved:
+            layer.weight.data.normal_(0.0, 0.02)
+    for i in range(4):
+        assert torch.equal(moved[i].weight, reference[i].weight), i
+
+
+def test_a_tied_weight_is_keyed_by_its_smallest_name_in_any_registration_order() -> None:
+    """A weight under two names (an embedding tied to the head) took the name registered first,
+    so the same model declared in another order drew other values."""
+
+    class LM(torch.nn.Module):
+        def __init__(self, head_first: bool) -> None:
+            super().__init__()
+            if head_first:
+                self.head = torch.nn.Linear(6, 10, bias=False)
+                self.emb = torch.nn.Embedding(10, 6)
+            else:
+                self.emb = torch.nn.Embedding(10, 6)
+                self.head = torch.nn.Linear(6, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    values = []
+    for head_first in (False, True):
+        model = LM(head_first)
+        with invariant_random(model, seed=1):
+            torch.nn.init.normal_(model.emb.weight, std=0.02)
+        values.append(model.emb.weight.detach())
+    assert torch.equal(values[0], values[1])
+    expected = keyed_init.keyed_normal_(torch.empty(10, 6), 0.0, 0.02, seed=1, name="emb.weight")
+    assert torch.equal(values[0], expected)  # "emb.weight" < "head.weight"
+
+
+def test_a_name_utf8_cannot_encode_is_a_typed_error() -> None:
+    t = torch.full((3,), 5.0)
+    with pytest.raises(KernelInputError, match="lone surrogate") as raised:
+        keyed_init.keyed_normal_(t, 0.0, 1.0, seed=1, name="w\ud800")
+    assert isinstance(raised.value, ValueError) and isinstance(raised.value, RNGTrackerError)
+    assert torch.equal(t, torch.full((3,), 5.0))
