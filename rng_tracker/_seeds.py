@@ -244,7 +244,7 @@ def apply_seed_plan(
     what only the tracker's device refuses (on CPU, two seeds equal modulo 2**32) is refused
     here before anything changes."""
     streams = {**plan.stream_seeds, **(extra or {})}
-    check_stream_seeds(tracker, streams)
+    check_stream_seeds(tracker.device, streams)
     tracker.reset()
     torch.default_generator.manual_seed(plan.default_seed)
     if tracker.device.type != "cpu":

@@ -85,16 +85,16 @@ def _one_seed(first: int, second: int) -> str:
     )
 
 
-def check_stream_seeds(tracker: RNGStatesTracker, seeds: Mapping[str, int]) -> None:
+def check_stream_seeds(device: torch.device, seeds: Mapping[str, int]) -> None:
     """Refuse, with :class:`SeedReuseError`, the ``seeds`` (stream name to seed) that
-    :meth:`RNGStatesTracker.add` would refuse on an emptied ``tracker``: two that its generator
-    cannot tell apart (equal, or on CPU equal modulo 2**32). Seeding checks a whole plan
-    with it before it changes anything."""
-    rng = tracker._rng
+    :meth:`RNGStatesTracker.add` would refuse on an empty tracker of ``device``: two that its
+    generator cannot tell apart (equal, or on CPU equal modulo 2**32). Seeding checks a whole
+    plan with it before it changes anything."""
+    rng = device_rng(device, generator_states=False)
     refuse_repeat(
         ((name, rng.used_seed(seed)) for name, seed in seeds.items()),
         lambda first, second, _: (
-            f"streams {_shown(first)} and {_shown(second)} of the {tracker.device} tracker get "
+            f"streams {_shown(first)} and {_shown(second)} of the {device} tracker get "
             f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; give "
             "each stream a seed of its own"
         ),

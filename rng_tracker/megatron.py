@@ -28,7 +28,7 @@ import torch.distributed as dist
 import rng_tracker._megatron_install as _megatron_install
 from rng_tracker import checkpoint_without_output as _without_output
 from rng_tracker._collective import collective_device
-from rng_tracker._device_rng import RNGState, device_rng, plain_state
+from rng_tracker._device_rng import RNGState, default_device, device_rng, plain_state
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._megatron_install import (
@@ -57,6 +57,7 @@ from rng_tracker._streams import (
 )
 from rng_tracker._tracker import (
     RNGStatesTracker,
+    check_stream_seeds,
     process_tracker,
     set_process_tracker,
     validate_seed,
@@ -563,6 +564,9 @@ def model_parallel_cuda_manual_seed(
             egtp_remat_world_size,
             keeps_streams=_keeps_streams(inference_rng_tracker, force_reset_rng),
         )
+        # what the tracker's generator cannot tell apart (on CPU, seeds equal modulo 2**32),
+        # refused before initialize_rng_tracker may replace the tracker
+        check_stream_seeds(default_device(), {**plan.stream_seeds, **extra})
     except Exception as exc:
         if not invariant:
             raise

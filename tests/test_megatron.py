@@ -856,6 +856,10 @@ def test_a_refused_seed_changes_nothing():
             100, tp_rank=6, ep_rank=17, etp_rank=0, force_reset_rng=True
         )
     assert get_cuda_rng_tracker() is tracker
+    if DEVICE.type == "cpu":  # seeds 2**32 apart: one seed to torch's CPU generator
+        with pytest.raises(SeedReuseError, match=r"modulo 2\*\*32"):
+            model_parallel_cuda_manual_seed(100, etp_rank=2**32 + 1694, force_reset_rng=True)
+        assert get_cuda_rng_tracker() is tracker  # refused before the tracker was replaced
     after = tracker.get_states()
     assert after.keys() == states.keys()
     assert all(torch.equal(states[n], s) for n, s in after.items())
