@@ -21,12 +21,25 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_cat
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import ParallelConfigError, ParallelConfigTypeError
+
+
+def checked_group(group: object) -> dist.ProcessGroup | None:
+    """``group`` itself if it is a process group or None, else :class:`ParallelConfigTypeError`
+    (torch would fail later, untyped, or take a name for the default group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ParallelConfigTypeError(
+            f"group must be a torch.distributed ProcessGroup (the TP group) or None, got "
+            f"{type(group).__name__} {group!r}"
+        )
+    return group
 
 
 def tp_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) of this process in the TP group ``group`` (None: no TP, so (0, 1))."""
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    if checked_group(group) is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 # Every collective below has the signature (tensor, group, dim) -> tensor.
@@ -91,29 +104,29 @@ class _Conjugate(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity; backward all-reduces the grad."""
-    return _Conjugate.apply(x, group, 0, _identity, _all_reduce)
+    return _Conjugate.apply(x, checked_group(group), 0, _identity, _all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Leave a TP region by summing partial results over the group."""
-    return _Conjugate.apply(x, group, 0, _all_reduce, _identity)
+    return _Conjugate.apply(x, checked_group(group), 0, _all_reduce, _identity)
 
 
 def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' shards along ``dim``."""
-    return _Conjugate.apply(x, group, dim, _all_gather, _own_chunk)
+    return _Conjugate.apply(x, checked_group(group), dim, _all_gather, _own_chunk)
 
 
 def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
     """Keep this rank's shard of a replicated tensor along ``dim``."""
-    return _Conjugate.apply(x, group, dim, _own_chunk, _all_gather)
+    return _Conjugate.apply(x, checked_group(group), dim, _own_chunk, _all_gather)
 
 
 def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     """Sequence-parallel all-gather (backward: reduce-scatter)."""
-    return _Conjugate.apply(x, group, dim, _all_gather, _reduce_scatter)
+    return _Conjugate.apply(x, checked_group(group), dim, _all_gather, _reduce_scatter)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk (backward: all-gather)."""
-    return _Conjugate.apply(x, group, dim, _reduce_scatter, _all_gather)
+    return _Conjugate.apply(x, checked_group(group), dim, _reduce_scatter, _all_gather)

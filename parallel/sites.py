@@ -72,6 +72,10 @@ class BatchPosition:
     sample_offset: int
     global_batch: int
 
+    def __post_init__(self) -> None:  # a hand-made one is checked too (ints >= 0)
+        checked_size(self.sample_offset, "sample_offset", minimum=0)
+        checked_size(self.global_batch, "global_batch", minimum=0)
+
 
 # Per thread: a forward runs in the thread that entered batch_position, and a recompute (which
 # autograd may run in another thread) uses the position its layer captured at forward time.
@@ -237,6 +241,8 @@ def _check_site_options(
         raise ParallelConfigError(
             f"rng_mode must be 'megatron', 'invariant' or 'keyed', got {rng_mode!r}"
         )
+    if batch_dim is None:
+        raise ParallelConfigTypeError("batch_dim must be an int (x's sample dim), got None")
     dims = []
     for name, dim in (("sharded_dim", sharded_dim), ("batch_dim", batch_dim)):
         if dim is not None:
@@ -245,7 +251,14 @@ def _check_site_options(
                 raise ParallelConfigError(
                     f"{name}={dim} is not a dim of x, which has shape {tuple(x.shape)}"
                 )
+            dim %= x.dim()
         dims.append(dim)
+    if dims[0] == dims[1]:
+        raise ParallelConfigError(
+            f"sharded_dim={sharded_dim} and batch_dim={batch_dim} are the same dim of x (shape "
+            f"{tuple(x.shape)}): a TP shard along the sample dim has no place per sample; pass "
+            "x's sample dim as batch_dim and the dim TP (or SP) splits as sharded_dim"
+        )
     if bias is not None and residual is None:
         raise ParallelConfigError(
             "bias= is added by the fused bias-dropout-add, which needs residual= too; add the "
@@ -272,7 +285,7 @@ def site_dropout(
 
     ``x`` is this rank's activation: sharded over the TP group ``group`` along ``sharded_dim``
     (an even split), or replicated over it (``sharded_dim=None``, or ``group=None``: no TP).
-    ``batch_dim`` is x's sample dim; ``position`` the microbatch's place in the global batch
+    ``batch_dim`` is x's sample dim, another dim than ``sharded_dim``; ``position`` the microbatch's place in the global batch
     (default: :func:`current_batch_position`). With ``residual`` (and ``bias``) the site is the
     fused ``residual + dropout(x + bias)``. Keyed mode registers ``site`` with
     ``get_keyed_rng(x.device)`` (a name that collides with another site's id raises there).

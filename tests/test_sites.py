@@ -40,6 +40,7 @@ from rng_tracker.errors import (
 from rng_tracker.kernels import Region
 from rng_tracker.kernels import bias_dropout_add as kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as kernel_dropout
+from rng_tracker.parallel import copy_to_tp
 from rng_tracker.parallel.sites import (
     BatchPosition,
     batch_position,
@@ -272,6 +273,24 @@ _BAD_INPUTS: list[tuple[str, Callable[[], object], type, type, str]] = [
      TypeError, "sample_offset must be an int, got float"),
     ("place_masks([1])", lambda: place_masks([1]), ArgumentTypeError, TypeError,
      "records must be MaskRecords .*got int"),
+    # a TP shard along the sample dim: keyed mode took the batch offset for the TP one, so both
+    # TP ranks drew one mask (also through a negative alias of the same dim)
+    ("sharded_dim == batch_dim",
+     lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", sharded_dim=1, batch_dim=1),
+     ParallelConfigError, ValueError, "sharded_dim=1 and batch_dim=1 are the same dim"),
+    ("sharded_dim=-2, batch_dim=1",
+     lambda: site_dropout("s", _X, 0.1, rng_mode="invariant", sharded_dim=-2, batch_dim=1),
+     ParallelConfigError, ValueError, "sharded_dim=-2 and batch_dim=1 are the same dim"),
+    ("batch_dim=None", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", batch_dim=None),
+     ParallelConfigTypeError, TypeError, "batch_dim must be an int"),
+    ("group='tp'", lambda: site_dropout("s", _X, 0.1, rng_mode="keyed", group="tp"),
+     ParallelConfigTypeError, TypeError, "group must be a torch.distributed ProcessGroup"),
+    ("copy_to_tp(x, 'tp')", lambda: copy_to_tp(_X, "tp"), ParallelConfigTypeError, TypeError,
+     "group must be a torch.distributed ProcessGroup"),
+    ("BatchPosition(-1, 2)", lambda: BatchPosition(-1, 2), ParallelConfigError, ValueError,
+     "sample_offset must be >= 0"),
+    ("BatchPosition(True, 4)", lambda: BatchPosition(True, 4), ParallelConfigTypeError,
+     TypeError, "sample_offset must be an int"),
 ]  # fmt: skip
 
 
