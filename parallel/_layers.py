@@ -165,7 +165,11 @@ class RowParallelLinear(torch.nn.Module):
 
 
 class VocabParallelEmbedding(torch.nn.Module):
-    """Embedding with the vocabulary split over TP; each rank looks up its rows, then a sum."""
+    """Embedding with the vocabulary split over TP; each rank looks up its rows, then a sum.
+
+    Without TP an id outside the vocabulary raises, as ``F.embedding`` (and Megatron at TP=1)
+    does; with TP a rank sees only its rows and counts other ids as another rank's, as
+    Megatron's does (checking would cost a collective per forward)."""
 
     def __init__(
         self,
@@ -182,9 +186,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         if vocab % size:
             raise ParallelConfigError(f"vocab {vocab} does not divide by the TP size {size}")
         self.start, self.end = rank * vocab // size, (rank + 1) * vocab // size
+        self.tp = size
         self.weight = shard_param(torch.randn(vocab, hidden, generator=init) * 0.02, 0, group)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(tokens, self.weight)
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rng_tracker.parallel._layers import (
     ColumnParallelLinear,
@@ -157,3 +158,14 @@ def test_valid_configs_and_layers_build_the_same_weights() -> None:
     layer = ColumnParallelLinear(3, 4, init=_gen())
     bound = 1 / 3**0.5
     assert torch.equal(layer.weight, torch.empty(4, 3).uniform_(-bound, bound, generator=_gen()))
+
+
+def test_an_embedding_without_tp_refuses_ids_outside_its_vocabulary() -> None:
+    """Without TP every id must be a row: ids 8, 100 and -1 of an 8-word vocabulary raise, as
+    F.embedding and Megatron at TP=1 do (they were looked up as zero vectors)."""
+    embedding = VocabParallelEmbedding(8, 4, init=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[0, 7, 3]])
+    assert torch.equal(embedding(tokens), F.embedding(tokens, embedding.weight))
+    for bad in (8, 100, -1):
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([[0, bad]]))
