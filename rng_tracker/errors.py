@@ -326,9 +326,18 @@ class DistributedTestError(RNGTrackerError, RuntimeError):
         super().__init__(message)
         self.failures = dict(failures)
 
+    def __reduce__(
+        self,
+    ) -> tuple[type[DistributedTestError], tuple[str, dict[int, str]], dict[str, object]]:
+        # args holds the message alone, and __init__ needs failures too: pickle and copy rebuild
+        # from both (xdist sends a test's error between processes), keeping added attributes.
+        return type(self), (str(self), self.failures), self.__dict__
+
 
 class HarnessUsageError(RNGTrackerError, TypeError):
-    """``run_distributed`` was given a function the rank processes cannot import."""
+    """``run_distributed`` or the ``distributed`` marker was used wrongly: a function the rank
+    processes cannot import, arguments they cannot receive, an unknown marker option, an async
+    test."""
 
 
 __all__ += ["DistributedTestError", "HarnessUsageError"]

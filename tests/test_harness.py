@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -12,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rng_tracker.errors import RNGTrackerError
 from rng_tracker.parallel.testing import DistributedTestError, run_distributed
 
 
@@ -35,6 +39,8 @@ def _fail_on_rank_1(pid_dir: str) -> None:
 def _hang_on_rank_0(pid_dir: str) -> None:
     _record_pid(pid_dir)
     if dist.get_rank() == 0:
+        child = subprocess.Popen(["sleep", "600"])
+        Path(pid_dir, "child-of-0.pid").write_text(str(child.pid))
         _sleep_forever()
 
 
@@ -86,7 +92,8 @@ def test_a_failing_rank_reports_its_traceback(tmp_path):
 
 def test_a_hanging_rank_fails_within_the_timeout_with_its_stack(tmp_path):
     """A rank that never returns is reported with the Python frame it was stuck in, once the
-    timeout has passed and not long after (the ranks' start and the stack dump)."""
+    timeout has passed and not long after (the ranks' start and the stack dump). The process the
+    rank started goes with it: killing the rank alone left that child running."""
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
         run_distributed(_hang_on_rank_0, world_size=2, args=(str(tmp_path),), timeout=6)
@@ -171,6 +178,9 @@ _BAD_CALLS = [
     ({"timeout": "60"}, "HarnessUsageError", TypeError, "timeout must be seconds"),
     ({"timeout": -1.0}, "ParallelConfigError", ValueError, "timeout must be a positive"),
     ({"timeout": float("nan")}, "ParallelConfigError", ValueError, "timeout must be a positive"),
+    # past multiprocessing's longest wait: an OverflowError from it, after the ranks had started
+    ({"timeout": 2.2e6}, "ParallelConfigError", ValueError, "at most 1e\\+06"),
+    ({"timeout": 1e10}, "ParallelConfigError", ValueError, "at most 1e\\+06"),
 ]
 
 
@@ -192,3 +202,43 @@ def test_bad_calls_are_refused_before_anything_is_created(
     assert isinstance(info.value, errors.RNGTrackerError) and isinstance(info.value, builtin)
     assert list(tmp_path.iterdir()) == []
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _explode_on_load() -> None:
+    raise ValueError("this result does not load here")
+
+
+class _LoadsBadly:
+    """A result that pickles in the rank and raises when the calling process unpickles it."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return _explode_on_load, ()
+
+
+def _return_a_result_that_loads_badly() -> _LoadsBadly:
+    return _LoadsBadly()
+
+
+def test_a_result_that_does_not_unpickle_is_reported_with_its_rank():
+    """Unpickling a rank's result failed with that error itself, bare, naming no rank."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_return_a_result_that_loads_badly, world_size=1, timeout=60)
+    assert set(info.value.failures) == {0}
+    assert "rank 0 returned a result the calling process cannot unpickle" in str(info.value)
+    assert "ValueError: this result does not load here" in info.value.failures[0]
+
+
+@pytest.mark.parametrize(
+    "clone",
+    [copy.copy, copy.deepcopy, lambda e: pickle.loads(pickle.dumps(e))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_the_error_survives_pickle_and_copy(clone):
+    """pickle and copy rebuilt the error from its message alone and failed (__init__ needs the
+    failures too), so it could not cross processes (pytest-xdist) or be copied."""
+    error = DistributedTestError("1 of 2 ranks failed in f:\n\nrank 1 raised: ...", {1: "raised"})
+    error.extra = "kept"
+    again = clone(error)
+    assert type(again) is DistributedTestError and isinstance(again, RNGTrackerError)
+    assert str(again) == str(error) and again.failures == {1: "raised"}
+    assert again.extra == "kept"

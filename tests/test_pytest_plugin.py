@@ -30,7 +30,8 @@ def test_the_marker_runs_the_body_on_every_rank(rank, world_size, tmp_path):
 
 
 def test_the_plugin_reports_a_failing_rank_to_pytest(pytester):
-    """A distributed test failing on one rank fails in pytest with that rank's traceback."""
+    """A distributed test failing on one rank fails in pytest with that rank's traceback, and the
+    report names the test (it named the plugin's own function, _run_test_on_rank)."""
     pytester.makepyfile(
         test_failing=textwrap.dedent(
             """
@@ -47,7 +48,13 @@ def test_the_plugin_reports_a_failing_rank_to_pytest(pytester):
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*rank 1 raised*", "*AssertionError: only rank one says this*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*2 ranks failed in test_fails_on_rank_1:*",
+            "*rank 1 raised*",
+            "*AssertionError: only rank one says this*",
+        ]
+    )
 
 
 def test_the_entry_point_imports_neither_torch_nor_rng_tracker() -> None:
@@ -157,3 +164,72 @@ def test_a_pre_0_2_install_still_runs_silently(
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--strict-markers")
     result.assert_outcomes(passed=2, warnings=0)
+
+
+def _failure_messages(reprec: pytest.HookRecorder) -> dict[str, str]:
+    """Each failed test's name and the one line pytest reports for it."""
+    return {
+        report.nodeid.split("::")[-1]: report.longrepr.reprcrash.message  # type: ignore[union-attr]
+        for report in reprec.getfailures()
+    }
+
+
+def test_an_async_test_is_refused_not_passed(pytester: pytest.Pytester) -> None:
+    """An ``async def`` distributed test passed without its body running (the rank called the
+    coroutine function and dropped the coroutine); it fails now, saying why."""
+    pytester.makepyfile(
+        test_async=textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.distributed(world_size=1, timeout=60)
+            async def test_async_body(rank):
+                raise AssertionError("the body ran")
+
+            @pytest.mark.distributed(world_size=1, timeout=60)
+            async def test_async_generator():
+                yield
+            """
+        )
+    )
+    reprec = pytester.inline_run("-p", "no:cacheprovider")
+    reprec.assertoutcome(failed=2)
+    for name, message in _failure_messages(reprec).items():
+        assert message.startswith("rng_tracker.errors.HarnessUsageError"), message
+        assert f"{name} is an async test" in message and "asyncio.run" in message
+
+
+_MARKER_OPTIONS = {
+    # each was run, on 1 rank or with the default timeout, coerced or ignored
+    "world_size=1.7": "ParallelConfigTypeError: world_size must be an int, got float 1.7",
+    "world_size='1'": "ParallelConfigTypeError: world_size must be an int, got str",
+    "world_size=True": "ParallelConfigTypeError: world_size must be an int, got the bool True",
+    "world_size=None": "ParallelConfigTypeError: world_size must be an int, got NoneType",
+    "world_size=1, timeout=True": "HarnessUsageError: timeout must be seconds (a float), got bool",
+    "world_size=1, timeout=None": "HarnessUsageError: timeout must be seconds",
+    "world_size=1, timeout='soon'": "HarnessUsageError: timeout must be seconds",
+    "1, -1": "ParallelConfigError: timeout must be a positive number of seconds",
+    "worldsize=1, timout=3": "HarnessUsageError: @pytest.mark.distributed on {name} got unknown "
+    "options timout, worldsize: it takes world_size and timeout",
+    "1, 60, 2": "HarnessUsageError: @pytest.mark.distributed on {name} takes at most 2 positional",
+    "1, world_size=1": "HarnessUsageError: @pytest.mark.distributed on {name} got world_size both",
+}
+
+
+def test_marker_options_reach_the_harness_as_written(pytester: pytest.Pytester) -> None:
+    """The marker coerced its options with int() and float() (world_size=1.7, '1' and True ran on
+    1 rank, timeout=True meant 1 s), dropped a positional timeout and ignored misspelt keywords:
+    each now fails with the typed error run_distributed raises for it, before any rank starts."""
+    tests = "".join(
+        f"@pytest.mark.distributed({options})\ndef test_{i}():\n    pass\n\n"
+        for i, options in enumerate(_MARKER_OPTIONS)
+    )
+    pytester.makepyfile(test_options=f"import pytest\n\n{tests}")
+    reprec = pytester.inline_run("-p", "no:cacheprovider")
+    reprec.assertoutcome(failed=len(_MARKER_OPTIONS))
+    messages = _failure_messages(reprec)
+    for i, wanted in enumerate(_MARKER_OPTIONS.values()):
+        name = f"test_{i}"
+        assert messages[name].startswith(f"rng_tracker.errors.{wanted.format(name=name)}"), (
+            messages[name]
+        )

@@ -4,14 +4,14 @@ Ranks rendezvous through a FileStore in a private temp dir (no ports, so concurr
 pytest-xdist workers never clash). Processes are forked from a forkserver that has
 torch imported already, so a rank starts in a fraction of a second. Every failure is
 reported with its rank: a raised exception with its traceback, a death by signal or
-``os._exit``, and a hang with the Python stack the rank was in.
+``os._exit``, a hang with the Python stack the rank was in, and a result that does not unpickle.
+Each rank leads its own process group, so stopping a rank stops the processes it started too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
-import math
 import multiprocessing
 import multiprocessing.connection
 import numbers
@@ -37,6 +37,8 @@ from rng_tracker.errors import (
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0
+# The longest timeout: multiprocessing's wait takes at most 2**31 - 1 ms (about 24.8 days).
+_MAX_TIMEOUT_S = 1_000_000.0
 
 
 _CONTEXT: multiprocessing.context.BaseContext | None = None
@@ -72,6 +74,7 @@ def _rank_main(
     payload: bytes,
     timeout: float,
 ) -> None:
+    os.setpgid(0, 0)  # first: whatever this rank starts is in the group that _stop kills
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
@@ -159,6 +162,19 @@ def _stack_of(process: multiprocessing.process.BaseProcess, workdir: str, rank: 
     return "(no stack: the rank had not started running Python code of its own)"
 
 
+def _stop(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL a rank that still runs, with every process it started (its process group), and
+    wait for it: "no process outlives the call" covers a hung rank's children too."""
+    if process.pid is None:
+        return  # never started
+    if process.exitcode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # not yet its own group's leader, so it has no children yet
+            process.kill()
+    process.join()
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -204,9 +220,10 @@ def _check_options(backend: object, timeout: object) -> None:
         )
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise HarnessUsageError(f"timeout must be seconds (a float), got {type(timeout).__name__}")
-    if not 0 < timeout < math.inf:
+    if not 0 < timeout <= _MAX_TIMEOUT_S:
         raise ParallelConfigError(
-            f"timeout must be a positive, finite number of seconds, got {timeout}"
+            f"timeout must be a positive number of seconds, at most {_MAX_TIMEOUT_S:g} (the longest "
+            f"wait multiprocessing takes), got {timeout}"
         )
 
 
@@ -302,22 +319,26 @@ def run_distributed(
                         failures[rank] = (
                             f"rank {rank} {why}; it was at:\n{_stack_of(process, workdir, rank)}"
                         )
-                    process.kill()
-                    process.join()
+                    _stop(process)
                 running.clear()
+        results = []
+        if not failures:
+            for rank in range(world_size):
+                try:
+                    with open(os.path.join(workdir, f"result-{rank}.pkl"), "rb") as f:
+                        results.append(pickle.load(f))
+                except Exception:  # unpickling runs the result's own code: any error is possible
+                    failures[rank] = (
+                        f"rank {rank} returned a result the calling process cannot unpickle:\n"
+                        f"{traceback.format_exc().rstrip()}"
+                    )
         if failures:
             report = "\n\n".join(failures[rank] for rank in sorted(failures))
             raise DistributedTestError(
                 f"{len(failures)} of {world_size} ranks failed in {qualname}:\n\n{report}", failures
             )
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(workdir, f"result-{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
         return results
     finally:
         for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                process.kill()
-                process.join()
+            _stop(process)
         shutil.rmtree(workdir, ignore_errors=True)
