@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -118,10 +119,28 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """Run ``nproc`` ranks of this script under torchrun; the job's exit status."""
+    """Run ``nproc`` ranks of this script under torchrun; the job's exit status. A SIGTERM or
+    SIGHUP to this process (``timeout``, ``kill``, a closed terminal) is passed on to torchrun,
+    which stops the ranks: the job never runs on, detached, after its launcher."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), os.path.abspath(__file__), *_without_nproc(argv)]
-    return subprocess.run(command, check=False).returncode
+    job = subprocess.Popen(command)
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: job.send_signal(signum))
+        for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        return job.wait()
+    except BaseException:  # KeyboardInterrupt and the like: stop the job before leaving
+        job.terminate()
+        try:
+            job.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            job.kill()
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,14 @@ a real process, alone and with ``--nproc-per-node``, to show the same from the o
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,6 +108,10 @@ def _refused(capsys, argv: list[str]) -> str:
         (["--nproc-per-node", "4", "--tp", "2", "--microbatches", "3"], "multiple of 6"),
         (["--nproc-per-node", "3", "--tp", "2"], "does not divide the 3 processes"),
         (["--nproc-per-node", "0"], "--nproc-per-node must be a positive integer"),
+        # the pipeline schedule failed in every rank, after torchrun started them
+        (["--nproc-per-node", "4", "--tp", "2", "--pp", "2"], "at least as many microbatches"),
+        # every rank failed in torch's sampler with a traceback
+        (["--global-batch", str(2**66)], "--global-batch must be at most 2147483647"),
         (["--steps", "abc"], "invalid int value: 'abc'"),
         (["--rng-mode", "fast"], "invalid choice: 'fast'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
@@ -252,3 +259,78 @@ def test_a_save_that_fails_at_commit_keeps_the_previous_checkpoint_and_rescues_t
         assert f"resume with --resume {rescue}" in message
     finally:
         shutil.rmtree(rescue, ignore_errors=True)
+
+
+def test_a_save_removes_only_the_directories_saves_wrote(tmp_path):
+    """A save removes the step directories of earlier saves in its target, and nothing else:
+    a user's step-by-step-notes/ and .tmp-build/ there were deleted with them."""
+    save = tmp_path / "ckpt"
+    notes, build = save / "step-by-step-notes", save / ".tmp-build"
+    stale = save / "step-00000001-aaaaaaaa-bbbbbbbb"  # a save's leftover: removed as before
+    for directory in (notes, build, stale):
+        directory.mkdir(parents=True)
+    (notes / "notes.txt").write_text("precious")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "1", "--save", str(save)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (notes / "notes.txt").read_text() == "precious" and build.is_dir()
+    assert not stale.exists() and read_manifest(str(save)).step == 1
+
+
+def test_a_save_inside_a_checkpoints_step_directory_is_refused(capsys, tmp_path):
+    """--save into the resumed checkpoint's own step directory committed there, and the
+    checkpoint's file list no longer matched its manifest: no resume could load it again."""
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    step_dir = ckpt / read_manifest(str(ckpt)).directory
+    for target in (step_dir, step_dir / "deeper"):
+        argv = ["--rng-mode", "keyed", "--steps", "5", "--resume", str(ckpt), "--save", str(target)]
+        line = _refused(capsys, argv)
+        assert "SaveTargetError" in line and "a step directory of the checkpoint" in line
+    assert read_manifest(str(ckpt)).step == 3  # still loads: untouched
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids of this machine's processes whose command line holds ``text``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:  # gone meanwhile
+                continue
+    return pids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads processes from /proc (Linux)")
+def test_a_sigterm_to_the_launcher_stops_the_job(tmp_path):
+    """train.py --nproc-per-node runs torchrun as its child. A SIGTERM to it (what timeout and
+    kill send) left torchrun and every rank training on, detached, to commit a checkpoint
+    later; it is passed on now: the job ends with its launcher and commits nothing."""
+    save = str(tmp_path / "sigterm-ckpt")
+    argv = ["--nproc-per-node", "2", "--steps", "100000", "--log-every", "1", "--save", save]
+    job = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *argv], stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    try:
+        for line in job.stdout:  # the ranks train once rank 0 logs a step
+            if line.startswith("step"):
+                break
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while _processes_naming(save) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_naming(save) == []
+        assert not os.path.exists(os.path.join(save, "COMMITTED"))
+    finally:
+        job.kill()
+        for pid in _processes_naming(save):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

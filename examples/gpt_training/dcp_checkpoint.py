@@ -52,6 +52,7 @@ __all__ = [
     "RunLayout",
     "check_resume",
     "commit_pointer",
+    "is_save_directory",
     "load_checkpoint",
     "local_shard",
     "manifest_bytes",
@@ -412,8 +413,14 @@ def _commit(
     _fault("cleanup")
     with contextlib.suppress(OSError):  # stale directories of earlier saves; the commit stands
         for entry in os.listdir(path):
-            if entry != name and (entry.startswith("step-") or entry.startswith(".tmp-")):
+            if entry != name and is_save_directory(entry):
                 shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
+def is_save_directory(entry: str) -> bool:
+    """Whether ``entry`` is a step directory (or a save's temporary one) a save wrote: a user's
+    ``step-notes/`` in the same directory is not."""
+    return bool(_STEP_DIR.fullmatch(entry.removeprefix(".tmp-")))
 
 
 def _pointer_directory(path: str) -> str | None:

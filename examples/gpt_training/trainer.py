@@ -38,6 +38,7 @@ from .dcp_checkpoint import (
     Manifest,
     RunLayout,
     check_resume,
+    is_save_directory,
     load_checkpoint,
     local_shard,
     new_run_id,
@@ -190,6 +191,11 @@ def _tp_fits(model: GPTConfig, tp: int, sp: bool) -> bool:
     return all(size % tp == 0 for size in sizes)
 
 
+# The largest global batch: torch's samplers take sizes as 64-bit ints, and far below that no
+# CPU or GPU holds the batch anyway.
+_MAX_GLOBAL_BATCH = 2**31 - 1
+
+
 def validate_config(cfg: TrainConfig, *, world: int | None = None, dp: int | None = None) -> int:
     """Refuse a run that cannot work, before any rank builds or trains anything.
 
@@ -204,6 +210,10 @@ def validate_config(cfg: TrainConfig, *, world: int | None = None, dp: int | Non
             raise TrainArgumentError(f"{_flag(name)} must be a positive integer, got {value!r}")
     if type(cfg.seed) is not int or not 0 <= cfg.seed < 2**64:
         raise TrainArgumentError(f"--seed must be an integer in [0, 2**64), got {cfg.seed!r}")
+    if cfg.global_batch > _MAX_GLOBAL_BATCH:
+        raise TrainArgumentError(
+            f"--global-batch must be at most {_MAX_GLOBAL_BATCH} (2**31 - 1), got {cfg.global_batch}"
+        )
     for name, choices in _CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise TrainArgumentError(
@@ -226,6 +236,12 @@ def validate_config(cfg: TrainConfig, *, world: int | None = None, dp: int | Non
         raise TrainArgumentError(
             f"--pp {cfg.pp} exceeds TinyGPT's {model.layers} layers (a stage needs one); "
             f"use --pp 1 to {model.layers}"
+        )
+    if cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        raise TrainArgumentError(
+            f"--schedule 1f1b needs at least as many microbatches as pipeline stages "
+            f"({cfg.microbatches} < --pp {cfg.pp}); use --microbatches {cfg.pp} or more, or "
+            "--schedule gpipe"
         )
     if dp is not None and (type(dp) is not int or dp < 1):
         raise TrainArgumentError(f"--dp must be a positive integer, got {dp!r}")
@@ -294,6 +310,17 @@ def check_save_target(save: str, *, overwrite: bool = False, resume: str | None 
             f"--save {save} exists and is not a directory; a checkpoint is a directory - "
             "give a new or existing directory"
         )
+    inside = os.path.abspath(save)
+    while os.path.dirname(inside) != inside:
+        holder = os.path.dirname(inside)
+        if is_save_directory(os.path.basename(inside)) and _committed_run(holder) is not None:
+            raise SaveTargetError(
+                f"--save {save} is inside {inside}, a step directory of the checkpoint "
+                f"{holder}: a save there would change that checkpoint's files, so no resume "
+                f"could load it; save to {holder} itself (its committed step stays until the "
+                "new one commits) or to another directory"
+            )
+        inside = holder
     existing = os.path.abspath(save)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
