@@ -90,13 +90,22 @@ def check_stream_seeds(device: torch.device, seeds: Mapping[str, int]) -> None:
     :meth:`RNGStatesTracker.add` would refuse on an empty tracker of ``device``: two that its
     generator cannot tell apart (equal, or on CPU equal modulo 2**32). Seeding checks a whole
     plan with it before it changes anything."""
-    rng = device_rng(device, generator_states=False)
+    _refuse_one_seed(
+        device_rng(device, generator_states=False),
+        seeds,
+        f"of the {device} tracker get",
+        "give each stream a seed of its own",
+    )
+
+
+def _refuse_one_seed(rng: DeviceRNG, seeds: Mapping[str, int], where: str, advice: str) -> None:
+    """:class:`SeedReuseError` for two of ``seeds`` that ``rng``'s generator cannot tell apart;
+    the message reads "streams A and B {where} <the seed(s)>: ...; {advice}"."""
     refuse_repeat(
         ((name, rng.used_seed(seed)) for name, seed in seeds.items()),
         lambda first, second, _: (
-            f"streams {_shown(first)} and {_shown(second)} of the {device} tracker get "
-            f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; give "
-            "each stream a seed of its own"
+            f"streams {_shown(first)} and {_shown(second)} {where} "
+            f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; {advice}"
         ),
     )
 
@@ -552,13 +561,11 @@ class RNGStatesTracker:
         way they would draw identical values). On CPU, seeds equal modulo 2**32 are one seed,
         and states that differ only in the seed they store are one state."""
         rng = self._rng
-        refuse_repeat(
-            ((name, rng.used_seed(seed)) for name, seed in seeds.items()),
-            lambda first, second, _: (
-                f"state dict gives streams {_shown(first)} and {_shown(second)} "
-                f"{_one_seed(seeds[first], seeds[second])}: they would draw identical values; it "
-                "was not saved by state_dict() of a valid tracker (add() refuses a reused seed)"
-            ),
+        _refuse_one_seed(
+            rng,
+            seeds,
+            "of the state dict get",
+            "it was not saved by state_dict() of a valid tracker (add() refuses a reused seed)",
         )
         refuse_repeat(
             ((name, bytes(rng.drawn_bytes(state).tolist())) for name, state in states.items()),
