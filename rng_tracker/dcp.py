@@ -337,6 +337,7 @@ class _Choice:
     states: dict[str, tuple[bytes, int | None]]
     shared: dict[str, Any]
     rederive: list[str]
+    coordinates: Coordinates  # this rank's on the load's layout, which re-derivation uses
 
 
 class RNGStateful:
@@ -571,15 +572,14 @@ class RNGStateful:
         run_seed = (tail[2] << 32) | tail[3]
 
         coordinates = self._coordinates(group)
+        placed = _placed(coordinates)
         replicated, axes = self._variation(parts, group, world, coordinates)
         # A policy axis of size 1 here shows nothing: a part equal across it now must still vary
         # over it where a resume gives it more ranks (model-parallel-rng saved at TP=1).
         for p in parts:
             measured = axes.get(p.name, [])
             axes[p.name] = measured + [
-                a
-                for a in _policy_axes(p.name)
-                if a not in _placed(coordinates) and a not in measured
+                a for a in _policy_axes(p.name) if a not in placed and a not in measured
             ]
         shared_parts = [p for p in parts if replicated[p.name]]
         own = [p for p in parts if not replicated[p.name]]
@@ -615,7 +615,7 @@ class RNGStateful:
             "nonce": nonce_hex,
             "shared": hashlib.blake2b(shared, digest_size=32).hexdigest(),
             "parts": [{"name": p.name, "nbytes": len(p.state), "seed": p.seed} for p in own],
-            "at": _placed(coordinates),
+            "at": placed,
         }
         mine = encode_entry(f"rank{rank}", mine_header, [p.state for p in own])
         return shared, mine, rank
@@ -773,27 +773,27 @@ class RNGStateful:
                 entries[key] = check_rank_entry(key, state_dict[key], shared, shared_sum, per_rank)
         layout = self._layout_key()
         coordinates = self._coordinates(group)
+        here = _placed(coordinates)
         # on another layout: the per-rank parts, and the shared ones that must now vary over an
         # axis that had one rank at the save
         moving = per_rank + [
             p["name"]
             for p in shared["parts"]
-            if p["replicated"] and any(a in _placed(coordinates) for a in p["axes"])
+            if p["replicated"] and any(a in here for a in p["axes"])
         ]
-        elsewhere = _Choice(states, shared, moving)
+        elsewhere = _Choice(states, shared, moving, coordinates)
         if not (shared["world"] == world and shared["layout"] == layout):
             return elsewhere, None
         if not per_rank:
-            return _Choice(states, shared, []), None
+            return _Choice(states, shared, [], coordinates), None
         if own_key not in entries:
             raise StateDictError(
                 f"the RNG state lacks this rank's entry {own_key!r} (saved on {shared['world']} "
                 "ranks): the checkpoint is incomplete; resume from another one"
             )
         own, at = entries[own_key]
-        here = _placed(coordinates)
         moved = None if at is None or at == here else (at, here)
-        return _Choice({**states, **own}, shared, []), (elsewhere, moved)
+        return _Choice({**states, **own}, shared, [], coordinates), (elsewhere, moved)
 
     def _decide(self, choice: _Choice, rank: int, group: Any) -> _Plan:
         """The checked plan of ``choice``; its parts that cannot move are re-derived, or refused
@@ -810,16 +810,19 @@ class RNGStateful:
                     "layout, pass strict=False to re-derive them, or use replicated streams / "
                     "keyed randomness, which reshard"
                 )
-            choice.states.update(self._rederive(shared, choice.rederive, rank, group))
+            fresh = self._rederive(shared, choice.rederive, rank, choice.coordinates)
+            states = {**choice.states, **fresh}
+        else:
+            states = choice.states
         return self._checked_plan(
-            choice.states, choice.shared["tracker"], choice.shared["keyed"], choice.rederive
+            states, choice.shared["tracker"], choice.shared["keyed"], choice.rederive
         )
 
     def _rederive(
-        self, shared: dict[str, Any], names: list[str], rank: int, group: Any
+        self, shared: dict[str, Any], names: list[str], rank: int, coordinates: Coordinates
     ) -> dict[str, tuple[bytes, int | None]]:
-        """Fresh states of the parts ``names`` for this rank of the new layout."""
-        coordinates = self._coordinates(group)
+        """Fresh states of the parts ``names`` for this rank at ``coordinates`` of the new
+        layout."""
         out = {}
         for part in shared["parts"]:
             if part["name"] not in names:
