@@ -187,15 +187,16 @@ class KeyedInit:
             *self.model.named_buffers(remove_duplicate=False),
         ]
 
-    def _state(self) -> list[tuple[int, _Key | None]]:
-        return [(id(t), _local_key(t)) for _, t in self._named()]
-
     def _rebuild(self) -> None:
+        """Map the model's tensors by id and storage, unless they are those of the last map."""
+        named = self._named()
+        seen = [(id(t), _local_key(t)) for _, t in named]
+        if seen == self._seen:
+            return
         self._by_id.clear()
         self._by_storage.clear()
-        named = self._named()
-        self._seen = [(id(t), _local_key(t)) for _, t in named]
-        for (fqn, tensor), (ident, key) in zip(named, self._seen, strict=True):
+        self._seen = seen
+        for (fqn, tensor), (ident, key) in zip(named, seen, strict=True):
             name = stable_name(fqn)
             for table, at in ((self._by_id, ident), (self._by_storage, key)):
                 if at is not None and (at not in table or name < table[at][1]):  # tied: smallest
@@ -225,7 +226,7 @@ class KeyedInit:
         """``t``'s stable name in the model, or, for a tensor that is none of its parameters or
         buffers (or with no model), its place among such draws (:meth:`anonymous_name`)."""
         name = self._lookup(t)
-        if name is None and self._state() != self._seen:
-            self._rebuild()  # tensors or storages replaced (to_empty, .to(), FSDP, TP) since
+        if name is None:
+            self._rebuild()  # tensors or storages replaced (to_empty, .to(), FSDP, TP) since?
             name = self._lookup(t)
         return self.anonymous_name() if name is None else name
