@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -151,6 +153,63 @@ def test_no_rank_exits_before_every_rank_has_returned(tmp_path):
         "returned",
     ]
     _assert_all_gone(tmp_path)
+
+
+_CALLER = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def hang(pid_dir):
+    Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    Path(pid_dir, f"forkserver-of-{dist.get_rank()}.pid").write_text(str(os.getppid()))
+    child = subprocess.Popen(["sleep", "600"])
+    Path(pid_dir, f"child-of-{dist.get_rank()}.pid").write_text(str(child.pid))
+    while True:
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    from caller import hang
+    from rng_tracker.parallel.testing import run_distributed
+
+    run_distributed(hang, world_size=2, args=(sys.argv[1],), timeout=600)
+"""
+
+
+def test_no_rank_outlives_a_caller_killed_by_sigterm(tmp_path):
+    """A caller killed before its cleanup runs (SIGTERM to pytest, a CI job cancelled) takes its
+    ranks, what they started and the forkserver with it: they used to run on for ever."""
+    (tmp_path / "caller.py").write_text(_CALLER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    caller = subprocess.Popen([sys.executable, str(tmp_path / "caller.py"), str(pid_dir)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.glob("*.pid"))) < 6:
+            assert caller.poll() is None, "the caller exited before its ranks started"
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        time.sleep(0.2)  # the last pid file is fully written
+        caller.send_signal(signal.SIGTERM)
+        assert caller.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                _assert_all_gone(pid_dir)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        caller.kill()
+        caller.wait()
+        for path in pid_dir.glob("*.pid"):  # leave nothing behind if the test failed
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
 
 
 def _module_level() -> int:  # pragma: no cover - never runs: every call below is refused

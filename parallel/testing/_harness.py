@@ -5,7 +5,8 @@ pytest-xdist workers never clash). Processes are forked from a forkserver that h
 torch imported already, so a rank starts in a fraction of a second. Every failure is
 reported with its rank: a raised exception with its traceback, a death by signal or
 ``os._exit``, a hang with the Python stack the rank was in, and a result that does not unpickle.
-Each rank leads its own process group, so stopping a rank stops the processes it started too.
+Each rank leads its own process group, so stopping a rank stops the processes it started too,
+and a rank stops itself when the calling process is gone, even one killed before it could clean up.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import multiprocessing.connection
 import numbers
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +40,8 @@ from rng_tracker.errors import (
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
 _STACK_DUMP_WAIT_S = 1.0
+# How often a rank looks for its caller where the OS cannot wake it (no pidfd).
+_CALLER_POLL_S = 0.5
 # The longest timeout: multiprocessing's wait takes at most 2**31 - 1 ms (about 24.8 days).
 _MAX_TIMEOUT_S = 1_000_000.0
 
@@ -64,6 +69,37 @@ def _default_backend(world_size: int) -> str:
     return "gloo"
 
 
+def _wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` has exited (at once if it already has)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd (not Linux, or a kernel before 5.3): poll
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(_CALLER_POLL_S)
+        return
+    select.select([pidfd], [], [])
+    os.close(pidfd)
+
+
+def _stop_with_caller(caller_pid: int) -> None:
+    """Kill this rank and what it started once the process that called run_distributed is gone.
+
+    The ranks are the forkserver's children, not the caller's, and hold no pipe of the caller's
+    that would close: a caller killed before its ``finally`` (SIGTERM, SIGKILL) would leave them,
+    and through them the forkserver, running for ever.
+    """
+
+    def watch() -> None:
+        _wait_for_exit(caller_pid)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rng_tracker-caller-watch", daemon=True).start()
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -73,8 +109,10 @@ def _rank_main(
     sys_path: list[str],
     payload: bytes,
     timeout: float,
+    caller_pid: int,
 ) -> None:
     os.setpgid(0, 0)  # first: whatever this rank starts is in the group that _stop kills
+    _stop_with_caller(caller_pid)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
@@ -265,6 +303,7 @@ def run_distributed(
                     list(sys.path),
                     payload,
                     timeout,
+                    os.getpid(),
                 ),
                 name=f"rank{rank}",
                 daemon=True,
