@@ -105,7 +105,9 @@ def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:
     """Megatron's order string as its tokens, fastest first; tokens it leaves out are
     appended (allowed only for axes of size 1, as in Megatron)."""
     if not isinstance(order, str):
-        raise ParallelConfigError(f"order must be a str such as {DEFAULT_ORDER!r}, got {order!r}")
+        raise ParallelConfigTypeError(
+            f"order must be a str such as {DEFAULT_ORDER!r}, got {type(order).__name__} {order!r}"
+        )
     tokens = order.lower().split("-")
     unknown = [t for t in tokens if t not in _ORDER_TOKENS]
     if unknown or len(set(tokens)) != len(tokens):

@@ -20,7 +20,7 @@ from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import renamed_keyword
 from rng_tracker._device_rng import device_rng
 from rng_tracker._layout import ParallelLayout, checked_layout
-from rng_tracker._seeds import SeedPlan
+from rng_tracker._seeds import SeedPlan, checked_rank
 from rng_tracker._streams import (
     AXES,
     DATA_PARALLEL_RNG,
@@ -36,6 +36,7 @@ from rng_tracker.parallel._megatron_state import current_layout
 # Megatron seeds the default generator and data-parallel-rng from one seed, by design.
 _MAY_SHARE = {frozenset({DEFAULT_STREAM, DATA_PARALLEL_RNG})}
 _POLICIES = POLICY_STREAMS
+_CPU = "cpu"  # the CPU generator's row where the tracker's device is another
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,21 +91,22 @@ def _label(index: int, width: int) -> str:
     return "".join(reversed(letters))
 
 
-def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, str]:
-    """A digest per generator and stream of what decides its draws (not a CPU state's stored
+def _local_fingerprints(tracker: RNGStatesTracker) -> dict[str, dict[str, str]]:
+    """A digest per generator and per stream of what decides its draws (not a CPU state's stored
     seed: seeds equal modulo 2**32 draw alike there), each as it is outside any open fork of
     ``tracker``: inside one the generator holds the forked stream, and the default state waits
-    in the tracker."""
+    in the tracker. Generators and streams are apart: a stream may be named like a generator."""
     rng = device_rng(tracker.device)
     outer = tracker.held_context()[1] if tracker.open_forks() else None
-    prints = {
+    generators = {
         DEFAULT_STREAM: state_digest(rng.drawn_bytes(rng.snapshot() if outer is None else outer))
     }
     if tracker.device.type != "cpu":
-        prints["cpu"] = state_digest(device_rng("cpu").drawn_bytes(torch.get_rng_state()))
-    for name, state in tracker.get_states().items():
-        prints[name] = state_digest(rng.drawn_bytes(state))
-    return prints
+        generators[_CPU] = state_digest(device_rng("cpu").drawn_bytes(torch.get_rng_state()))
+    streams = {
+        name: state_digest(rng.drawn_bytes(state)) for name, state in tracker.get_states().items()
+    }
+    return {"generators": generators, "streams": streams}
 
 
 def _where(coords: dict[str, int], axes: tuple[str, ...]) -> str:
@@ -152,11 +154,36 @@ def verify_rng_consistency(
     """
     layout = renamed_keyword("verify_rng_consistency", "state", "layout", state, layout)
     _check_arguments(layout, tracker, plan, strict)
+    try:
+        mine: dict[str, Any] = _local_report(layout, tracker, plan)
+    except Exception as failure:  # raised on this rank only: its peers must not wait for it
+        all_gather_json({"refused": f"{type(failure).__name__}: {failure}"})
+        raise
+    everyone = all_gather_json(mine)  # over the world: JSON in uint8 tensors
+    refused = [rank for rank, info in enumerate(everyone) if "refused" in info]
+    if refused:
+        raise ParallelStateError(
+            f"verify_rng_consistency: rank {refused[0]} refused the call "
+            f"({everyone[refused[0]]['refused']})"
+            + (f", and so did ranks {refused[1:]}" if len(refused) > 1 else "")
+            + "; no rank checked anything. Fix that rank's layout or arguments and call it again"
+        )
+    report = _check(everyone)
+    if strict and not report.ok:
+        raise RNGConsistencyError(str(report))
+    return report
+
+
+def _local_report(
+    layout: ParallelLayout | None, tracker: RNGStatesTracker | None, plan: SeedPlan | None
+) -> dict[str, Any]:
+    """What this rank contributes: its coordinates, those its plan claims against them, the plan's
+    data-parallel random init and the fingerprints of its generators and streams."""
     tracker = tracker if tracker is not None else get_rng_tracker()
     layout = layout if layout is not None else current_layout()
     claimed: dict[str, int] = {}
     if layout is not None:
-        coords = {axis: layout.rank(axis) for axis in AXES}
+        coords = {axis: checked_rank(f"layout.rank({axis!r})", layout.rank(axis)) for axis in AXES}
         if plan is not None:
             claimed = {a: r for a, r in plan.coordinates.items() if a in coords and coords[a] != r}
     elif plan is not None:
@@ -169,26 +196,20 @@ def verify_rng_consistency(
         )
     else:
         coords = dict.fromkeys(AXES, 0)
-    mine = {
+    return {
         "coords": coords,
         "claimed": claimed,
         "dpri": plan.data_parallel_random_init if plan is not None else False,
-        "prints": _local_fingerprints(tracker),
+        **_local_fingerprints(tracker),
     }
-    report = _check(all_gather_json(mine))  # over the world: JSON in uint8 tensors
-    if strict and not report.ok:
-        raise RNGConsistencyError(str(report))
-    return report
 
 
-def _misplaced(rank: int, info: dict[str, Any], streams: list[str]) -> list[str]:
+def _misplaced(rank: int, info: dict[str, Any], policies: list[str]) -> list[str]:
     """Problems of a rank whose seed plan claims other coordinates than the mesh gives it."""
     problems = []
     for axis, claimed in sorted(info["claimed"].items()):
         affected = [
-            s
-            for s in streams
-            if s in _POLICIES and axis in stream_axes(s, data_parallel_random_init=info["dpri"])
+            s for s in policies if axis in stream_axes(s, data_parallel_random_init=info["dpri"])
         ]
         problems.append(
             f"rank {rank} was seeded as {axis}={claimed} but the mesh puts it at "
@@ -199,46 +220,85 @@ def _misplaced(rank: int, info: dict[str, Any], streams: list[str]) -> list[str]
 
 
 def _may_share(holders: dict[tuple[str, tuple[int, ...]], list[int]]) -> bool:
-    """Whether these (stream, identity) holders of one state are allowed to coincide."""
-    streams = {stream for stream, _ in holders}
+    """Whether these (row, identity) holders of one state are allowed to coincide."""
+    rows = {row for row, _ in holders}
     identities = {identity for _, identity in holders}
-    return len(holders) == 1 or (frozenset(streams) in _MAY_SHARE and len(identities) == 1)
+    return len(holders) == 1 or (frozenset(rows) in _MAY_SHARE and len(identities) == 1)
+
+
+def _rows(everyone: list[dict[str, Any]]) -> dict[str, tuple[str, str, str | None]]:
+    """label -> (kind, name, policy) of every generator and stream any rank holds.
+
+    A generator's label is its name; a stream's is its name unless a generator has that name
+    (the tracker takes any name), then ``stream 'name'``. ``policy`` is the stream whose
+    equal/distinct rule applies: the default one for the generators, a stream's own where it is
+    declared, None for a stream of the user's.
+    """
+    rows: dict[str, tuple[str, str, str | None]] = {}
+    for kind in ("generators", "streams"):
+        for name in dict.fromkeys(n for info in everyone for n in info[kind]):
+            if kind == "generators":
+                label, policy = name, DEFAULT_STREAM
+            else:
+                label = name
+                while label in rows:
+                    label = f"stream {label!r}"
+                policy = name if name in _POLICIES and name != DEFAULT_STREAM else None
+            rows[label] = (kind, name, policy)
+    return rows
+
+
+def _disagreeing_plans(everyone: list[dict[str, Any]]) -> list[str]:
+    """A problem where the ranks' plans disagree on data-parallel random init: no policy holds."""
+    flags = [info["dpri"] for info in everyone]
+    if len(set(flags)) <= 1:
+        return []
+    with_it = [rank for rank, flag in enumerate(flags) if flag]
+    without = [rank for rank, flag in enumerate(flags) if not flag]
+    return [
+        f"ranks {with_it} were seeded with data_parallel_random_init=True and ranks {without} "
+        "without it (or gave no plan): replicas seeded both ways draw different values where "
+        "they must agree; seed every rank with the same model_parallel_seed arguments"
+    ]
 
 
 def _check(everyone: list[dict[str, Any]]) -> RNGReport:
-    problems: list[str] = []
-    streams = list(dict.fromkeys(name for rank in everyone for name in rank["prints"]))
+    rows = _rows(everyone)
+    policies = list(dict.fromkeys(p for _, _, p in rows.values() if p is not None))
+    problems = _disagreeing_plans(everyone)
     for rank, info in enumerate(everyone):
-        problems.extend(_misplaced(rank, info, streams))
-    fingerprints = {s: [rank["prints"].get(s, "-") for rank in everyone] for s in streams}
-    # fingerprint -> {(stream, identity): ranks}; identity = coordinates on the stream's axes
+        problems.extend(_misplaced(rank, info, policies))
+    fingerprints = {
+        label: [info[kind].get(name, "-") for info in everyone]
+        for label, (kind, name, _) in rows.items()
+    }
+    # fingerprint -> {(row, identity): ranks}; identity = coordinates on the stream's axes
     holders: dict[str, dict[tuple[str, tuple[int, ...]], list[int]]] = defaultdict(dict)
-    for stream in streams:
-        policy = DEFAULT_STREAM if stream == "cpu" else stream
-        if policy not in _POLICIES:
+    for label, (_, _, policy) in rows.items():
+        if policy is None:
             continue  # a user stream: no declared policy
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for rank, info in enumerate(everyone):
             axes = stream_axes(policy, data_parallel_random_init=info["dpri"])
             groups[tuple(info["coords"][a] for a in axes)].append(rank)
         for identity, ranks in groups.items():
-            prints = [fingerprints[stream][r] for r in ranks]
+            prints = [fingerprints[label][r] for r in ranks]
             if len(set(prints)) > 1:
                 common = Counter(prints).most_common(1)[0][0]
                 odd = [r for r, fp in zip(ranks, prints) if fp != common]
                 axes = stream_axes(policy, data_parallel_random_init=everyone[ranks[0]]["dpri"])
                 problems.append(
-                    f"stream {stream!r} must be equal on ranks {ranks} ({_where(everyone[ranks[0]]['coords'], axes)}) "
+                    f"stream {label!r} must be equal on ranks {ranks} ({_where(everyone[ranks[0]]['coords'], axes)}) "
                     f"but ranks {odd} differ from the rest: "
                     + ", ".join(f"rank {r}={fp[:6]}" for r, fp in zip(ranks, prints))
                 )
             for r, fp in zip(ranks, prints):
-                holders[fp].setdefault((stream, identity), []).append(r)
+                holders[fp].setdefault((label, identity), []).append(r)
     for fp, sharing in holders.items():
         if not _may_share(sharing):
             described = "; ".join(
-                f"stream {stream!r} on ranks {sharing[(stream, ident)]}"
-                for stream, ident in sorted(sharing)
+                f"stream {label!r} on ranks {sharing[(label, ident)]}"
+                for label, ident in sorted(sharing)
             )
             problems.append(
                 f"these must differ but are in one state ({fp[:6]}), so they draw identical values: {described}"

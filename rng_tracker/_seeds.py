@@ -151,6 +151,13 @@ def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: 
     if seeds[highest] < 2**64:
         return
     largest = 2**64 - 1 - (seeds[highest] - seed)
+    if largest < 0:
+        raise SeedOverflowError(
+            f"scheme {scheme!r} at {where} would give stream {highest!r} an offset of "
+            f"{seeds[highest] - seed} from the base seed, beyond the largest seed 2**64-1 with any "
+            "base seed: these ranks are too large for its arithmetic; pass the process's real "
+            "ranks, or use scheme='hashed'"
+        )
     raise SeedOverflowError(
         f"scheme {scheme!r} with seed {seed} at {where} would give stream {highest!r} the seed "
         f"{seeds[highest]} (the base seed plus {seeds[highest] - seed}), beyond the largest "
@@ -198,8 +205,9 @@ def plan_seeds(
         seeds.items(),
         lambda first, second, value: (
             f"scheme {scheme!r} gives streams {first!r} and {second!r} the same seed {value} "
-            f"at {where}: they would draw identical masks; use scheme='hashed' (collision-free) "
-            "or another base seed layout"
+            f"at {where}: they would draw identical masks (Megatron-LM refuses this seed too); "
+            "seed with rng_tracker.model_parallel_seed(seed, scheme='hashed'), its default, "
+            "which cannot collide"
         ),
     )
     return SeedPlan(

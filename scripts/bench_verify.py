@@ -107,6 +107,13 @@ def _digest(*what: object) -> str:
     return hashlib.blake2b(repr(what).encode(), digest_size=8).hexdigest()
 
 
+def _policy(kind: str, name: str) -> str:
+    """The stream whose equal/distinct rule a generator or stream of the payload follows."""
+    from rng_tracker._streams import DEFAULT_STREAM
+
+    return DEFAULT_STREAM if kind == "generators" else name
+
+
 def _payloads_at(form: dict, tp: int, pp: int, dp: int) -> list[bytes]:
     """verify's payload for every rank of a tp × pp × dp world, in ``form``'s keys, each stream's
     fingerprint a function of the rank's coordinates on the axes the policy gives it."""
@@ -117,10 +124,15 @@ def _payloads_at(form: dict, tp: int, pp: int, dp: int) -> list[bytes]:
         coords = dict.fromkeys(form["coords"], 0)
         coords.update(tp=rank % tp, pp=rank // tp % pp, dp=rank // (tp * pp))
         prints = {
-            stream: _digest(stream, tuple(coords[a] for a in stream_axes(stream)))
-            for stream in form["prints"]
+            kind: {
+                name: _digest(
+                    kind, name, tuple(coords[a] for a in stream_axes(_policy(kind, name)))
+                )
+                for name in form[kind]
+            }
+            for kind in ("generators", "streams")
         }
-        entry = {**form, "coords": coords, "prints": prints}
+        entry = {**form, "coords": coords, **prints}
         payloads.append(json.dumps(entry).encode())
     return payloads
 

@@ -88,3 +88,18 @@ def test_unknown_device_types_are_refused_before_the_mesh_is_built(rank):
         assert torch.equal(torch.get_rng_state(), before)
     assert init_model_parallel(device_type="cpu").mesh.device_type == "cpu"
     destroy_model_parallel()
+
+
+@pytest.mark.distributed(world_size=1, timeout=90)
+def test_an_order_that_is_not_a_str_is_a_type_error(rank):
+    """order=5 (or None, or a list of tokens) raised a ValueError that is no TypeError, unlike
+    every other argument of the wrong type."""
+    from rng_tracker.errors import ParallelConfigTypeError
+    from rng_tracker.parallel._mesh import get_parallel_state_or_none
+
+    destroy_model_parallel()
+    for order in (5, None, ["tp", "dp"]):
+        with pytest.raises(ParallelConfigTypeError, match="order must be a str") as info:
+            init_model_parallel(order=order)
+        assert isinstance(info.value, ParallelConfigError) and isinstance(info.value, TypeError)
+        assert get_parallel_state_or_none() is None

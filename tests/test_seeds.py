@@ -96,8 +96,19 @@ def test_megatron_collision_is_reported_and_changes_nothing():
             tracker=tracker,
         )
     assert tracker.names() == ["keep"] and torch.equal(torch.get_rng_state(), cpu_before)
-    with pytest.raises(SeedReuseError):
+    with pytest.raises(SeedReuseError) as info:
         mg.model_parallel_cuda_manual_seed(7, tp_rank=6, ep_rank=17, etp_rank=0)
+    # the advice holds where the call has no scheme to change (it said "use scheme='hashed'")
+    assert "rng_tracker.model_parallel_seed(seed, scheme='hashed')" in str(info.value)
+
+
+def test_ranks_too_large_for_megatrons_arithmetic_are_named_not_the_seed():
+    """With tp_rank=2**64 no base seed fits; the error advised "a seed of at most -2719"."""
+    with pytest.raises(SeedOverflowError) as info:
+        plan_seeds(0, scheme="megatron", coordinates={"tp": 2**64})
+    message = str(info.value)
+    assert "at most -" not in message
+    assert "tp=18446744073709551616" in message and "too large for its arithmetic" in message
 
 
 def test_seeds_one_to_the_cpu_generator_are_refused_before_anything_changes():

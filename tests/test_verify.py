@@ -18,6 +18,7 @@ from rng_tracker import (
     get_rng_tracker,
     model_parallel_seed,
 )
+from rng_tracker.errors import ParallelStateMismatchError, RankError
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
 from rng_tracker.parallel._verify import verify_rng_consistency
 from rng_tracker.parallel.testing import run_distributed
@@ -269,3 +270,96 @@ def test_verify_inside_a_fork_sees_the_states_outside_it(rank):
         assert inside == outside, inside.problems
     finally:
         destroy_model_parallel()
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_stream_named_like_a_generator_hides_nothing(rank):
+    """Streams and generators shared one table of fingerprints: a stream named "default"
+    replaced the default generator's, so DP replicas whose default generators had drifted apart
+    verified OK, and a per-rank stream named "cpu" was judged by the default generator's rule.
+    Each now has its own row."""
+    tracker = RNGStatesTracker("cpu")
+    layout = _FixedLayout({})  # both ranks are DP replicas: every policy stream must agree
+    plan = model_parallel_seed(3, layout=layout, tracker=tracker)
+    tracker.add("default", 99)  # the same on both ranks
+    tracker.add("cpu", 100 + rank)  # the user's own per-rank stream: no rule applies
+    if rank == 1:
+        torch.rand(1)  # the replicas' default generators now differ
+    report = verify_rng_consistency(layout, tracker=tracker, plan=plan)
+    assert not report.ok
+    assert list(report.fingerprints)[:1] == ["default"]
+    assert {"stream 'default'", "cpu"} <= set(report.fingerprints)
+    assert len(set(report.fingerprints["stream 'default'"])) == 1
+    assert len(set(report.fingerprints["cpu"])) == 2
+    assert len(report.problems) == 1, report.problems
+    assert report.problems[0].startswith("stream 'default' must be equal on ranks [0, 1]")
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_ranks_seeded_with_and_without_data_parallel_random_init_are_reported(rank):
+    """Each rank was judged by its own plan's flag, so two DP replicas seeded differently (their
+    default generators drawing different values) fell into separate groups and verified OK."""
+    tracker = RNGStatesTracker("cpu")
+    layout = _FixedLayout({"dp": rank})
+    plan = model_parallel_seed(
+        3, layout=layout, tracker=tracker, data_parallel_random_init=rank == 1
+    )
+    report = verify_rng_consistency(layout, tracker=tracker, plan=plan)
+    assert not report.ok
+    assert any(
+        "ranks [1] were seeded with data_parallel_random_init=True and ranks [0] without it"
+        in problem
+        for problem in report.problems
+    ), report.problems
+
+
+class _NegativeLayout(_FixedLayout):
+    def rank(self, axis: str) -> int:
+        return -1 if axis == "pp" else 0
+
+
+class _MismatchedLayout(_FixedLayout):
+    """As Megatron's parallel_state and rng_tracker's mesh disagreeing at this rank only."""
+
+    def rank(self, axis: str) -> int:
+        raise ParallelStateMismatchError("the two parallel states disagree at this rank")
+
+
+@pytest.mark.parametrize(
+    ("broken", "error", "match"),
+    [
+        (_MismatchedLayout, ParallelStateMismatchError, "disagree at this rank"),
+        (_NegativeLayout, RankError, r"layout.rank\('pp'\) must be >= 0, got -1"),
+    ],
+)
+@pytest.mark.distributed(world_size=2, timeout=60)
+def test_a_rank_that_refuses_the_call_does_not_leave_its_peers_waiting(rank, broken, error, match):
+    """A rank whose layout was refused (a parallel-state mismatch only it sees, a negative rank)
+    raised before the collective, and the other ranks hung in it until the job's timeout. Every
+    rank now raises: the refusing rank its own error, the others one naming it."""
+    tracker = RNGStatesTracker("cpu")
+    layout = broken({}) if rank == 1 else _FixedLayout({})
+    before = _tracker_states()
+    if rank == 1:
+        with pytest.raises(error, match=match):
+            verify_rng_consistency(layout, tracker=tracker)
+    else:
+        with pytest.raises(
+            ParallelStateError, match=rf"rank 1 refused the call \({error.__name__}: "
+        ):
+            verify_rng_consistency(layout, tracker=tracker)
+    _assert_states_unchanged(before)
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_layout_giving_numpy_ranks_verifies(rank):
+    """model_parallel_seed takes a layout whose rank() returns numpy ints; verify failed on the
+    same layout with an untyped "int64 is not JSON serializable"."""
+    import numpy as np
+
+    layout = _FixedLayout({"tp": np.int64(rank)})
+    tracker = RNGStatesTracker("cpu")
+    plan = model_parallel_seed(3, layout=layout, tracker=tracker)
+    report = verify_rng_consistency(layout, tracker=tracker, plan=plan)
+    assert report.ok, report.problems
+    assert [c["tp"] for c in report.coordinates] == [0, 1]
