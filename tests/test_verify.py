@@ -363,3 +363,28 @@ def test_a_layout_giving_numpy_ranks_verifies(rank):
     report = verify_rng_consistency(layout, tracker=tracker, plan=plan)
     assert report.ok, report.problems
     assert [c["tp"] for c in report.coordinates] == [0, 1]
+
+
+def _megatron_and_hashed_seeding_at_cp2() -> tuple:
+    destroy_model_parallel()
+    state = init_model_parallel(context=2)
+    try:
+        megatron = verify_rng_consistency(
+            state, plan=model_parallel_seed(1, scheme="megatron", layout=state)
+        )
+        hashed = verify_rng_consistency(state, plan=model_parallel_seed(1, layout=state))
+    finally:
+        destroy_model_parallel()
+    return megatron.problems, hashed.ok
+
+
+def test_context_parallel_ranks_sharing_megatrons_model_parallel_seed_are_reported():
+    """Megatron's arithmetic takes no CP rank: both CP ranks get one model-parallel-rng, so their
+    sequence chunks draw the same sharded masks. docs/migrating.md says the verifier reports it,
+    and that the hashed scheme seeds CP ranks apart."""
+    for problems, hashed_ok in run_distributed(_megatron_and_hashed_seeding_at_cp2, world_size=2):
+        assert hashed_ok
+        assert len(problems) == 1, problems
+        assert "these must differ but are in one state" in problems[0]
+        assert f"stream {MODEL_PARALLEL_RNG!r} on ranks [0]" in problems[0]
+        assert f"stream {MODEL_PARALLEL_RNG!r} on ranks [1]" in problems[0]
