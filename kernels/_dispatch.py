@@ -21,6 +21,7 @@ from rng_tracker._torch_private import (
     dispatch_mode_depth,
     functorch_transforms_active,
     profiler_enabled,
+    tracing_mode_active,
     unchecked_apply,
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
@@ -34,6 +35,7 @@ from rng_tracker.kernels._ops import (
 )
 from rng_tracker.kernels._rng_source import (
     Words,
+    draw_fresh_words,
     draw_seed,
     draw_words,
     refuse_capture,
@@ -85,6 +87,19 @@ def _nothing_intercepts(x: torch.Tensor) -> bool:
         and not torch.jit.is_tracing()
         and dispatch_mode_depth() == 0
         and functorch_transforms_active() is False
+    )
+
+
+def _only_user_modes_intercept(x: torch.Tensor) -> bool:
+    """Whether what intercepts an eager call on x is only dispatch modes of the user's (a
+    profiler's, a FLOP counter's, checkpointing's ``check_rng``, ``debug`` and selective
+    recompute): nothing traces it, x is a plain tensor, no functorch transform runs."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and functorch_transforms_active() is False
+        and not tracing_mode_active()
     )
 
 
@@ -168,6 +183,11 @@ def run(
         if kernel == "triton_direct":  # the words go to the kernel as arguments: no tensor made
             refuse_capture(x)
             words = draw_words(x, call.p, logical_numel, generator)
+        elif kernel in _STRAIGHT and _only_user_modes_intercept(x):
+            # The op runs, seen by the modes, but keeps its words as a straight call does: what
+            # autograd saves must not depend on which modes are active, since
+            # torch.utils.checkpoint compares it between a forward and its recompute.
+            words = draw_fresh_words(x, call.p, logical_numel, generator)
         else:  # an op's seed lives on x's device only for Triton
             device = x.device if kernel == "triton" else torch.device("cpu")
             seed = draw_seed(x, call.p, logical_numel, generator, device)
@@ -179,11 +199,10 @@ def run(
 def _execute(
     kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
 ) -> torch.Tensor:
-    """Run ``kernel``: an op takes the seed tensor; a straight route takes the words where they
-    are known (drawn, or read for the CPU), else the seed tensor."""
-    if kernel not in _OP_OF_STRAIGHT:
-        if seed is None:
-            seed = seed_tensor(words, call.x.device if kernel == "triton" else torch.device("cpu"))
+    """Run ``kernel``: an op takes the seed tensor (made from drawn words where a straight call's
+    autograd keeps them); a straight route takes the words where they are known (drawn, or read
+    for the CPU), else the seed tensor."""
+    if kernel == "reference" or (kernel in _STRAIGHT and seed is not None):
         return call_op(kernel, call, seed)
     x, bias, residual = call.x, call.bias, call.residual
     if torch.is_grad_enabled() and (
@@ -201,11 +220,18 @@ def _execute(
     return _direct(kernel, call, seed, words)
 
 
+def _op_seed(kernel: Route, words: Words, x: torch.Tensor) -> torch.Tensor:
+    """An op's seed tensor of drawn ``words``: on x's device for Triton, else on the CPU."""
+    return seed_tensor(words, x.device if kernel == "triton" else torch.device("cpu"))
+
+
 def _direct(
     kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
 ) -> torch.Tensor:
     """A kernel called straight, named as the op it stands in for in a profiler's trace (only
-    while a profiler runs: the name costs microseconds)."""
+    while a profiler runs: the name costs microseconds); an op with drawn words, through the op."""
+    if kernel in _STRAIGHT:
+        return call_op(kernel, call, _op_seed(kernel, words, call.x))
     if profiler_enabled():  # the op's name as _ops registers it
         with torch.profiler.record_function(
             f"rng_tracker::fused_dropout_{_OP_OF_STRAIGHT[kernel]}"
@@ -223,7 +249,8 @@ def _direct_kernel(
 
 
 class _DirectDropout(torch.autograd.Function):
-    """Autograd of a straight call: the op's (seed saved, mask regenerated), without the op."""
+    """Autograd of a straight call, and of an op's drawn call under a user's dispatch mode: the
+    op's (mask regenerated), with a drawn call's words kept as ints instead of a saved seed."""
 
     @staticmethod
     def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words, kernel):
@@ -236,7 +263,7 @@ class _DirectDropout(torch.autograd.Function):
         def regenerate(g: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
             # a saved seed is checked unchanged (ctx.saved_tensors); under a mode, the op runs
             call = dropout_call(g, None, None, ctx.p, ctx.index_map)
-            kernel = _reached(_OP_OF_STRAIGHT[ctx.kernel], g)
+            kernel = _reached(_OP_OF_STRAIGHT.get(ctx.kernel, ctx.kernel), g)
             if ctx.words is not None:  # a drawn call: its words, kept as ints (no tensor saved)
                 return _execute(kernel, call, None, ctx.words)
             return _execute(kernel, call, seed, None)

@@ -96,6 +96,16 @@ def draw_words(x: torch.Tensor, p: float, logical_numel: int, generator: object)
     return _drawn(_generator(x, generator), logical_numel, scratch)
 
 
+def draw_fresh_words(x: torch.Tensor, p: float, logical_numel: int, generator: object) -> Words:
+    """:func:`draw_words` for an eager call under a dispatch mode of the user's: the draw runs on
+    a tensor made for it (the mode sees it, as it sees the draw of an op's seed), never on the
+    thread's scratch tensor."""
+    refuse_capture(x)
+    if p == 1.0:
+        return 0, 0, 0, 0
+    return _drawn(_generator(x, generator), logical_numel)
+
+
 def seed_tensor(words: Words, device: torch.device) -> torch.Tensor:
     """``words`` as an int64 tensor on ``device``: an op argument, never a constant baked into a
     graph."""

@@ -54,6 +54,22 @@ def dispatch_mode_depth() -> int | None:
     return None if _dispatch_stack_len is None else int(_dispatch_stack_len())
 
 
+# torch._C._get_dispatch_mode and _TorchDispatchModeKey: the slots of torch's own tracing modes
+# (fake tensors, make_fx's proxy, functionalization), which the dispatch stack counts with the
+# user's modes. Without them, every mode counts as torch's.
+_get_dispatch_mode = getattr(torch._C, "_get_dispatch_mode", None)
+_TRACING_MODE_KEYS = tuple(
+    getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "__members__", {}).values()
+)
+
+
+def tracing_mode_active() -> bool:
+    """Whether one of torch's own tracing dispatch modes is active (True where torch cannot say)."""
+    if _get_dispatch_mode is None or not _TRACING_MODE_KEYS:
+        return True
+    return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
+
+
 def functorch_transforms_active() -> bool | None:
     """Whether a functorch transform (vmap, grad, ...) is active, or None where torch cannot say."""
     return None if _functorch_active is None else bool(_functorch_active())

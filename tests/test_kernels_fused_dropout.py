@@ -245,6 +245,64 @@ def test_saved_bytes_per_call_do_not_grow_with_numel(impl, drawn_bytes):
     assert torchs[0] >= 64 and torchs[1] == 64 * torchs[0]
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+def test_what_autograd_saves_does_not_depend_on_dispatch_modes(impl):
+    """A drawn call called straight kept its words as ints; under any dispatch mode (a
+    profiler's, a FLOP counter's, checkpointing's check_rng or debug) it went through its op,
+    which saved a seed tensor. torch.utils.checkpoint compares the saved tensors of a forward
+    and its recompute, so a mode active in one of them only broke backward. The bits, the
+    generator's advance and the saved tensors are now the same with and without a mode."""
+    seed = torch.tensor([5, 0, 0, 0])
+    results = []
+    for mode in (None, OpNames()):
+        with mode if mode is not None else contextlib.nullcontext():
+            for randomness in ({"generator": gen(17)}, {"seed": seed}):
+                x = torch.randn(4, 8, generator=gen(1)).requires_grad_()
+                saved = _saved_bytes(lambda x, r=randomness: dropout(x, 0.5, impl=impl, **r), x)
+                out = dropout(x, 0.5, impl=impl, **randomness)
+                out.backward(torch.ones_like(out))
+                state = randomness.get("generator")
+                results.append((saved, out, x.grad, state and state.get_state()))
+        if mode is not None:
+            assert any("fused_dropout" in name for name in mode.names)  # the mode saw the op
+    without, within = results[:2], results[2:]
+    for plain, moded in zip(without, within, strict=True):
+        assert plain[0] == moded[0]
+        assert all(
+            torch.equal(a, b) if a is not None else b is None
+            for a, b in zip(plain[1:], moded[1:], strict=True)
+        )
+
+
+@pytest.mark.parametrize(
+    "how", ["nested under check_rng", "nested under debug", "forward under a FLOP counter"]
+)
+def test_a_checkpoint_of_fused_dropout_backs_up_whatever_mode_its_forward_ran_under(how):
+    """Each of these raised torch's CheckpointError "a different number of tensors was saved
+    during the original forward and recomputation" in backward; F.dropout passed them all."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def block(a):
+        return dropout(a.tanh(), 0.3)
+
+    def run(checkpointed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(4, 6, requires_grad=True)
+        if not checkpointed:
+            block(x).sum().backward()
+        elif how == "forward under a FLOP counter":
+            with FlopCounterMode(display=False):
+                y = checkpoint(block, x, use_reentrant=False)
+            y.sum().backward()
+        else:
+            option = {"check_rng": True} if how == "nested under check_rng" else {"debug": True}
+            inner = lambda a: checkpoint(block, a, use_reentrant=False)  # noqa: E731
+            checkpoint(inner, x, use_reentrant=False, **option).sum().backward()
+        return x.grad
+
+    assert torch.equal(run(checkpointed=True), run(checkpointed=False))
+
+
 def test_dropout_inside_a_fork_draws_from_that_stream():
     tracker = RNGStatesTracker("cpu")
     tracker.add("model-parallel-rng", 99)
