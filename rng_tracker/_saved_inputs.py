@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_cat
 from rng_tracker._deprecation import warn_deprecated
-from rng_tracker.errors import CheckpointConfigError
+from rng_tracker.errors import CheckpointConfigError, CheckpointUsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,12 @@ class _SplitTensor:
     part: torch.Tensor  # (ceil(numel / group_size),) this rank's slice of the padded flat tensor
     shape: torch.Size
     group: dist.ProcessGroup
+
+
+@dataclass(frozen=True, slots=True)
+class _KeptTensor:
+    tensor: torch.Tensor  # saved as it is: an in-place change before the recompute is refused
+    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,20 @@ def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return pinned.copy_(tensor.detach(), non_blocking=True)
 
 
+def _unchanged(kept: _KeptTensor) -> torch.Tensor:
+    """The kept tensor, refused if changed in place since it was saved: autograd checks the
+    tensors it saves itself, but not those a saved-tensor hook keeps."""
+    if kept.tensor._version != kept.version:
+        raise CheckpointUsageError(
+            f"a tensor of shape {tuple(kept.tensor.shape)} that the checkpoint saved for its "
+            f"recompute (an input of the checkpointed function) was modified by an inplace "
+            f"operation: it is at version {kept.tensor._version}, expected {kept.version}. The "
+            "recompute would compute other values than the forward did; change it only after "
+            "backward, or pass the checkpoint a clone"
+        )
+    return kept.tensor
+
+
 class InputSaver:
     """Packs saved checkpoint inputs: ``distribute`` splits one tensor across ``group``;
     ``offload`` keeps every saved tensor in (pinned) CPU memory until it is unpacked."""
@@ -113,7 +133,7 @@ class InputSaver:
         if self._distribute is not None and tensor is self._distribute():
             data = split_for_save(tensor, self.group)
         if not self.offload:
-            return data
+            return _KeptTensor(data, data._version) if isinstance(data, torch.Tensor) else data
         if isinstance(data, _SplitTensor):
             return _OffloadedTensor(
                 _SplitTensor(_to_cpu(data.part), data.shape, data.group), tensor.device
@@ -131,6 +151,8 @@ class InputSaver:
                 )
         if isinstance(packed, _SplitTensor):
             return gather_saved(packed)
+        if isinstance(packed, _KeptTensor):
+            return _unchanged(packed)
         assert isinstance(packed, torch.Tensor)
         return packed if device is None else packed.to(device, non_blocking=True)
 

@@ -195,11 +195,7 @@ class _Replay:
             if log is not None:
                 log.__exit__(exc_type, exc, tb)
             if log is not None and exc_type is None:
-                assert record.forward_end is not None and record.forward_log is not None
-                mismatch = record.forward_end.differences(record.capture())
-                divergence = first_divergence(record.forward_log, log)
-                if divergence:
-                    mismatch.append(divergence)
+                mismatch = _unseen_by_modes(self._mismatch, log)
         finally:
             _leave_checkpointing()
             record.install(found)
@@ -210,6 +206,14 @@ class _Replay:
                 + ". Draw only from the tracker's streams and the default generators, and "
                 "keep random ops out of data-dependent branches"
             )
+
+    def _mismatch(self, log: RandomOpLog) -> list[str]:
+        """How a completed recompute (its random ops in ``log``) strayed from the forward."""
+        record = self._record
+        assert record.forward_end is not None and record.forward_log is not None
+        mismatch = record.forward_end.differences(record.capture())
+        divergence = first_divergence(record.forward_log, log)
+        return [*mismatch, divergence] if divergence else mismatch
 
 
 class _CheckpointingOnly:
@@ -363,9 +367,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         if ctx.split is not None:
             shape, group = ctx.split
             first = tensors[0]
-            first.data = gather_chunks(
-                first.data, shape, group
-            )  # the caller's tensor is whole again
+            first.data = gather_chunks(first.data, shape, group)  # the caller's tensor is whole
+            ctx.split = None  # again, and stays so: a repeated backward must not gather it twice
         args = list(ctx.non_tensors)
         for slot, tensor in zip(ctx.tensor_slots, tensors, strict=True):
             args[slot] = tensor.detach().requires_grad_(ctx.input_requires_grad[slot])

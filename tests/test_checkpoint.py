@@ -650,6 +650,37 @@ def test_check_rng_accepts_a_checkpoint_inside_a_fork(mode):
     assert x.grad is not None and torch.equal(x.grad, (y != 0) * 2.0)
 
 
+def test_check_rng_works_with_selective_checkpointing():
+    """check_rng compared the states with torch.equal while selective checkpointing's recompute
+    mode was still active; the forward had run no such op, so every backward failed with
+    "aten.equal.default encountered during backward but not found in storage". The check is now
+    unseen by the user's modes, as the snapshots are."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.mm.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, w):
+        return F.dropout(torch.tanh(x @ w), 0.3)
+
+    def run(**options):
+        torch.manual_seed(0)
+        x, w = torch.randn(4, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+        y = checkpoint(block, x, w, **options) if options else block(x, w)
+        y.sum().backward()
+        return x.grad, w.grad
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    plain = run()
+    for check_rng in (False, True):
+        got = run(context_fn=context_fn, check_rng=check_rng)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+
+
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_a_recompute_keeps_the_seeds_of_streams_added_after_its_forward(mode):
     """The replay put the forward's streams back and, with them, dropped the seed of a stream

@@ -189,3 +189,86 @@ def test_distribute_saved_activations_takes_the_layout_as_an_argument():
         assert all(torch.equal(plain, grad) for grad in checkpointed)
         assert result["asked"] == ["tp", "tp"]
         assert result["gathered_over"] == [True, True]
+
+
+def _tanh_of_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w)
+
+
+def _backward_twice_with_a_split_input() -> dict:
+    from rng_tracker.activation_checkpoint import reentrant_checkpoint
+
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2)
+    group = state.group("tp")
+    grads = {}
+    try:
+        for name in ("plain", "split_group", "megatron"):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+            w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+            if name == "plain":
+                y = _tanh_of_product(x, w)
+            elif name == "split_group":
+                y = reentrant_checkpoint(_tanh_of_product, x, w, split_group=group)
+            else:
+                y = megatron_checkpoint(_tanh_of_product, True, x, w)
+            loss = y.sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            grads[name] = (x.grad, w.grad, x.shape)
+    finally:
+        destroy_model_parallel()
+    return grads
+
+
+def test_a_split_input_survives_a_second_backward():
+    """backward(retain_graph=True) then backward again: the second all-gathered the input the
+    first had made whole, and failed ("shape '[3, 4]' is invalid for input of size 24"); a 1-D
+    input silently kept rank 0's copy. Both backwards now give the plain run's gradients."""
+    for grads in run_distributed(_backward_twice_with_a_split_input, world_size=2):
+        for name in ("split_group", "megatron"):
+            assert grads[name][2] == (3, 4)
+            assert torch.equal(grads[name][0], grads["plain"][0]), name
+            assert torch.equal(grads[name][1], grads["plain"][1]), name
+
+
+def _change_another_input_in_place(use_reentrant: bool) -> str:
+    from rng_tracker.errors import CheckpointUsageError
+
+    destroy_model_parallel()
+    state = init_model_parallel(tensor=2)
+    try:
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = checkpoint(
+            _tanh_of_product,
+            x,
+            w,
+            use_reentrant=use_reentrant,
+            distribute_saved_activations=True,
+            tp_group=state.group("tp"),
+        )
+        with torch.no_grad():
+            w.add_(1)
+        try:
+            y.sum().backward()
+        except CheckpointUsageError as error:
+            assert isinstance(error, RuntimeError)
+            return str(error)
+        return "no error"
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_an_input_changed_in_place_after_forward_is_refused_when_another_is_distributed(
+    use_reentrant,
+):
+    """The inputs that are not split were kept by reference, without autograd's version check:
+    w.add_(1) after forward went unnoticed, and the recompute used the new w, giving x another
+    gradient than the forward's. As without distribute_saved_activations, it is refused."""
+    for message in run_distributed(
+        _change_another_input_in_place, world_size=2, args=(use_reentrant,)
+    ):
+        assert "modified by an inplace operation" in message
+        assert "shape (4, 4)" in message and "expected 0" in message
