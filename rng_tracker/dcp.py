@@ -46,7 +46,7 @@ from rng_tracker._collective import as_bytes, as_uint8, collective_device
 from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
 from rng_tracker._device_rng import default_device, default_generator, device_rng
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng
-from rng_tracker._layout import process_layout
+from rng_tracker._layout import ParallelLayout, process_layout
 from rng_tracker._rng_entries import (
     FORMAT,
     MAX_RANK,
@@ -185,7 +185,8 @@ def _layout_text(layout: object) -> str:
         names = getattr(layout, "mesh_dim_names", None) or [f"dim{i}" for i in range(len(shape))]
         return ",".join(f"{n}={int(s)}" for n, s in zip(names, shape, strict=True))
     raise StateDictTypeError(
-        f"layout must be a str, a mapping of axis sizes or a DeviceMesh, got {type(layout).__name__}"
+        f"layout must be a str, a mapping of axis sizes, a DeviceMesh or a ParallelLayout (e.g. "
+        f"rng_tracker.parallel.ParallelState), got {type(layout).__name__}"
     )
 
 
@@ -350,9 +351,11 @@ class RNGStateful:
         keyed: the keyed RNG; None means ``get_keyed_rng()`` at each save and load (saved only
             once seeded).
         layout: what makes two runs' per-rank states interchangeable: a str, a mapping of
-            axis sizes (``{"tp": 2, "dp": 2}``) or the DeviceMesh (whose named axes then also
-            give each rank's coordinates). The world size always counts. None: the axis sizes of
-            the process's parallel state (rng_tracker's or Megatron's) when one is set up.
+            axis sizes (``{"tp": 2, "dp": 2}``), the DeviceMesh (whose named axes then also
+            give each rank's coordinates) or a :class:`~rng_tracker.ParallelLayout` (its axis
+            sizes and this rank's coordinates, as for the process's). The world size always
+            counts. None: the process's parallel state (rng_tracker's or Megatron's) when one is
+            set up.
         strict: on another layout, raise :class:`RNGStateLayoutError` instead of re-deriving the
             per-rank parts that cannot move.
         step: the trainer's step (a callable, e.g. ``lambda: train_state.step``): saved as the
@@ -395,7 +398,9 @@ class RNGStateful:
             checked_instance(
                 keyed, KeyedRNG, "keyed must be a KeyedRNG (e.g. get_keyed_rng()) or None"
             )
-        self.layout = _layout_text(layout)
+        # a ParallelLayout is read at each save and load, as the process's is without one
+        self._parallel_layout = layout if isinstance(layout, ParallelLayout) else None
+        self.layout = "" if self._parallel_layout is not None else _layout_text(layout)
         self._device = default_device()
         self._tracker, self._keyed = tracker, keyed  # None: the process's, at each save and load
         self._mesh = layout if getattr(layout, "mesh_dim_names", None) is not None else None
@@ -439,7 +444,7 @@ class RNGStateful:
                 str(name): (int(coordinate[i]), int(mesh.size(i)), mesh.get_group(i))
                 for i, name in enumerate(mesh.mesh_dim_names)
             }
-        state = process_layout()
+        state = self._parallel_layout or process_layout()
         if state is None or state.world_size != world:
             return {}
         out = {}
@@ -455,7 +460,7 @@ class RNGStateful:
         that a save at TP=2 x PP=2 is not taken for one at TP=4 of the same world size."""
         if self.layout:
             return self.layout
-        state = process_layout()
+        state = self._parallel_layout or process_layout()
         if state is None:
             return ""
         sizes = []

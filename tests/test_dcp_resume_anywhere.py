@@ -309,12 +309,40 @@ def _layout_from_the_parallel_state(root: str) -> list[str]:
     return [str(w.message) for w in caught if w.category is RNGStateRederivedWarning]
 
 
+def _layout_given_as_a_parallel_state(root: str) -> dict:
+    """layout= a ParallelState (a ParallelLayout, as every other layout= takes): it was refused
+    with "layout must be a str, a mapping of axis sizes or a DeviceMesh". Saved at tp=4, loaded
+    at tp=4 (bitwise) and at tp=2 x dp=2 (the per-tp streams re-derived)."""
+    import torch.distributed.checkpoint as dcp
+
+    from rng_tracker.parallel._mesh import destroy_model_parallel
+
+    tracker, keyed, state = _megatron_like(4, keyed_step=3)
+    saved = _digest(tracker.state_dict()["streams"][_MP]["state"])
+    dcp.save({"rng": RNGStateful(tracker, keyed, layout=state)}, checkpoint_id=f"{root}/state")
+    out = {}
+    for tensor in (4, 2):
+        tracker, keyed, state = _megatron_like(tensor, keyed_step=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stateful = RNGStateful(tracker, keyed, layout=state)
+            dcp.load({"rng": stateful}, checkpoint_id=f"{root}/state")
+        out[tensor] = {
+            "mp": _digest(tracker.state_dict()["streams"][_MP]["state"]),
+            "tp": state.rank("tp"),
+            "warnings": [str(w.message) for w in caught if w.category is RNGStateRederivedWarning],
+        }
+    destroy_model_parallel()
+    return {"saved": saved, **out}
+
+
 def _on_four_ranks(root: str) -> dict:
     return {
         "tp4": _load_at(root, 4),
         "tp2dp2": _load_at(root, 2),
         "mesh": _load_with_a_mesh(root),
         "no_layout_given": _layout_from_the_parallel_state(root),
+        "parallel_state_given": _layout_given_as_a_parallel_state(root),
     }
 
 
@@ -411,6 +439,16 @@ def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(t
     for result in four:
         assert len(result["no_layout_given"]) == 1, result["no_layout_given"]
         assert _MP in result["no_layout_given"][0]
+
+    # layout= a ParallelState: bitwise on its own layout, per-tp streams re-derived elsewhere
+    by_tp_state: dict[int, set] = {}
+    for result in four:
+        given = result["parallel_state_given"]
+        assert given[4]["mp"] == given["saved"] and given[4]["warnings"] == []
+        assert len(given[2]["warnings"]) == 1 and _MP in given[2]["warnings"][0]
+        by_tp_state.setdefault(given[2]["tp"], set()).add(given[2]["mp"])
+    assert sorted(by_tp_state) == [0, 1] and all(len(v) == 1 for v in by_tp_state.values())
+    assert by_tp_state[0] != by_tp_state[1]
 
     # the same with a DeviceMesh as layout=: equal within a tp coordinate, distinct across
     by_tp_mesh: dict[int, set] = {}
