@@ -337,12 +337,18 @@ def assert_same_generator_state(
 __getattr__ = deprecated_names(
     __name__,
     {
-        name: f"rng_tracker.parallel.invariant:{name}"
-        for name in (
-            "InitMode",
-            "disable_invariant_random",
-            "enable_invariant_random",
-            "invariant_random",
-        )
+        **{
+            name: f"rng_tracker.parallel.invariant:{name}"
+            for name in (
+                "InitMode",
+                "disable_invariant_random",
+                "enable_invariant_random",
+                "invariant_random",
+            )
+        },
+        **{
+            name: f"rng_tracker.errors:{name}"
+            for name in ("InvariantRandomConfigError", "InvariantRandomUnsupportedError")
+        },
     },
 )

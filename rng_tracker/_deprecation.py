@@ -61,10 +61,14 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: Any) -> ModuleType:
         # 4: the importer (warnings skips importlib's own frames)
         _warn_moved(spec.name, stacklevel=4)
-        return importlib.import_module(self.moved[spec.name])
+        module = importlib.import_module(self.moved[spec.name])
+        spec.loader_state = module.__spec__  # the import system is about to overwrite it
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The replacement is already imported; nothing to run."""
+        """The replacement is already imported; nothing runs. The import system has just given
+        it the old name's spec: it gets its own back, so it still names its own file."""
+        module.__spec__ = module.__spec__.loader_state
 
 
 _FINDER = _MovedModules()
