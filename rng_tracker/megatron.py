@@ -579,7 +579,8 @@ def model_parallel_cuda_manual_seed(
     apply_seed_plan(plan, tracker, extra)  # the plan made (and checked) above: planned once
     if keyed_seed is not None:  # invariant mode's keyed state is (the run's seed, step 0)
         get_keyed_rng().manual_seed(keyed_seed)
-    return _placed_on_mesh(plan, layout)
+    with_extra = dataclasses.replace(plan, stream_seeds={**plan.stream_seeds, **extra})
+    return _placed_on_mesh(with_extra, layout)  # every seed this rank set, the GTP-remat ones too
 
 
 def set_step(step: int) -> None:

@@ -833,13 +833,17 @@ def test_gtp_remat_streams_follow_megatron_and_refuse_a_missing_rank():
     Megatron's seeds; without a rank (our parallel state has no GTP axis) it raises."""
     model_parallel_cuda_manual_seed(5, tp_rank=1, ep_rank=0, etp_rank=0)
     assert "gtp-remat-rng" not in get_cuda_rng_tracker()
-    model_parallel_cuda_manual_seed(
+    plan = model_parallel_cuda_manual_seed(
         5, tp_rank=1, ep_rank=0, etp_rank=0, gtp_remat_rank=1, gtp_remat_world_size=2,
         egtp_remat_rank=0, egtp_remat_world_size=2,
     )  # fmt: skip
     states = get_cuda_rng_tracker().get_states()
     assert torch.equal(states["gtp-remat-rng"], seeded_state(5 + 2718 + 1 + 65536 * 2))
     assert torch.equal(states["egtp-remat-rng"], seeded_state(5 + 1024 + 32768 + 65536))
+    # the plan is every seed the call set (it left the GTP-remat ones out)
+    assert plan.stream_seeds["gtp-remat-rng"] == 5 + 2718 + 1 + 65536 * 2
+    assert plan.stream_seeds["egtp-remat-rng"] == 5 + 1024 + 32768 + 65536
+    assert set(plan.stream_seeds) == set(get_cuda_rng_tracker().get_states())
     with pytest.raises(ParallelStateError, match="gtp_remat_rank"):
         model_parallel_cuda_manual_seed(5, gtp_remat_world_size=4)
 
