@@ -228,7 +228,6 @@ def bias_dropout_add(
     """
     seed = _keyed_seed(require_dtensor("x", x), seed, site)
     checked_flag(training, "training")
-    x = without_partial(x)
     residual = require_dtensor("residual", residual)
     if bias is not None:
         bias = require_dtensor("bias", bias)
@@ -238,16 +237,18 @@ def bias_dropout_add(
                 f"{name} lives on mesh {other.device_mesh} but x on {x.device_mesh}; "
                 "put them on one mesh"
             )
+    # global shapes, the same on every rank: local ones may match on some ranks only
+    if residual.shape != x.shape:
+        raise DTensorPlacementError(
+            f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; give them "
+            "the same global shape"
+        )
+    x = without_partial(x)
     if residual.placements != x.placements:
         residual = residual.redistribute(x.device_mesh, x.placements)
     index = local_index_of(x)
     local = x.to_local()  # (local shape of x)
     local_residual = residual.to_local()  # (local shape of x)
-    if local_residual.shape != local.shape:
-        raise DTensorPlacementError(
-            f"residual has local shape {tuple(local_residual.shape)} but x has "
-            f"{tuple(local.shape)} after redistribution; give them the same global shape"
-        )
     full_bias = None if bias is None else _gathered_bias(bias, x)  # (hidden,)
 
     def call(

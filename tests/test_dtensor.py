@@ -372,3 +372,22 @@ def test_bad_arguments_are_typed_errors_that_draw_nothing(rank: int) -> None:
     torch.manual_seed(9)
     dt.uniform_(d, 2, 2)  # a == b, as torch allows
     assert torch.equal(d.to_local(), torch.full((4, 8), 2.0))
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_residual_of_another_global_shape_is_refused_on_every_rank(rank: int) -> None:
+    """x (4, 3) and residual (4, 4), both Shard(1): rank 0's local blocks are both (4, 2), so only
+    rank 1 raised (local shapes were compared); rank 0 drew and returned a sum with the wrong
+    tensor, and the ranks' generators parted. Global shapes are compared, on every rank alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from rng_tracker.parallel import dtensor as dt
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = distribute_tensor(torch.ones(4, 3), mesh, [Shard(1)])
+    residual = distribute_tensor(torch.ones(4, 4), mesh, [Shard(1)])
+    before = torch.get_rng_state()
+    with pytest.raises(DTensorPlacementError, match=r"residual has shape \(4, 4\) but x has"):
+        dt.bias_dropout_add(x, None, residual, 0.5)
+    assert torch.equal(torch.get_rng_state(), before)
