@@ -50,6 +50,7 @@ from rng_tracker.kernels._keyed_fill import (
 from rng_tracker.kernels.reference import check_p, keep_scale_unchecked
 from rng_tracker.parallel._placement import (
     fill_from_full,
+    holds_values,
     local_index_of,
     without_partial,
     wrap_local,
@@ -65,6 +66,11 @@ __all__ = [
 ]
 
 InitMode = Literal["full", "keyed"]
+_EXACT_PARTIALS = (
+    "sum",
+    "max",
+    "min",
+)  # the reductions an init of a Partial DTensor writes exactly
 _INIT_MODES = ("full", "keyed")
 
 
@@ -84,9 +90,30 @@ def _keep(x: torch.Tensor, p: float) -> torch.Tensor:
     return _kernel_dropout(torch.ones(x.shape, device=x.device), p) != 0
 
 
+def _write(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` written into ``target`` in place, as into a plain tensor. ``value`` has target's
+    placements with Partial made Replicate (as the draws return it). DTensor's own copy_ would
+    divide it by the size of each Partial("sum") axis on every rank: v/3 summed three times is
+    not v in floating point, and an integer v/n truncates. So a Partial target's local tensor
+    takes the value where it holds one and zeros elsewhere, as an init of it does."""
+    partials = [p for p in getattr(target, "placements", ()) if isinstance(p, Partial)]
+    exact = bool(partials) and all(
+        type(p) is Partial and p.reduce_op in _EXACT_PARTIALS for p in partials
+    )
+    if not exact or (torch.is_grad_enabled() and target.requires_grad):  # autograd: DTensor's
+        return target.copy_(value)
+    with torch.no_grad():
+        local = target.to_local()
+        if holds_values(target):
+            local.copy_(value.to_local())
+        else:
+            local.zero_()
+    return target
+
+
 def _inplace(input: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
     if inplace and out is not input:
-        return input.copy_(out)
+        return _write(input, out)
     return out
 
 
@@ -196,7 +223,7 @@ def _bernoulli_(
         )
     keep = _keep(self, 1.0 - check_p(p))
     with torch.no_grad():
-        return self.copy_(keep)
+        return _write(self, keep)
 
 
 # Per thread: > 0 while a route runs torch's own init. Calls made inside a mode's handler reach

@@ -711,3 +711,42 @@ def test_an_init_full_block_inside_a_keyed_block_draws_torchs_values() -> None:
             got = init(torch.empty(16, 8))
         assert torch.equal(got, want), name
         assert torch.equal(torch.get_rng_state(), want_state), name
+
+
+def _in_place_routes_on_a_partial_sum_over_three_ranks() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (3,))
+    full = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    routes = {
+        "dropout": lambda t: F.dropout(t, 0.3, inplace=True),
+        "alpha_dropout": lambda t: F.alpha_dropout(t, 0.3, True, inplace=True),
+        "bernoulli_ int64": lambda t: t.bernoulli_(0.5),
+    }
+    differing = {}
+    for name, route in routes.items():
+        whole = full.long() if "int64" in name else full
+        mine = whole if dist.get_rank() == 0 else torch.zeros_like(whole)  # Partial(sum) of it
+        x = DTensor.from_local(mine.clone(), mesh, [Partial()], run_check=False)
+        torch.manual_seed(1)
+        with invariant_random():
+            got = route(x).full_tensor()
+        torch.manual_seed(1)
+        with invariant_random():
+            want = route(whole.clone())
+        differing[name] = int((got != want).sum())
+    return differing
+
+
+def test_in_place_routes_on_a_partial_sum_dtensor_write_the_plain_tensors_values():
+    """The in-place routes copied their Replicate result into the Partial("sum") input with
+    DTensor's copy_, which divides by the axis size on every rank: on 3 ranks v/3 summed thrice
+    is not v (3 of 24 dropout values 1 ulp off), and an int64 bernoulli_ truncated to all zeros.
+    Mesh sizes 2 and 4 hid it. The values are now written where the Partial holds them."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    for differing in run_distributed(
+        _in_place_routes_on_a_partial_sum_over_three_ranks, world_size=3
+    ):
+        assert differing == {"dropout": 0, "alpha_dropout": 0, "bernoulli_ int64": 0}
