@@ -214,6 +214,20 @@ def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
+_EXACT_REDUCTIONS = ("sum", "max", "min")  # the Partial reductions an init writes exactly
+
+
+def _is_exact_partial(placement: object) -> bool:
+    return type(placement) is Partial and placement.reduce_op in _EXACT_REDUCTIONS
+
+
+def partial_written_exactly(t: object) -> bool:
+    """Whether ``t`` is a DTensor with Partial axes, each one that :func:`holds_values` places
+    exactly (sum, max or min)."""
+    partials = [p for p in getattr(t, "placements", ()) if isinstance(p, Partial)]
+    return bool(partials) and all(map(_is_exact_partial, partials))
+
+
 def holds_values(t: DTensor) -> bool:
     """Whether this rank holds the values (True) or zeros (False) of an init of ``t``.
 
@@ -225,7 +239,7 @@ def holds_values(t: DTensor) -> bool:
     for axis, placement in enumerate(t.placements):
         if not isinstance(placement, Partial):
             continue
-        if type(placement) is not Partial or placement.reduce_op not in ("sum", "max", "min"):
+        if not _is_exact_partial(placement):
             raise DTensorPlacementError(
                 f"cannot initialise a DTensor with placement {placement!r} exactly; "
                 "Partial('sum'|'max'|'min') and Shard/Replicate are supported - "

@@ -52,6 +52,7 @@ from rng_tracker.parallel._placement import (
     fill_from_full,
     holds_values,
     local_index_of,
+    partial_written_exactly,
     without_partial,
     wrap_local,
 )
@@ -66,11 +67,6 @@ __all__ = [
 ]
 
 InitMode = Literal["full", "keyed"]
-_EXACT_PARTIALS = (
-    "sum",
-    "max",
-    "min",
-)  # the reductions an init of a Partial DTensor writes exactly
 _INIT_MODES = ("full", "keyed")
 
 
@@ -96,12 +92,8 @@ def _write(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     divide it by the size of each Partial("sum") axis on every rank: v/3 summed three times is
     not v in floating point, and an integer v/n truncates. So a Partial target's local tensor
     takes the value where it holds one and zeros elsewhere, as an init of it does."""
-    partials = [p for p in getattr(target, "placements", ()) if isinstance(p, Partial)]
-    exact = bool(partials) and all(
-        type(p) is Partial and p.reduce_op in _EXACT_PARTIALS for p in partials
-    )
-    if not exact or (torch.is_grad_enabled() and target.requires_grad):  # autograd: DTensor's
-        return target.copy_(value)
+    if not partial_written_exactly(target) or (torch.is_grad_enabled() and target.requires_grad):
+        return target.copy_(value)  # (recording autograd: DTensor's copy_ does it)
     with torch.no_grad():
         local = target.to_local()
         if holds_values(target):
