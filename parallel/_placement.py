@@ -259,7 +259,9 @@ def fill_from_full(t: object, draw: Callable[[torch.Tensor], Any]) -> DTensor:
     holds = holds_values(t)
     with torch.no_grad():
         local = t.to_local()  # (local shape of t), the DTensor's own storage
-        full = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+        # t's global strides: torch draws in memory order, so a transposed t draws as a
+        # transposed plain tensor does.
+        full = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=local.device)
         draw(full)
         piece = full
         for dim, idx in enumerate(index.indices):

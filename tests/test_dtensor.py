@@ -391,3 +391,38 @@ def test_a_residual_of_another_global_shape_is_refused_on_every_rank(rank: int) 
     with pytest.raises(DTensorPlacementError, match=r"residual has shape \(4, 4\) but x has"):
         dt.bias_dropout_add(x, None, residual, 0.5)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_transposed_dtensor_draws_what_the_transposed_plain_tensor_draws(rank: int) -> None:
+    """torch's CPU uniform_/normal_ fill memory in order, so a transposed tensor gets other values
+    than a contiguous one. The full draw went into a contiguous buffer, so a transposed DTensor got
+    the contiguous tensor's values; it now draws into a buffer of the DTensor's global strides."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from rng_tracker.parallel import dtensor as dt
+    from rng_tracker.parallel.invariant import invariant_random
+
+    def full_init_normal(t: torch.Tensor) -> None:
+        with invariant_random(init="full"):
+            torch.nn.init.normal_(t)
+
+    mesh = init_device_mesh("cpu", (2,))
+    draws = {  # the DTensor call and its one-device twin
+        "uniform_": (dt.uniform_, torch.Tensor.uniform_),
+        "normal_": (dt.normal_, torch.Tensor.normal_),
+        "init='full'": (full_init_normal, full_init_normal),
+    }
+    for (name, (draw, draw_plain)), placement in itertools.product(
+        draws.items(), [Shard(0), Replicate()]
+    ):
+        torch.manual_seed(3)
+        plain = torch.zeros(6, 4).t()
+        draw_plain(plain)
+        want_state = torch.get_rng_state()
+        transposed = distribute_tensor(torch.zeros(6, 4), mesh, [placement]).t()
+        torch.manual_seed(3)
+        draw(transposed)
+        assert torch.equal(transposed.full_tensor(), plain), (name, placement)
+        assert torch.equal(torch.get_rng_state(), want_state), (name, placement)
