@@ -57,7 +57,7 @@ from rng_tracker.parallel._placement import (
     wrap_local,
 )
 from rng_tracker.parallel.dtensor import dropout
-from rng_tracker.parallel.keyed_init import KeyedInit
+from rng_tracker.parallel.keyed_init import KeyedInit, check_keyed_fill
 
 __all__ = [
     "InitMode",
@@ -243,9 +243,12 @@ def _torch_draw(torch_func: Any, tensor: torch.Tensor, *args: Any, **kwargs: Any
         return torch_func(tensor, *args, **kwargs)
 
 
-def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[..., Any]:
+def _init_route(
+    torch_func: Any, kind: str, names: tuple[str, str], *, recorded: bool = False
+) -> Callable[..., Any]:
     """A route for uniform_/normal_: keyed by name in keyed mode, else torch's own draw on the
-    full tensor (a DTensor keeps its part; a plain tensor is the full tensor)."""
+    full tensor (a DTensor keeps its part; a plain tensor is the full tensor). ``recorded``: the
+    Tensor methods, which autograd records where grad is enabled (nn.init's run under no_grad)."""
 
     def route(ctx: _InvariantRandomMode, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         values = [0.0, 1.0]  # every one of these four defaults to (0, 1)
@@ -255,6 +258,11 @@ def _init_route(torch_func: Any, kind: str, names: tuple[str, str]) -> Callable[
             values[i] = kwargs.get(key, values[i])
         low, high = (real_number(v, key) for v, key in zip(values, names, strict=True))
         if ctx.keyed is not None and kwargs.get("generator") is None:
+            if recorded and torch.is_grad_enabled() and tensor.requires_grad:
+                check_keyed_fill(tensor, kind, low, high)
+                # autograd's own in-place rules: a leaf that requires grad (or its view) raises
+                # torch's error, anything else records a draw with no gradient to its input
+                tensor.zero_()
             return ctx.keyed.fill(tensor, kind, low, high)
         _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
         return _torch_draw(torch_func, tensor, *args, **kwargs)
@@ -272,7 +280,7 @@ def _init_kaiming_uniform(
     # mode off: compute its bound from the global shape here and draw through the routes.
     if ctx.keyed is not None and kwargs.get("generator") is None:
         bound = _kaiming_bound(tensor, *args, **kwargs)
-        return _ROUTES[torch.Tensor.uniform_](ctx, tensor, -bound, bound)
+        return _ROUTES[torch.nn.init.uniform_](ctx, tensor, -bound, bound)
     return _torch_draw(torch.nn.init.kaiming_uniform_, tensor, *args, **kwargs)
 
 
@@ -315,8 +323,12 @@ _ROUTES: dict[Any, Callable[..., Any]] = {
     torch.nn.init.uniform_: _init_route(torch.nn.init.uniform_, "uniform", ("a", "b")),
     torch.nn.init.normal_: _init_route(torch.nn.init.normal_, "normal", ("mean", "std")),
     torch.nn.init.kaiming_uniform_: _init_kaiming_uniform,
-    torch.Tensor.uniform_: _init_route(torch.Tensor.uniform_, "uniform", ("from", "to")),
-    torch.Tensor.normal_: _init_route(torch.Tensor.normal_, "normal", ("mean", "std")),
+    torch.Tensor.uniform_: _init_route(
+        torch.Tensor.uniform_, "uniform", ("from", "to"), recorded=True
+    ),
+    torch.Tensor.normal_: _init_route(
+        torch.Tensor.normal_, "normal", ("mean", "std"), recorded=True
+    ),
 }
 
 # Random ops with no invariant route: refused on a DTensor; on a plain tensor they run

@@ -322,6 +322,35 @@ def test_a_refused_keyed_init_takes_no_name(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("method", ["uniform_", "normal_"])
+def test_keyed_tensor_draws_keep_autograd_in_place_rules(method: str) -> None:
+    """Tensor.uniform_/normal_ (not nn.init's, which run under no_grad) outside no_grad: the keyed
+    route wrote into a leaf that requires grad, and into its views, where torch raises; on a
+    non-leaf it kept the old graph, so backward gave the input the gradient of the overwritten
+    values. Now torch's error (before a name is taken) and a zero gradient, as torch's own draw."""
+    with invariant_random(seed=5):
+        want = _later_draws()
+    for take in (lambda w: w, lambda w: w[0]):
+        leaf = torch.ones(3, 4, requires_grad=True)
+        with invariant_random(seed=5):
+            with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+                getattr(take(leaf), method)()
+            got = _later_draws()
+        assert torch.equal(leaf.detach(), torch.ones(3, 4))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    leaf = torch.ones(3, 4, requires_grad=True)
+    doubled = leaf * 2
+    with invariant_random(seed=5):
+        getattr(doubled, method)()
+    with invariant_random(seed=5):
+        assert torch.equal(doubled.detach(), getattr(torch.empty(3, 4), method)())
+    doubled.sum().backward()
+    assert torch.equal(leaf.grad, torch.zeros(3, 4))
+    with invariant_random(seed=5):  # nn.init's own no_grad: a leaf that requires grad is filled
+        torch.nn.init.uniform_(leaf)
+
+
 def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
     """nn.init.uniform_(t, 1, 0) and normal_(t, 0, -1) raise in plain torch; under
     invariant_random they raise too (KernelInputError, a ValueError), in keyed and full mode,
