@@ -110,6 +110,13 @@ def _shard_steps(placements: Sequence[object], shard_order: object) -> list[tupl
     return steps
 
 
+@torch.compiler.disable
+def _split_factor(placement: _StridedShard) -> int:
+    # Dynamo (torch 2.13) fails reading this attribute ("cls_source must not be None"), in
+    # torch's own code too: read outside the graph (a break only where a _StridedShard is)
+    return int(placement.split_factor)
+
+
 def local_index(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -145,7 +152,7 @@ def local_index(
         dim %= ndim
         count, index = mesh_shape[axis], coordinate[axis]
         if isinstance(placement, _StridedShard):
-            split = int(placement.split_factor)
+            split = _split_factor(placement)
             parts = [split_by_chunk(indices[dim], split, j) for j in range(split)]
             indices[dim] = [g for part in parts for g in split_by_chunk(part, count, index)]
         else:

@@ -109,3 +109,31 @@ def test_compiler_recompute_replays_the_forward_mask():
         assert calls == [3, 3]  # forward, recompute in backward, gradient
         for a, b in zip(*grads, strict=True):
             assert torch.equal(a, b)
+
+
+def _compiled_dropout_on_a_strided_shard() -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from rng_tracker.parallel import dtensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(32.0).reshape(8, 4) + 1
+    x = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2), Shard(0)])
+    seed = torch.tensor([1, 0, 2, 0])
+    eager = dtensor.dropout(x, 0.5, seed=seed)
+    compiled = torch.compile(lambda t: dtensor.dropout(t, 0.5, seed=seed), backend="aot_eager")(x)
+    return torch.equal(compiled.full_tensor(), eager.full_tensor())
+
+
+def test_dtensor_dropout_compiles_on_an_fsdp_tp_strided_shard():
+    """Dynamo fails reading a _StridedShard's split_factor (torch's own code too: "cls_source must
+    not be None"), so DTensor dropout on FSDP2 + TP's strided placement did not compile. It is
+    read outside the graph now; the compiled call draws eager's mask."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    assert (
+        run_distributed(_compiled_dropout_on_a_strided_shard, world_size=4, timeout=300)
+        == [True] * 4
+    )
