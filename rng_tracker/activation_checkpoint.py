@@ -302,10 +302,19 @@ def _alias_outer_tensors(outputs: Any, args: Sequence[Any]) -> Any:
     takes the checkpoint's grad_fn instead; the recompute returns the real tensor, which then
     receives its gradient exactly once.
     """
-    inputs = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    inputs = {id(a) for a in tensors}
+    # a view of an input (or of an input's base) stays a view: autograd.Function marks it as
+    # one, so an in-place change of it is refused as torch's checkpoint refuses it
+    bases = inputs | {id(a._base) for a in tensors if a._base is not None}
 
     def alias(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in inputs:
+        if (
+            isinstance(value, torch.Tensor)
+            and value.requires_grad
+            and id(value) not in inputs
+            and (value._base is None or id(value._base) not in bases)
+        ):
             return value.detach()
         return value
 

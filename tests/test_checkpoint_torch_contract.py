@@ -429,6 +429,34 @@ def test_reentrant_backward_raises_where_torch_raises_in_torchs_words(how):
         torch.autograd.grad(checkpoint(torch.sin, x, use_reentrant=True).sum(), x)
 
 
+@pytest.mark.parametrize(
+    "make, view",
+    [
+        (lambda: torch.randn(3, 4, requires_grad=True) * 1.0, lambda t: t[0]),
+        (lambda: torch.ones(4, requires_grad=True), lambda t: t.view(2, 2)),
+        (lambda: torch.randn(3, 4, requires_grad=True)[1:], lambda t: t.t()),
+    ],
+    ids=["view of a non-leaf", "view of a leaf", "view of an input view"],
+)
+def test_a_reentrant_output_that_views_an_input_refuses_in_place_changes_as_torchs(make, view):
+    """Reentrant outputs that need grad under the forward's no_grad were all taken for tensors
+    made outside and returned as detached aliases; a view of an input is one too, so an in-place
+    change wrote into the caller's tensor unrefused (a leaf's too). It stays a view now."""
+
+    def change_in_place(fn) -> tuple[str, torch.Tensor]:
+        x = make()
+        before = x.detach().clone()
+        out = fn(view, x, use_reentrant=True)
+        with pytest.raises(RuntimeError) as info:
+            out.mul_(100.0)
+        return str(info.value), torch.equal(x.detach(), before)
+
+    theirs, mine = change_in_place(torch_checkpoint.checkpoint), change_in_place(checkpoint)
+    assert "is a view and is being modified inplace" in theirs[0]
+    assert theirs[0].replace("CheckpointFunction", "_ReentrantCheckpoint") == mine[0]
+    assert theirs[1] and mine[1]  # nothing written
+
+
 def _mixed(x, scale, tag, tracker):
     with tracker.fork(STREAM):
         y = F.dropout(x * scale, 0.5)
