@@ -216,6 +216,45 @@ class _Replay:
         return [*mismatch, divergence] if divergence else mismatch
 
 
+class _PreservingAround:
+    """A user's recompute context, entered inside a snapshot of the states found on entry and
+    left before they are restored: torch runs the whole recompute, its context included, inside
+    ``fork_rng``, so a context that draws leaves the generators where they were. Re-enterable."""
+
+    __slots__ = ("_context", "_found", "_record")
+
+    def __init__(self, record: _RNGRecord, context: Any) -> None:
+        self._record = record
+        self._context = context
+        self._found: list[RNGSnapshot] = []
+
+    def __enter__(self) -> Any:
+        self._found.append(self._record.capture())
+        try:
+            return self._context.__enter__()
+        except BaseException:
+            self._record.install(self._found.pop())
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Any:
+        try:
+            return self._context.__exit__(exc_type, exc, tb)
+        finally:
+            self._record.install(self._found.pop())
+
+
+def _preserving_recompute(
+    context_fn: Callable[[], tuple[Any, Any]], record: _RNGRecord
+) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` whose recompute context leaves the generators as it found them."""
+
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = context_fn()
+        return forward, _PreservingAround(record, recompute)
+
+    return contexts
+
+
 class _CheckpointingOnly:
     """Marks a region as checkpointed (for :func:`is_checkpointing`) without touching RNG."""
 
@@ -513,6 +552,8 @@ def checkpoint(
     if early_stop is None:
         early_stop = not check_rng
     if context_fn is not torch_checkpoint.noop_context_fn:
+        if record is not None and not torch.compiler.is_compiling():
+            context_fn = _preserving_recompute(context_fn, record)
         kwargs = {"context_fn": context_fn, **kwargs}  # passed only when given: Dynamo
         # traces torch's checkpoint and accepts only a plain or partial function here
     options = {

@@ -9,6 +9,7 @@ masks and gradients are compared bitwise with the uncheckpointed run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -339,6 +340,55 @@ def test_selective_checkpointing_composes_and_still_replays_every_stream(policy)
         block, x, w, tracker, masks, use_reentrant=False, context_fn=context_fn
     ).sum().backward()
     assert not torch.equal(masks[0], masks[2])
+
+
+class _Draws(contextlib.AbstractContextManager):
+    """A user context that draws on entry: from the default generator and a tracker stream."""
+
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        self.tracker = tracker
+
+    def __enter__(self) -> None:
+        torch.rand(5)
+        with self.tracker.fork(STREAM):
+            torch.rand(3)
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+def test_a_recompute_contexts_draws_leave_the_generators_as_torchs_do():
+    """torch runs the whole recompute, the user's recompute context included, inside fork_rng;
+    ours snapshot and restored inside the user's contexts, so a context that draws moved the
+    generators on every backward (the next draws differed from torch's). Masks and gradients
+    were and are the plain run's."""
+
+    def after_backward(fn: Wrap, **options: Any) -> list[torch.Tensor]:
+        tracker, x, w = start(3)
+        masks: list[torch.Tensor] = []
+        context_fn = lambda: (_Draws(tracker), _Draws(tracker))  # noqa: E731
+        out = fn(block, x, w, tracker, masks, context_fn=context_fn, **options)
+        before = end_state(tracker)
+        (out * WEIGHTS).sum().backward()
+        return [x.grad, w.grad, *before], end_state(tracker), masks
+
+    def theirs(fn, x, w, tracker, masks, context_fn):
+        return torch_checkpoint.checkpoint(
+            fn, x, w, tracker, masks, use_reentrant=False, context_fn=context_fn
+        )
+
+    tracker, x, w = start(3)
+    with _Draws(tracker):
+        pass
+    plain_masks: list[torch.Tensor] = []
+    (block(x, w, tracker, plain_masks) * WEIGHTS).sum().backward()
+    want = [x.grad, w.grad, *end_state(tracker)]
+    for options in ({}, {"check_rng": True}):
+        got, after, masks = after_backward(ours, **options)
+        assert same(got, want) and same(after, want[2:])  # backward moved no generator
+        assert_masks_replayed(plain_masks, masks)
+    got, after, _ = after_backward(theirs)  # torch keeps the CPU generator (not tracker streams)
+    assert torch.equal(after[0], want[2]) and torch.equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
