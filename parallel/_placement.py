@@ -257,6 +257,15 @@ def holds_values(t: DTensor) -> bool:
     return holds
 
 
+def record_in_place_draw(t: torch.Tensor) -> None:
+    """What autograd makes of an in-place draw into ``t`` outside no_grad, before values are
+    written under no_grad: a leaf that requires grad (or its view) raises torch's error, anything
+    else records a write that gives its old value no gradient. Call once the arguments are
+    checked, before anything is drawn."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        t.zero_()
+
+
 def fill_from_full(t: object, draw: Callable[[torch.Tensor], Any]) -> DTensor:
     """Fill the DTensor ``t`` in place with its part of ``draw(full)``, a draw on the whole
     logical tensor (every rank draws all of it: torch's CPU and CUDA draws depend on the full

@@ -44,6 +44,7 @@ from rng_tracker.parallel._placement import (
     LocalIndex,
     fill_from_full,
     local_index_of,
+    record_in_place_draw,
     require_dtensor,
     without_partial,
     wrap_local,
@@ -296,6 +297,7 @@ def uniform_(
     refuses (a > b, not finite, past the dtype's range) raise :class:`KernelInputError`.
     """
     check_uniform(a, b, _check_init(t, generator).dtype)
+    record_in_place_draw(t)  # Tensor.uniform_'s autograd rules
     return fill_from_full(t, lambda full: full.uniform_(a, b, generator=generator))
 
 
@@ -305,6 +307,7 @@ def normal_(
     """Fill ``t`` in place from N(mean, std²): its full tensor is what ``full.normal_(mean, std)``
     draws. A std torch refuses (< 0, NaN) raises :class:`KernelInputError`."""
     check_normal(mean, std, _check_init(t, generator).dtype)
+    record_in_place_draw(t)
     return fill_from_full(t, lambda full: full.normal_(mean, std, generator=generator))
 
 

@@ -53,6 +53,7 @@ from rng_tracker.parallel._placement import (
     holds_values,
     local_index_of,
     partial_written_exactly,
+    record_in_place_draw,
     without_partial,
     wrap_local,
 )
@@ -213,7 +214,9 @@ def _bernoulli_(
             "generator; a tensor of probabilities or a generator= has no layout-invariant "
             "draw here - draw it outside the block, or use a float p"
         )
-    keep = _keep(self, 1.0 - check_p(p))
+    p = check_p(p)
+    record_in_place_draw(self)
+    keep = _keep(self, 1.0 - p)
     with torch.no_grad():
         return _write(self, keep)
 
@@ -257,14 +260,15 @@ def _init_route(
         for i, key in enumerate(names):
             values[i] = kwargs.get(key, values[i])
         low, high = (real_number(v, key) for v, key in zip(values, names, strict=True))
-        if ctx.keyed is not None and kwargs.get("generator") is None:
-            if recorded and torch.is_grad_enabled() and tensor.requires_grad:
-                check_keyed_fill(tensor, kind, low, high)
-                # autograd's own in-place rules: a leaf that requires grad (or its view) raises
-                # torch's error, anything else records a draw with no gradient to its input
-                tensor.zero_()
+        keyed = ctx.keyed is not None and kwargs.get("generator") is None
+        if keyed:
+            check_keyed_fill(tensor, kind, low, high)
+        else:
+            _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
+        if recorded:
+            record_in_place_draw(tensor)
+        if keyed:
             return ctx.keyed.fill(tensor, kind, low, high)
-        _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
         return _torch_draw(torch_func, tensor, *args, **kwargs)
 
     return route

@@ -351,6 +351,57 @@ def test_keyed_tensor_draws_keep_autograd_in_place_rules(method: str) -> None:
         torch.nn.init.uniform_(leaf)
 
 
+def _in_place_draws_on_tensors_that_require_grad() -> dict[str, tuple[object, object]]:
+    """(gradient reaching x through y = x * 2 drawn over in place, error on a leaf) per draw."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    from rng_tracker.parallel import dtensor as dt
+
+    mesh = init_device_mesh("cpu", (2,))
+    draws = {
+        f"{name} {init}": (lambda t, n=name, i=init: _draw_in_block(t, n, i))
+        for name in ("uniform_", "normal_", "bernoulli_")
+        for init in ("keyed", "full")
+    }
+    draws["dtensor.uniform_"], draws["dtensor.normal_"] = dt.uniform_, dt.normal_
+    outcome = {}
+    for name, draw in draws.items():
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).requires_grad_()
+        y = x * 2
+        draw(y)
+        (y * 3).sum().backward()
+        leaf = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]).requires_grad_()
+        try:
+            draw(leaf)
+            error = None
+        except RuntimeError as failure:
+            error = str(failure).split(".")[0]
+        outcome[name] = (x.grad.full_tensor().unique().tolist(), error)
+    return outcome
+
+
+def _draw_in_block(t: torch.Tensor, method: str, init: str) -> None:
+    with invariant_random(init=init):
+        getattr(t, method)(0.5) if method == "bernoulli_" else getattr(t, method)()
+
+
+def test_in_place_draws_on_dtensors_keep_autograds_rules_in_both_modes() -> None:
+    """Tensor.uniform_/normal_ (init="full") and bernoulli_ (both modes) under invariant_random,
+    and dtensor.uniform_/normal_, wrote under no_grad: a leaf DTensor that requires grad was
+    overwritten where torch raises, and y = x * 2 drawn over passed x the gradient 2 * 3. Now as
+    torch's own draw on a DTensor: its error, and no gradient through the overwritten values."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    for outcome in run_distributed(_in_place_draws_on_tensors_that_require_grad, world_size=2):
+        for name, (gradient, error) in outcome.items():
+            assert gradient == [0.0], name
+            assert (
+                error == "a leaf Variable that requires grad is being used in an in-place operation"
+            ), name
+
+
 def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
     """nn.init.uniform_(t, 1, 0) and normal_(t, 0, -1) raise in plain torch; under
     invariant_random they raise too (KernelInputError, a ValueError), in keyed and full mode,
