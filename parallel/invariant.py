@@ -137,13 +137,34 @@ def _alpha(input: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     return input * (noise * a) + bias
 
 
-# F.dropout1d/2d/3d and feature_alpha_dropout: inputs of more dims than this carry a batch dim.
-_FEATURE_UNBATCHED_DIMS: dict[Any, int] = {
-    F.dropout1d: 2,
-    F.dropout2d: 2,  # torch treats a 3-D input to dropout2d as batched (N, C, L)
-    F.dropout3d: 4,
-    F.feature_alpha_dropout: 1,
+def _always(dims: int) -> bool:
+    return True
+
+
+def _two_dims_or_more(dims: int) -> bool:
+    return dims >= 2
+
+
+# The feature dropouts, as torch reads an input of n dims: whether it carries a batch dim (the
+# mask is per (N, C), else per C), and whether torch takes it without a warning or an error.
+_FEATURE_DROPOUTS: dict[Any, tuple[Callable[[int], bool], Callable[[int], bool]]] = {
+    F.dropout1d: (lambda dims: dims == 3, lambda dims: dims in (2, 3)),
+    F.dropout2d: (_always, lambda dims: dims == 4),  # a 3-D input warns, and is (N, C, L)
+    F.dropout3d: (lambda dims: dims == 5, lambda dims: dims in (4, 5)),
+    F.feature_alpha_dropout: (_always, _two_dims_or_more),
+    torch.feature_dropout: (_always, _two_dims_or_more),
+    torch.feature_dropout_: (_always, _two_dims_or_more),
+    torch.feature_alpha_dropout: (_always, _two_dims_or_more),
+    torch.feature_alpha_dropout_: (_always, _two_dims_or_more),
 }
+
+
+def _torchs_checks(func: Any, input: torch.Tensor, p: float, training: bool) -> None:
+    """torch's own errors and warnings of ``func`` for an input of this many dims, from torch's
+    code on a meta tensor (nothing drawn); the dims torch takes silently skip it."""
+    if not _FEATURE_DROPOUTS[func][1](input.dim()):
+        with _torchs_own():
+            func(torch.empty(input.shape, device="meta"), p, training)
 
 
 def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
@@ -151,8 +172,7 @@ def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
 
     Drawn on the logical (N, C) tensor by every rank alike, then cut to this rank's part.
     """
-    batched = input.dim() > _FEATURE_UNBATCHED_DIMS.get(func, 0)
-    features = 2 if batched else 1
+    features = 2 if _FEATURE_DROPOUTS[func][0](input.dim()) else 1
     shape = tuple(input.shape[:features])
     keep = _kernel_dropout(torch.ones(shape, device=input.device), p) != 0  # (N, C) or (C,)
     if isinstance(input, DTensor):
@@ -171,10 +191,11 @@ def _local_keep(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def _mask_route(
-    alpha: bool, keep_of: Callable[[torch.Tensor, float], torch.Tensor]
+    alpha: bool, keep_of: Callable[[torch.Tensor, float], torch.Tensor], func: Any = None
 ) -> Callable[..., torch.Tensor]:
     """The route of a dropout that applies its keep mask here (alpha and feature dropouts):
-    ``keep_of(x, p)`` is this rank's part of the mask, broadcastable to x's local tensor."""
+    ``keep_of(x, p)`` is this rank's part of the mask, broadcastable to x's local tensor;
+    ``func``: the feature dropout whose input rules (:func:`_torchs_checks`) apply."""
 
     def route(
         ctx: _InvariantRandomMode,
@@ -184,6 +205,8 @@ def _mask_route(
         inplace: bool = False,
     ) -> torch.Tensor:
         p = check_p(p)
+        if func is not None:
+            _torchs_checks(func, input, p, training)
         if not training or p == 0.0:
             return input
         if alpha and p == 1.0:
@@ -313,15 +336,39 @@ def _refuse_on_dtensor(name: str) -> Callable[..., Any]:
     return route
 
 
+def _feature_route(func: Any, alpha: bool) -> Callable[..., torch.Tensor]:
+    return _mask_route(alpha, functools.partial(_feature_keep, func), func)
+
+
+def _torch_form(route: Callable[..., torch.Tensor], inplace: bool) -> Callable[..., torch.Tensor]:
+    """``route`` (input, p, training, inplace) under the torch.* dropouts' (input, p, train)."""
+
+    def torch_route(
+        ctx: _InvariantRandomMode, input: torch.Tensor, p: float, train: bool
+    ) -> torch.Tensor:
+        return route(ctx, input, p, train, inplace)
+
+    return torch_route
+
+
 _ROUTES: dict[Any, Callable[..., Any]] = {
     F.dropout: _f_dropout,
     torch.dropout: _torch_dropout,
-    F.dropout1d: _mask_route(False, functools.partial(_feature_keep, F.dropout1d)),
-    F.dropout2d: _mask_route(False, functools.partial(_feature_keep, F.dropout2d)),
-    F.dropout3d: _mask_route(False, functools.partial(_feature_keep, F.dropout3d)),
+    torch.dropout_: _torch_form(_f_dropout, inplace=True),
+    F.dropout1d: _feature_route(F.dropout1d, alpha=False),
+    F.dropout2d: _feature_route(F.dropout2d, alpha=False),
+    F.dropout3d: _feature_route(F.dropout3d, alpha=False),
+    torch.feature_dropout: _torch_form(_feature_route(torch.feature_dropout, False), False),
+    torch.feature_dropout_: _torch_form(_feature_route(torch.feature_dropout_, False), True),
     F.alpha_dropout: _mask_route(True, _local_keep),
-    F.feature_alpha_dropout: _mask_route(
-        True, functools.partial(_feature_keep, F.feature_alpha_dropout)
+    torch.alpha_dropout: _torch_form(_mask_route(True, _local_keep), inplace=False),
+    torch.alpha_dropout_: _torch_form(_mask_route(True, _local_keep), inplace=True),
+    F.feature_alpha_dropout: _feature_route(F.feature_alpha_dropout, alpha=True),
+    torch.feature_alpha_dropout: _torch_form(
+        _feature_route(torch.feature_alpha_dropout, True), False
+    ),
+    torch.feature_alpha_dropout_: _torch_form(
+        _feature_route(torch.feature_alpha_dropout_, True), True
     ),
     torch.Tensor.bernoulli_: _bernoulli_,
     torch.nn.init.uniform_: _init_route(torch.nn.init.uniform_, "uniform", ("a", "b")),
@@ -353,6 +400,34 @@ _REFUSED_ON_DTENSOR: dict[Any, str] = {
     torch.randint_like: "torch.randint_like",
     F.rrelu: "F.rrelu",
     torch.rrelu: "torch.rrelu",
+    torch.rrelu_: "torch.rrelu_ (F.rrelu_)",
+    torch.Tensor.multinomial: "Tensor.multinomial",
+    torch.native_dropout: "torch.native_dropout",
+    F.gumbel_softmax: "F.gumbel_softmax",
+    F.fractional_max_pool2d: "F.fractional_max_pool2d without _random_samples",
+    F.fractional_max_pool3d: "F.fractional_max_pool3d without _random_samples",
+    F.scaled_dot_product_attention: "F.scaled_dot_product_attention with dropout_p > 0",
+    F.multi_head_attention_forward: "F.multi_head_attention_forward with dropout_p > 0",
+}
+
+
+def _always_draws(args: tuple, kwargs: dict) -> bool:
+    return True
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default: object) -> object:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+# Of the refused, those that draw only for some arguments (the call runs where it draws nothing).
+_DRAWS_WHEN: dict[Any, Callable[[tuple, dict], bool]] = {
+    F.fractional_max_pool2d: lambda a, k: _argument(a, k, 5, "_random_samples", None) is None,
+    F.fractional_max_pool3d: lambda a, k: _argument(a, k, 5, "_random_samples", None) is None,
+    F.scaled_dot_product_attention: lambda a, k: _argument(a, k, 4, "dropout_p", 0.0) != 0,
+    F.multi_head_attention_forward: lambda a, k: (
+        _argument(a, k, 10, "dropout_p", 0.0) != 0 and bool(_argument(a, k, 13, "training", True))
+    ),
+    torch.native_dropout: lambda a, k: _argument(a, k, 2, "train", True) is not False,
 }
 
 
@@ -517,8 +592,10 @@ class _InvariantRandomMode(TorchFunctionMode):
         whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
         if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):
             return _global_any(args[0])
-        if func in _REFUSED_ON_DTENSOR and any(
-            isinstance(a, DTensor) for a in (*args, *kwargs.values())
+        if (
+            func in _REFUSED_ON_DTENSOR
+            and any(isinstance(a, DTensor) for a in (*args, *kwargs.values()))
+            and _DRAWS_WHEN.get(func, _always_draws)(args, kwargs)
         ):
             return _refuse_on_dtensor(_REFUSED_ON_DTENSOR[func])(self)
         return func(*args, **kwargs)

@@ -15,7 +15,9 @@ name from later draws; ops without an invariant route are a typed error on a DTe
 
 from __future__ import annotations
 
+import math
 import threading
+import warnings
 from functools import partial
 
 import pytest
@@ -83,6 +85,9 @@ def test_mode_sees_every_routed_function() -> None:
         F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), 0.5)
         F.alpha_dropout(x, 0.5, training=True)
         F.feature_alpha_dropout(x, 0.5, training=True)
+        for name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
+            getattr(torch, name)(x, 0.5, True)
+            getattr(torch, name + "_")(x.clone(), 0.5, True)
         torch.empty(8).bernoulli_(0.5)
 
     torch.manual_seed(3)
@@ -165,6 +170,10 @@ def _ops() -> dict[str, object]:
         "dropout3d": lambda x: F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), 0.5).flatten(2),
         "alpha_dropout": lambda x: F.alpha_dropout(x, 0.2, training=True),
         "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x, 0.2, training=True),
+        "torch.dropout_": lambda x: torch.dropout_(x.clone(), 0.5, True),
+        "torch.feature_dropout_": lambda x: torch.feature_dropout_(x.clone(), 0.5, True),
+        "torch.alpha_dropout": lambda x: torch.alpha_dropout(x, 0.2, True),
+        "torch.feature_alpha_dropout": lambda x: torch.feature_alpha_dropout(x, 0.2, True),
         "bernoulli_": lambda x: torch.empty_like(x).bernoulli_(0.7),
         "uniform_": lambda x: torch.nn.init.uniform_(torch.empty_like(x), -2.0, 3.0),
         "normal_": lambda x: torch.nn.init.normal_(torch.empty_like(x), 0.5, 2.0),
@@ -400,6 +409,83 @@ def test_in_place_draws_on_dtensors_keep_autograds_rules_in_both_modes() -> None
             assert (
                 error == "a leaf Variable that requires grad is being used in an in-place operation"
             ), name
+
+
+def _feature_dims(y: torch.Tensor) -> int:
+    """How many leading dims a feature dropout's mask varies over: the fewest k for which the
+    output is all kept or all dropped within each index of the first k dims."""
+    for k in range(y.dim() + 1):
+        rows = (y != 0).reshape(math.prod(y.shape[:k]), -1)
+        if bool((rows.all(1) | ~rows.any(1)).all()):
+            return k
+    raise AssertionError("unreachable: k = y.dim() leaves one element per row")
+
+
+def _feature_dropout_outcome(func: object, dims: int) -> tuple[object, ...]:
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            y = func(torch.ones((4,) * dims), 0.5, True)  # type: ignore[operator]
+            outcome: object = _feature_dims(y)
+        except RuntimeError as failure:
+            outcome = str(failure)
+    return outcome, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    "func",
+    [F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout, torch.feature_dropout],
+    ids=["dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "torch.feature_dropout"],
+)
+def test_feature_dropouts_read_an_input_of_any_rank_as_torch_does(func: object) -> None:
+    """The routes took a 2-D input to dropout2d for one sample (torch: (N, C), one value each),
+    drew for inputs torch refuses (a 1-D one to dropout1d/2d, feature_alpha_dropout) and warned
+    nothing where torch warns. Per rank 0-6: torch's error, warnings and mask dims, drawn by ours."""
+    for dims in range(7):
+        want = _feature_dropout_outcome(func, dims)
+        with invariant_random():
+            got = _feature_dropout_outcome(func, dims)
+        assert got == want, dims
+
+
+@pytest.mark.distributed(world_size=1, timeout=60)
+def test_random_ops_with_no_invariant_draw_are_refused_on_dtensors_when_they_draw(rank):
+    """Tensor.multinomial, torch.native_dropout, F.gumbel_softmax, attention dropout (SDPA, MHA)
+    and fractional max pooling drew on each shard from one generator state, unrefused (every
+    shard the same values). They are refused where they draw, and run where they draw nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.rand(2, 4, 4, 4), mesh, [Shard(0)])
+    samples = distribute_tensor(torch.rand(2, 4, 2), mesh, [Shard(0)])
+    drawing = {
+        "Tensor.multinomial": lambda: x[0, 0].multinomial(2),
+        "torch.native_dropout": lambda: torch.native_dropout(x, 0.5, True),
+        "F.gumbel_softmax": lambda: F.gumbel_softmax(x),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(
+            x, x, x, dropout_p=0.5
+        ),
+        "F.fractional_max_pool2d": lambda: F.fractional_max_pool2d(x, 2, output_size=2),
+    }
+    quiet = {
+        "torch.native_dropout": lambda: torch.native_dropout(x, 0.5, False),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(x, x, x),
+        "F.fractional_max_pool2d": lambda: F.fractional_max_pool2d(
+            x, 2, output_size=2, _random_samples=samples
+        ),
+    }
+    with invariant_random():
+        for name, call in drawing.items():
+            state = torch.get_rng_state()
+            with pytest.raises(InvariantRandomUnsupportedError, match=name):
+                call()
+            assert torch.equal(torch.get_rng_state(), state)
+        for name, call in quiet.items():
+            assert torch.equal(torch.get_rng_state(), state), name
+            call()
 
 
 def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
