@@ -18,6 +18,8 @@ import os
 import platform
 import re
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -98,6 +100,8 @@ def unsupported_isa(
 
 # What a failed build or load raises: the callers' fallback (a warning, or their own error).
 BUILD_ERRORS = (OSError, RuntimeError, subprocess.SubprocessError)
+# The longest a compile may take (a few seconds here) before the callers fall back.
+_BUILD_SECONDS = 300
 # The flags every kernel library compiles with (a library may add its own after them).
 FLAGS = (
     # -O2 plus the vectoriser: as fast here as -O3, and builds in a third of the time.
@@ -159,7 +163,50 @@ def _cache_dir() -> Path:
         pass
     # A read-only or missing home (some CI runners and containers): the temp dir, per user.
     user = getattr(os, "getuid", lambda: "user")()
-    return Path(tempfile.gettempdir()) / f"rng_tracker-{user}"
+    return _private(Path(tempfile.gettempdir()) / f"rng_tracker-{user}")
+
+
+_FALLBACK_DIR: list[Path] = []  # this process's own directory, made once where one is needed
+
+
+def _private(path: Path) -> Path:
+    """``path``, made (mode 0700) or found owned by this user and writable by no one else; else
+    a directory of this process's own. Anyone may create a predictable name in a shared temp
+    dir first, and a library found there is loaded: code of theirs would run as this user."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:  # no users to tell apart (Windows): the temp dir is per user already
+        return path
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        found = path.lstat()  # not a link's target: a link is someone else's choice of place
+        if stat.S_ISDIR(found.st_mode) and found.st_uid == getuid() and not found.st_mode & 0o022:
+            return path
+    except OSError:
+        pass
+    if not _FALLBACK_DIR:
+        _FALLBACK_DIR.append(Path(tempfile.mkdtemp(prefix="rng_tracker-")))
+    return _FALLBACK_DIR[0]
+
+
+def _intact(path: Path) -> bool:
+    """Whether ``path`` is as long as its ELF header says (the section headers end the file): a
+    truncated library, e.g. a torn copy into a shared cache, would crash the loading process
+    (SIGBUS on a page past its end) instead of failing. Off ELF systems (macOS) a file that is not
+    empty is taken as it is."""
+    with open(path, "rb") as file:
+        header = file.read(64)
+        size = os.fstat(file.fileno()).st_size
+    if header[:4] != b"\x7fELF":  # no library where the system's libraries are ELF
+        return header != b"" and not sys.platform.startswith(("linux", "freebsd"))
+    if header[4] == 2:  # 64-bit: e_shoff at 40 (8 bytes), e_shentsize, e_shnum at 58, 60
+        order = "<" if header[5] == 1 else ">"
+        (table,) = struct.unpack_from(order + "Q", header, 40)
+        entry, count = struct.unpack_from(order + "HH", header, 58)
+    else:  # 32-bit: e_shoff at 32 (4 bytes), e_shentsize, e_shnum at 46, 48
+        order = "<" if header[5] == 1 else ">"
+        (table,) = struct.unpack_from(order + "I", header, 32)
+        entry, count = struct.unpack_from(order + "HH", header, 46)
+    return len(header) == 64 and table + entry * count <= size
 
 
 @dataclass(frozen=True)
@@ -202,7 +249,10 @@ class CSource:
                 (Path(scratch) / name).write_bytes(text)
             built = Path(scratch) / target.name
             result = subprocess.run(
-                self._command(Path(scratch) / self.source, built), capture_output=True, text=True
+                self._command(Path(scratch) / self.source, built),
+                capture_output=True,
+                text=True,
+                timeout=_BUILD_SECONDS,  # a hung compiler: TimeoutExpired, the callers' fallback
             )
             if result.returncode != 0:
                 raise RuntimeError(
@@ -214,14 +264,24 @@ class CSource:
         """The library, built first where the cache lacks it; RuntimeError on another ABI."""
         files = self._files()  # read once: the key and the build see the same bytes
         path = self._path(files)
-        if not path.exists():
+        if not path.exists() or not _intact(path):  # a broken file is built anew, replaced
             self._build(path, files)
         library = ctypes.CDLL(str(path))
-        abi = getattr(library, self.abi_function)()
+        try:
+            abi = getattr(library, self.abi_function)()
+            if self.maps_fresh_pages:  # whether to ask for huge pages
+                library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
+        except AttributeError as missing:
+            raise RuntimeError(
+                f"{path} is no kernel library of this rng_tracker ({missing}); delete it, and "
+                "the next process builds it anew"
+            ) from None
         if abi != self.abi_version:
-            raise RuntimeError(f"{path} has ABI {abi}, expected {self.abi_version}")
-        if self.maps_fresh_pages:  # whether to ask for huge pages
-            library.rt_set_huge_pages.argtypes = [ctypes.c_int64]
+            raise RuntimeError(
+                f"{path} has ABI {abi}, expected {self.abi_version}; delete it, and the next "
+                "process builds it anew"
+            )
+        if self.maps_fresh_pages:
             library.rt_set_huge_pages(int(HUGE_PAGES))
         return library
 

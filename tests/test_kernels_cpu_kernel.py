@@ -508,6 +508,110 @@ def test_a_warm_cache_needs_no_compiler(tmp_path):
     assert result.stdout.split() == ["compiled", "0"]
 
 
+def _run_fallback_script(cache: os.PathLike, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT],
+        env=dict(os.environ, RNG_TRACKER_CACHE_DIR=str(cache), **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_broken_cached_library_is_built_anew(tmp_path):
+    """A truncated library in the cache (a torn copy into a shared cache) crashed the process
+    that loaded it (SIGBUS); one that is empty or not ELF fell back to the reference for every
+    process after. Each is now built anew in place, and the compiled kernel runs."""
+    good = tmp_path / "good"
+    assert _run_fallback_script(good).stdout.split() == ["compiled", "0"]
+    (library,) = good.iterdir()
+    whole = library.read_bytes()
+    broken = {"truncated": whole[: len(whole) // 2], "empty": b"", "not ELF": b"\0" * len(whole)}
+    for name, content in broken.items():
+        cache = tmp_path / name.replace(" ", "-")
+        cache.mkdir()
+        (cache / library.name).write_bytes(content)
+        result = _run_fallback_script(cache)
+        assert result.returncode == 0, (name, result.returncode, result.stderr[-2000:])
+        assert result.stdout.split() == ["compiled", "0"], name
+        assert (cache / library.name).read_bytes() == whole, name
+
+
+_FOREIGN_LIBRARY = "long rt_abi_version(void) { return 0; }\n"
+
+
+def test_a_foreign_library_in_the_cache_falls_back_with_one_warning(tmp_path):
+    """A library under the kernel's name that lacks its functions raised an untyped
+    AttributeError on every call; like a library of another ABI it now falls back to the
+    reference after one warning that says to delete it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    source = tmp_path / "foreign.c"
+    source.write_text(_FOREIGN_LIBRARY)
+    target = cache / _cpu_kernel._SOURCE._path(_cpu_kernel._SOURCE._files()).name
+    subprocess.run([_c_build._compiler(), "-shared", "-fPIC", str(source), "-o", str(target)])
+    result = _run_fallback_script(cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdict, message = result.stdout.splitlines()[:2]
+    assert verdict == "reference 1"
+    assert "delete it" in message
+
+
+_PLANTED_LIBRARY = textwrap.dedent(
+    """
+    #include <stdio.h>
+    __attribute__((constructor)) static void planted(void) {
+        FILE *f = fopen("MARKER", "w"); if (f) { fputs("ran", f); fclose(f); }
+    }
+    """
+)
+
+
+def test_a_temp_cache_dir_others_can_write_is_not_used(tmp_path):
+    """The temp-dir fallback has a predictable name: anyone could make it first and put a library
+    there, which was loaded (their code run as this user). A directory this user does not own
+    alone (here: writable by all) is passed over for one of the process's own."""
+    temp = tmp_path / "tmp"
+    planted_dir = temp / f"rng_tracker-{os.getuid()}"
+    planted_dir.mkdir(parents=True)
+    planted_dir.chmod(0o777)
+    source = tmp_path / "planted.c"
+    marker = tmp_path / "marker"
+    source.write_text(_PLANTED_LIBRARY.replace("MARKER", str(marker)))
+    for kernel in (_cpu_kernel, _keyed_fill):
+        name = kernel._SOURCE._path(kernel._SOURCE._files()).name
+        subprocess.run(
+            [_c_build._compiler(), "-shared", "-fPIC", str(source), "-o", str(planted_dir / name)]
+        )
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "RNG_TRACKER_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(blocker), TMPDIR=str(temp))
+    result = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["compiled", "0"]
+    assert not marker.exists()
+
+
+def test_a_compiler_that_hangs_is_given_up_on(tmp_path, monkeypatch):
+    """The build waited for the compiler without a limit, so a hung one hung the first kernel
+    call; it now times out with an error the callers fall back on (one warning)."""
+    hanging = tmp_path / "cc"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CC", str(hanging))
+    monkeypatch.setattr(_c_build, "_BUILD_SECONDS", 1)
+    files = _cpu_kernel._SOURCE._files()
+    with pytest.raises(subprocess.TimeoutExpired):  # a SubprocessError: one of BUILD_ERRORS
+        _cpu_kernel._SOURCE._build(tmp_path / "cache" / "lib.so", files)
+
+
 def _library_paths() -> list:
     return [_cpu_kernel._SOURCE.library_path(), _keyed_fill._SOURCE.library_path()]
 
