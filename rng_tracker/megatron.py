@@ -278,19 +278,24 @@ def initialize_rng_tracker(
     """Create the process's Megatron tracker once (again with ``force_reset``).
 
     It becomes the process's tracker of the current device, what
-    :func:`rng_tracker.get_rng_tracker` returns. ``use_te_rng_tracker`` gives what
+    :func:`rng_tracker.get_rng_tracker` returns, with the streams that tracker held (seeded by
+    ``rng_tracker.model_parallel_seed``, say), unless ``force_reset``. ``use_te_rng_tracker`` gives what
     TransformerEngine's tracker is, a tracker of graph-safe generator states (TE itself is not
     used); ``inference_rng_tracker`` a tracker whose ``add``/``set_states``/``fork`` do nothing.
     """
     if not force_reset and _megatron_tracker() is not None:
         return
     cls = _InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
-    set_process_tracker(
-        cls(
-            use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
-            is_inference_rng_tracker=inference_rng_tracker,
-        )
+    tracker = cls(
+        use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
+        is_inference_rng_tracker=inference_rng_tracker,
     )
+    found = process_tracker(tracker.device)
+    if not (force_reset or inference_rng_tracker) and found is not None and found.names():
+        # streams seeded through rng_tracker's own names (model_parallel_seed): one registry, so
+        # Megatron's tracker takes them over rather than hiding them behind an empty one
+        tracker.load_state_dict(found.state_dict())
+    set_process_tracker(tracker)
 
 
 def get_cuda_rng_tracker(

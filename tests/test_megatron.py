@@ -757,6 +757,27 @@ def test_get_cuda_rng_tracker_is_the_process_tracker_and_checkpoint_replays_it()
     assert torch.equal(grads[0], grads[1])
 
 
+def test_megatrons_tracker_takes_over_the_streams_rng_tracker_seeded():
+    """Seeded through rng_tracker's own names (model_parallel_seed), the first Megatron call
+    (get_cuda_rng_tracker) put an empty tracker in the process tracker's place, hiding the
+    streams from both. Megatron's tracker now holds them, states and seeds; force_reset and
+    Megatron's own seeding start it empty as Megatron does."""
+    from rng_tracker import model_parallel_seed
+
+    tracker_module._PROCESS_TRACKERS.pop(default_device(), None)
+    model_parallel_seed(77, tp_rank=0, pp_rank=0, dp_rank=0)
+    plain = get_rng_tracker()
+    with plain.fork():
+        torch.rand(3)  # the stream moved on from its seed
+    states, seeds = plain.get_states(), plain.seeds()
+    tracker = get_cuda_rng_tracker()
+    assert isinstance(tracker, CudaRNGStatesTracker) and get_rng_tracker() is tracker
+    assert tracker.seeds() == seeds
+    assert all(torch.equal(tracker.get_states()[n], state) for n, state in states.items())
+    megatron.initialize_rng_tracker(force_reset=True)
+    assert get_cuda_rng_tracker().names() == []
+
+
 def test_get_all_rng_states_needs_a_tracker_and_returns_the_stored_states():
     """Before any tracker exists it raises a typed error (Megatron asserts); then it
     returns the stored state objects of every stream (by reference, for CUDA graphs)."""
