@@ -9,11 +9,12 @@ there before.
 
 from __future__ import annotations
 
+import copy
 import reprlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 
@@ -106,6 +107,28 @@ class RNGSnapshot:
             tuple([(t, t.held_states()) for t in trackers]),
             tuple([t.held_context() for t in trackers]),
         )
+
+    def __copy__(self) -> RNGSnapshot:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RNGSnapshot:
+        """Copies of the states that restore into the same trackers: a tracker is where a
+        snapshot is restored, as a device is, so the live trackers are kept, not cloned."""
+        memo.update((id(tracker), tracker) for tracker, _ in self.streams)
+        return RNGSnapshot(*(copy.deepcopy(getattr(self, f.name), memo) for f in fields(self)))
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        if self.streams:
+            raise ArgumentTypeError(
+                "an RNGSnapshot of tracker streams restores into this process's trackers and "
+                "cannot be pickled (unpickled, it would restore into copies of them); save "
+                "tracker.state_dict(), or rng_tracker.dcp.RNGStateful, instead"
+            )
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for f, value in zip(fields(self), state, strict=True):
+            object.__setattr__(self, f.name, value)
 
     def restore(self) -> None:
         """Install the snapshot: streams first, then the generators (which may host a stream).

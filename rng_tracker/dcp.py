@@ -30,6 +30,7 @@ as the demo trainer does.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import operator
@@ -70,6 +71,7 @@ from rng_tracker._validate import (
     refuse_repeat,
 )
 from rng_tracker.errors import (
+    ArgumentTypeError,
     ParallelConfigTypeError,
     RankError,
     RNGStateConfigError,
@@ -407,6 +409,27 @@ class RNGStateful:
         self.strict = strict
         self.saved_by: SavedBy = saved_by
         self._step = step
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RNGStateful:
+        """A copy that saves and loads the same tracker, keyed RNG and layout: they are this
+        process's, like the generators, and a clone of them would restore nothing that draws."""
+        for live in (self._tracker, self._keyed, self._parallel_layout, self._mesh):
+            if live is not None:
+                memo[id(live)] = live
+        twin = object.__new__(RNGStateful)
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return twin
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._tracker is not None or self._keyed is not None:
+            raise ArgumentTypeError(
+                "RNGStateful(tracker=..., keyed=...) saves and loads this process's own objects "
+                "and cannot be pickled (unpickled, it would load into copies of them); pickle its "
+                "state_dict(), or make it with tracker=None and keyed=None (the process's, found "
+                "at each save and load)"
+            )
+        return self.__dict__
 
     @property
     def tracker(self) -> RNGStatesTracker:

@@ -146,3 +146,30 @@ def test_rank_states_round_trips_its_state_dict() -> None:
     assert sorted(loaded.per_rank) == [0, 12] and loaded.keyed == '{"seed": 3}'
     assert torch.equal(loaded.per_rank[12]["cpu"], torch.ones(2))
     assert RankStates().state_dict() == {}
+
+
+def test_a_deep_copied_stateful_loads_into_the_tracker_it_was_given() -> None:
+    """copy.deepcopy(RNGStateful(tracker=t)) cloned t, so its load_state_dict restored the CPU
+    generator but put the streams into the clone, silently. The copy now keeps t; pickling one
+    that holds a tracker is refused (with tracker=None it pickles: the tracker is found at load)."""
+    import copy
+    import pickle
+
+    from rng_tracker import RNGStatesTracker
+    from rng_tracker.dcp import RNGStateful
+    from rng_tracker.errors import ArgumentTypeError
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("s", 5)
+    stateful = RNGStateful(tracker=tracker)
+    saved = stateful.state_dict()
+    with tracker.fork("s"):
+        want = torch.rand(3)
+    twin = copy.deepcopy(stateful)
+    assert twin.tracker is tracker
+    twin.load_state_dict(saved)
+    with tracker.fork("s"):
+        assert torch.equal(torch.rand(3), want)
+    with pytest.raises(ArgumentTypeError, match="cannot be pickled"):
+        pickle.dumps(stateful)
+    assert pickle.loads(pickle.dumps(RNGStateful())).strict is False

@@ -164,3 +164,22 @@ def test_restore_installs_a_cpu_state_view_at_a_storage_offset() -> None:
     view = torch.cat([torch.zeros(7, dtype=torch.uint8), state])[7:]
     RNGSnapshot(view, (), ()).restore()
     assert torch.equal(torch.rand(5), torch.rand(5, generator=torch.Generator().manual_seed(3)))
+
+
+def test_a_deep_copy_restores_into_the_live_tracker_and_pickling_is_refused() -> None:
+    """A deep copy (or pickle) of a snapshot cloned its trackers, so restore() put back the CPU
+    generator but replayed the streams into the clone: the live tracker stayed advanced, and
+    nothing said so. A deep copy now restores into the live trackers; pickling, which cannot
+    keep them, is refused (a snapshot of no tracker pickles)."""
+    import copy
+    import pickle
+
+    tracker = _tracker()
+    snapshot = copy.deepcopy(RNGSnapshot.capture([], [tracker]))
+    want = _draw(tracker)
+    snapshot.restore()
+    assert torch.equal(_draw(tracker), want)
+    with pytest.raises(ArgumentTypeError, match="cannot be pickled"):
+        pickle.dumps(RNGSnapshot.capture([], [tracker]))
+    plain = RNGSnapshot.capture([], [])
+    assert torch.equal(pickle.loads(pickle.dumps(plain)).cpu, plain.cpu)
