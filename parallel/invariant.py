@@ -284,11 +284,11 @@ def _init_route(
             values[i] = kwargs.get(key, values[i])
         low, high = (real_number(v, key) for v, key in zip(values, names, strict=True))
         keyed = ctx.keyed is not None and kwargs.get("generator") is None
-        if keyed:
-            check_keyed_fill(tensor, kind, low, high)
-        else:
+        if not keyed:
             _TORCH_CHECKS[kind](low, high, tensor.dtype)  # torch's own rules, as typed errors
         if recorded:
+            if keyed:  # the fill checks its arguments itself, but after this write: check first
+                check_keyed_fill(tensor, kind, low, high)
             record_in_place_draw(tensor)
         if keyed:
             return ctx.keyed.fill(tensor, kind, low, high)
