@@ -12,6 +12,7 @@ ABI, so one built elsewhere (a shared cache) loads here without a compiler.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.resources
 import os
@@ -166,7 +167,10 @@ def _cache_dir() -> Path:
     return _private(Path(tempfile.gettempdir()) / f"rng_tracker-{user}")
 
 
-_FALLBACK_DIR: list[Path] = []  # this process's own directory, made once where one is needed
+@functools.cache
+def _own_dir() -> Path:
+    """A cache directory of this process's own, made once where one is needed."""
+    return Path(tempfile.mkdtemp(prefix="rng_tracker-"))
 
 
 def _private(path: Path) -> Path:
@@ -183,9 +187,12 @@ def _private(path: Path) -> Path:
             return path
     except OSError:
         pass
-    if not _FALLBACK_DIR:
-        _FALLBACK_DIR.append(Path(tempfile.mkdtemp(prefix="rng_tracker-")))
-    return _FALLBACK_DIR[0]
+    return _own_dir()
+
+
+# Where an ELF header keeps its section table, by class (1: 32-bit, 2: 64-bit): the format of
+# e_shoff and its offset, and the offset of e_shentsize and e_shnum (two 16-bit words).
+_SECTION_TABLE = {1: ("I", 32, 46), 2: ("Q", 40, 58)}
 
 
 def _intact(path: Path) -> bool:
@@ -198,15 +205,13 @@ def _intact(path: Path) -> bool:
         size = os.fstat(file.fileno()).st_size
     if header[:4] != b"\x7fELF":  # no library where the system's libraries are ELF
         return header != b"" and not sys.platform.startswith(("linux", "freebsd"))
-    if header[4] == 2:  # 64-bit: e_shoff at 40 (8 bytes), e_shentsize, e_shnum at 58, 60
-        order = "<" if header[5] == 1 else ">"
-        (table,) = struct.unpack_from(order + "Q", header, 40)
-        entry, count = struct.unpack_from(order + "HH", header, 58)
-    else:  # 32-bit: e_shoff at 32 (4 bytes), e_shentsize, e_shnum at 46, 48
-        order = "<" if header[5] == 1 else ">"
-        (table,) = struct.unpack_from(order + "I", header, 32)
-        entry, count = struct.unpack_from(order + "HH", header, 46)
-    return len(header) == 64 and table + entry * count <= size
+    if len(header) < 64 or header[4] not in _SECTION_TABLE:
+        return False
+    offset_format, at, sizes_at = _SECTION_TABLE[header[4]]
+    order = "<" if header[5] == 1 else ">"
+    (table,) = struct.unpack_from(order + offset_format, header, at)
+    entry, count = struct.unpack_from(order + "HH", header, sizes_at)
+    return table + entry * count <= size
 
 
 @dataclass(frozen=True)
