@@ -358,6 +358,8 @@ def test_keyed_tensor_draws_keep_autograd_in_place_rules(method: str) -> None:
     assert torch.equal(leaf.grad, torch.zeros(3, 4))
     with invariant_random(seed=5):  # nn.init's own no_grad: a leaf that requires grad is filled
         torch.nn.init.uniform_(leaf)
+    with invariant_random(seed=5):
+        assert torch.equal(leaf.detach(), torch.nn.init.uniform_(torch.empty(3, 4)))
 
 
 def _in_place_draws_on_tensors_that_require_grad() -> dict[str, tuple[object, object]]:
@@ -484,8 +486,8 @@ def test_random_ops_with_no_invariant_draw_are_refused_on_dtensors_when_they_dra
                 call()
             assert torch.equal(torch.get_rng_state(), state)
         for name, call in quiet.items():
-            assert torch.equal(torch.get_rng_state(), state), name
             call()
+            assert torch.equal(torch.get_rng_state(), state), name  # it drew nothing
 
 
 def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
