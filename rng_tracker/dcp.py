@@ -10,7 +10,8 @@ state. docs/resume.md has the whole story; in short:
   once); ``rank<r>`` holds rank r's own states (the parts that differ between ranks) and is
   written by rank r. Under DCP each rank returns ``shared`` and its own entry: O(1) bytes per rank
   at any world size. Where only the main process writes (accelerate's ``save_state``, a
-  ``torch.save`` on rank 0) the entries are gathered to it: O(world) there, O(1) elsewhere.
+  ``torch.save`` on rank 0) the entries are gathered to it: O(world) there, O(1) elsewhere; where
+  each node writes (accelerate's ``save_on_each_node=True``), to every process: O(world) on each.
 - **Checks.** Every entry carries a BLAKE2b checksum over its key and bytes. A load parses and
   checks everything it was given and what it will restore, then all ranks agree (one small
   all-reduce) before any rank changes anything. A save refuses, before writing, what no load could
@@ -43,6 +44,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from rng_tracker._accelerate_context import accelerate_saves_on_each_node
 from rng_tracker._collective import as_bytes, as_uint8, collective_device
 from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
 from rng_tracker._device_rng import default_device, default_generator, device_rng
@@ -86,8 +88,8 @@ from rng_tracker.errors import (
 
 __all__ = ["FORMAT", "RNGStateful", "RankStates", "SavedBy"]
 
-SavedBy = Literal["auto", "each_rank", "main_process"]
-_SAVED_BY = ("auto", "each_rank", "main_process")
+SavedBy = Literal["auto", "each_rank", "main_process", "each_node"]
+_SAVED_BY = ("auto", "each_rank", "main_process", "each_node")
 _AXES = ("tp", "cp", "dp", "pp", "ep", "etp")  # a ParallelState's axes, in a fixed order
 _WORD = (1 << 62) - 1  # digest words are 62-bit, so -word fits an int64 (MAX gives min and max)
 
@@ -220,20 +222,27 @@ def _all_reduce_max(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in data.cpu().tolist()]
 
 
-def _gather_to_main(payload: bytes, group: Any) -> list[bytes] | None:
-    """Every rank's ``payload`` on the group's rank 0 (None elsewhere): O(world) there only."""
+def _gather(payload: bytes, group: Any, *, everywhere: bool) -> list[bytes] | None:
+    """Every rank's ``payload``: on the group's rank 0 only (None elsewhere), O(world) there; or,
+    ``everywhere``, on every rank (an all-gather: O(world) on each)."""
     (longest,) = _all_reduce_max([len(payload)], group)
     device = collective_device(group)
     data = torch.zeros(8 + longest, dtype=torch.uint8, device=device)
     data[:8] = as_uint8(len(payload).to_bytes(8, "little"), device)
     data[8 : 8 + len(payload)] = as_uint8(payload, device)
-    main = dist.get_rank(group) == 0
-    parts = [torch.empty_like(data) for _ in range(dist.get_world_size(group))] if main else None
-    dist.gather(data, parts, group=group, group_dst=0)
-    if not main:
-        _COMM["sent"] += data.nbytes
-        return None
-    _COMM["received"] += data.nbytes * (len(parts) - 1)
+    world = dist.get_world_size(group)
+    if everywhere:
+        parts = [torch.empty_like(data) for _ in range(world)]
+        dist.all_gather(parts, data, group=group)
+        _COMM["sent"] += data.nbytes * (world - 1)  # the bound of a ring all-gather
+    else:
+        main = dist.get_rank(group) == 0
+        parts = [torch.empty_like(data) for _ in range(world)] if main else []
+        dist.gather(data, parts or None, group=group, group_dst=0)
+        if not main:
+            _COMM["sent"] += data.nbytes
+            return None
+    _COMM["received"] += data.nbytes * (world - 1)
     out = []
     for part in parts:
         raw = as_bytes(part)
@@ -363,8 +372,11 @@ class RNGStateful:
         step: the trainer's step (a callable, e.g. ``lambda: train_state.step``): saved as the
             step re-derivation uses, and a save refuses a keyed step that is not it.
         saved_by: who writes the entries: ``"each_rank"`` (DCP: every rank its own, O(1) per
-            rank), ``"main_process"`` (gathered to rank 0, e.g. accelerate's ``save_state``), or
-            ``"auto"``: ``"each_rank"`` inside ``dcp.save``/``async_save``, else ``"main_process"``.
+            rank), ``"main_process"`` (gathered to rank 0, e.g. accelerate's ``save_state``),
+            ``"each_node"`` (every rank's on every process, for a trainer that writes a file on
+            each node: accelerate's ``save_on_each_node=True``), or ``"auto"``: ``"each_rank"``
+            inside ``dcp.save``/``async_save``, ``"each_node"`` inside accelerate's ``save_state``
+            with ``save_on_each_node=True``, else ``"main_process"``.
 
     ``state_dict()`` and ``load_state_dict()`` are collective where torch.distributed is
     initialised (every rank calls them, as ``dcp.save``/``dcp.load`` and accelerate do).
@@ -518,18 +530,21 @@ class RNGStateful:
     # -- save -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, bytes]:
         """``shared`` and this rank's ``rank<r>`` entry (all ranks' on the main process when it
-        alone writes); inside ``dcp.load``, the entries of the checkpoint this rank will read."""
+        alone writes, on every process when each node writes); inside ``dcp.load``, the entries
+        of the checkpoint this rank will read."""
         call = find_dcp_call(self)
         if call is not None and call.kind == "load":
             return self._load_template(call)
         group = call.process_group if call is not None else None
         single = call is not None and call.no_dist
         saved_by = self.saved_by
-        if saved_by == "auto":
-            saved_by = "each_rank" if call is not None else "main_process"
+        if saved_by == "auto" and call is not None:
+            saved_by = "each_rank"
+        elif saved_by == "auto":
+            saved_by = "each_node" if accelerate_saves_on_each_node(self) else "main_process"
         shared, mine, rank = self._entries(group, single=single)
-        if saved_by == "main_process" and not single and _world(group)[1] > 1:
-            everyone = _gather_to_main(mine, group)
+        if saved_by != "each_rank" and not single and _world(group)[1] > 1:
+            everyone = _gather(mine, group, everywhere=saved_by == "each_node")
             if everyone is not None:
                 return {"shared": shared, **{f"rank{r}": e for r, e in enumerate(everyone)}}
         return {"shared": shared, f"rank{rank}": mine}
@@ -815,9 +830,13 @@ class RNGStateful:
         if not per_rank:
             return _Choice(states, shared, [], coordinates), None
         if own_key not in entries:
+            held = sorted(int(key[4:]) for key in state_dict if key != "shared")
             raise StateDictError(
-                f"the RNG state lacks this rank's entry {own_key!r} (saved on {shared['world']} "
-                "ranks): the checkpoint is incomplete; resume from another one"
+                f"the RNG state lacks this rank's entry {own_key!r}: it holds rank(s) "
+                f"{held[:8]} of the {shared['world']} saved, so a process that held only some "
+                "entries wrote it (e.g. accelerate's save_on_each_node=True with "
+                "saved_by='main_process'); save with saved_by='each_node' where each node writes "
+                "its own file, or resume from the main process's file"
             )
         own, at = entries[own_key]
         moved = None if at is None or at == here else (at, here)

@@ -23,7 +23,9 @@ it prints per rank (the largest over ranks):
 DCP's own ``.metadata`` (written by rank 0, read by every rank at load) lists every key, so it
 grows with the world in both formats; it is printed separately. Then a least-squares line through
 the 2-8 rank figures extrapolates each to 16,384 ranks, and the ratios 8 ranks / 2 ranks are
-checked against the goal (flat within 25 %).
+checked against the goal (flat within 25 %). Last, the bytes of the forms for trainers that write
+from one process (``saved_by="main_process"``: gathered to rank 0) and from each node's local main
+(``saved_by="each_node"``: all-gathered to every process), with the latter's growth extrapolated.
 
     python scripts/bench_rng_checkpoint.py [--worlds 1 2 4 8] [--repeats 5]
 """
@@ -44,6 +46,7 @@ from _scale import TARGET_WORLD, fit
 
 _SITES = 64
 _FIELDS = ("held", "sent", "recv", "wrote", "read", "ours_ms", "save_ms", "load_ms")
+_EACH_NODE = ("held", "sent", "recv")
 
 
 class _Format1:
@@ -191,6 +194,17 @@ def _measure(repeats: int, root: str) -> dict:
         "recv": after["received"] - before["received"],
         "rank": rank,
     }
+    # the each-node form (accelerate's save_on_each_node=True: each node's local main writes):
+    # entries all-gathered to every process
+    before = rng_dcp.comm_bytes()
+    every = rng_dcp.RNGStateful(tracker, keyed, saved_by="each_node").state_dict()
+    after = rng_dcp.comm_bytes()
+    out["each node"] = {
+        "held": sum(len(v) for v in every.values()),
+        "sent": after["sent"] - before["sent"],
+        "recv": after["received"] - before["received"],
+        "rank": rank,
+    }
     return out
 
 
@@ -236,6 +250,7 @@ def main() -> None:
 
     rows: dict[str, dict[int, dict]] = {}
     main: dict[int, list[dict]] = {}
+    each_node: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as root:
         for world in args.worlds:
             results = run_distributed(
@@ -247,6 +262,9 @@ def main() -> None:
             for name in results[0]:
                 if name == "main process":
                     main[world] = [r[name] for r in results]
+                    continue
+                if name == "each node":
+                    each_node[world] = {f: max(r[name][f] for r in results) for f in _EACH_NODE}
                     continue
                 merged = {f: max(r[name][f] for r in results) for f in (*_FIELDS, "metadata")}
                 rows.setdefault(name, {})[world] = merged
@@ -279,9 +297,19 @@ def main() -> None:
             f"rank 0's read-back of {TARGET_WORLD} gathered entries of {entry} bytes, measured in "
             f"this process: before (tolist) {before:.2f} s, now (one copy each) {now:.2f} s"
         )
+    print("\neach-node form (saved_by='each_node', accelerate's save_on_each_node=True): bytes")
+    print(f"{'ranks':>6}" + "".join(f"{'every rank ' + f:>18}" for f in _EACH_NODE))
+    for world, row in each_node.items():
+        print(f"{world:>6}" + "".join(f"{row[f]:>18}" for f in _EACH_NODE))
     fitted = [w for w in args.worlds if w >= 2]
     if len(fitted) < 2:
         return
+    for f in _EACH_NODE:
+        base, slope = fit(fitted, [each_node[w][f] for w in fitted])
+        print(
+            f"  {f}: {slope:.0f} bytes per rank of the world, "
+            f"{(base + slope * TARGET_WORLD) / 1e6:.0f} MB on every rank at {TARGET_WORLD} ranks"
+        )
     print("\nleast-squares growth over 2-8 ranks, extrapolated to 16,384 ranks (bytes; ms)")
     print(f"{'format':22}{'field':>10}{'per rank':>12}{'at 16384':>16}{'8 / 2':>8}")
     verdict = True

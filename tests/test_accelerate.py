@@ -126,3 +126,69 @@ def test_accelerate_save_on_2_processes_load_on_1_and_4(tmp_path) -> None:
     assert torch.equal(one[0]["cpu"], four[0]["cpu"])
     states = [r["cpu"] for r in four]
     assert all(not torch.equal(a, b) for i, a in enumerate(states) for b in states[i + 1 :])
+
+
+def _save_on_each_node(base: str, saved_by: str) -> dict:
+    """4 processes as 2 nodes of 2 (LOCAL_RANK = rank % 2), each node writing to its own
+    directory, as on nodes without a shared file system: save, draw on, load, draw again."""
+    import os
+
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    from rng_tracker.dcp import RNGStateful
+    from rng_tracker.errors import StateDictError
+
+    rank = dist.get_rank()
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank % 2), "2"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # accelerate asks for it on several nodes
+    config = ProjectConfiguration(save_on_each_node=True)
+    accelerator = Accelerator(cpu=True, project_config=config)
+    set_seed(1234, device_specific=True)
+    accelerator.register_for_checkpointing(RNGStateful(saved_by=saved_by))
+    accelerator.prepare(torch.nn.Linear(4, 4))
+    node_dir = os.path.join(base, f"node{rank // 2}")
+    torch.rand(3)
+    accelerator.save_state(node_dir)
+    accelerator.wait_for_everyone()
+    at_save = torch.get_rng_state()
+    torch.rand(5)
+    out: dict = {"local_main": accelerator.is_local_main_process}
+    written = torch.load(os.path.join(node_dir, "custom_checkpoint_0.pkl"), weights_only=False)
+    out["entries"] = sorted(written)
+    try:
+        accelerator.load_state(node_dir)
+    except StateDictError as exc:  # the main-process form's refusal, typed
+        out["error"] = str(exc)
+        return out
+    out["restored"] = torch.equal(torch.get_rng_state(), at_save)
+    return out
+
+
+def test_accelerate_save_on_each_node_restores_every_rank(tmp_path) -> None:
+    """accelerate's ``save_on_each_node=True`` writes the registered state from each node's local
+    main process and reads it on every process of that node. Under ``saved_by="auto"`` every
+    node's file holds every rank's entry and each rank's generator comes back bitwise; the
+    main-process form, which node 1's local main writes with its own entry only, refuses every
+    rank's load and says why."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    results = run_distributed(
+        _save_on_each_node, world_size=4, args=(str(tmp_path / "auto"), "auto"), timeout=240
+    )
+    assert [r["local_main"] for r in results] == [True, False, True, False]
+    for result in results:
+        assert result["entries"] == ["rank0", "rank1", "rank2", "rank3", "shared"]
+        assert result.get("error") is None and result["restored"]
+
+    main_only = run_distributed(
+        _save_on_each_node, world_size=4, args=(str(tmp_path / "main"), "main_process"), timeout=240
+    )
+    assert [r["entries"] for r in main_only[2:]] == [["rank2", "shared"]] * 2
+    for result in main_only:
+        assert "restored" not in result
+    # node 1's file lacks rank 3's entry: rank 3 says so, and every other rank refuses with it
+    assert "lacks this rank's entry 'rank3'" in main_only[3]["error"]
+    assert "saved_by='each_node'" in main_only[3]["error"]
+    assert all("rank 3 refused" in r["error"] for r in main_only[:3])
