@@ -16,9 +16,11 @@ import os
 from typing import Any, Literal, get_args
 
 import torch
+from torch.autograd import forward_ad
 
 from rng_tracker._torch_private import (
     dispatch_mode_depth,
+    forward_ad_active,
     functorch_transforms_active,
     profiler_enabled,
     tracing_mode_active,
@@ -171,6 +173,10 @@ def run(
 ) -> torch.Tensor:
     """The output of ``call`` on the route's kernel. ``seed`` (with its ``words`` where they were
     read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's)."""
+    if forward_ad_active():
+        dual = _run_dual(call, impl, generator, seed, words)
+        if dual is not None:
+            return dual
     kernel = route(call.x, impl, call.index_map)
     x, logical_numel = call.x, call.index_map.logical_numel
     if kernel == "cpu_direct":
@@ -194,6 +200,35 @@ def run(
     else:  # keyed: nothing is drawn or read on the host, so a CUDA graph may capture the call
         seed, words = seed.to(x.device, non_blocking=True), None
     return _execute(kernel, call, seed, words)
+
+
+def _run_dual(
+    call: DropoutCall,
+    impl: object,
+    generator: object,
+    seed: torch.Tensor | None,
+    words: Words | None,
+) -> torch.Tensor | None:
+    """Forward-mode AD: ``call`` on the primals, with the tangent ``keep * (tx + tbias) / (1 - p)
+    + tresidual`` (the same mask); None where no input carries a tangent."""
+    unpacked = [
+        None if t is None else forward_ad.unpack_dual(t) for t in (call.x, call.bias, call.residual)
+    ]
+    if all(u is None or u.tangent is None for u in unpacked):
+        return None
+    x, bias, residual = (None if u is None else u.primal for u in unpacked)
+    tx, tbias, tresidual = (None if u is None else u.tangent for u in unpacked)
+    if seed is None:  # drawn once: the tangent takes the primal's mask
+        words = draw_words(x, call.p, call.index_map.logical_numel, generator)
+        seed = seed_tensor(words, torch.device("cpu"))
+    out = run(call._replace(x=x, bias=bias, residual=residual), impl, None, seed, words)
+    tangent = tresidual
+    if tx is not None or tbias is not None:
+        t = torch.zeros_like(x) if tx is None else tx
+        t = t if tbias is None else t + tbias
+        dropped = run(dropout_call(t, None, None, call.p, call.index_map), impl, None, seed, words)
+        tangent = dropped if tresidual is None else dropped + tresidual
+    return forward_ad.make_dual(out, tangent)
 
 
 def _execute(

@@ -12,6 +12,17 @@ from typing import Any
 import torch
 import torch.overrides
 
+# torch.autograd.forward_ad._current_level: the innermost open dual_level, -1 where none is open.
+# The kernels look for forward-mode tangents only inside one. Without it, every call looks.
+_forward_ad = getattr(torch.autograd, "forward_ad", None)
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD ``dual_level`` is open (True where torch cannot say)."""
+    level = getattr(_forward_ad, "_current_level", None)
+    return True if level is None else level >= 0
+
+
 # torch.autograd._is_checkpoint_valid: False inside torch.autograd.grad(), where a
 # reentrant checkpoint cannot recompute. Without it, every backward is taken as valid.
 _is_checkpoint_valid = getattr(torch.autograd, "_is_checkpoint_valid", None)

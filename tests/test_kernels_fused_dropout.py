@@ -735,3 +735,41 @@ def test_a_meta_default_device_changes_no_bit_of_a_call_on_cpu_tensors(how, impl
     expected, got = _on_a_new_thread(lambda: calls(False)), _on_a_new_thread(lambda: calls(True))
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("keyed", [False, True], ids=["drawn", "keyed"])
+def test_forward_mode_ad_carries_the_tangents_through_the_same_mask(impl, keyed):
+    """Inside ``forward_ad.dual_level`` the tangent of ``residual + dropout(x + bias)`` is the
+    tangents through the primal's own mask, ``dropout(tx + tbias) + tresidual`` (torch's
+    F.dropout carries its tangent too); the primal is the call without tangents, and the
+    generator moves by one draw, as for that call."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, bias, residual = torch.randn(6, 8), torch.randn(8), torch.randn(6, 8)
+    tx, tbias, tresidual = torch.randn(6, 8), torch.randn(8), torch.randn(6, 8)
+
+    def randomness(generator: torch.Generator) -> dict:
+        return {"seed": torch.tensor([5, 7, 0, 0])} if keyed else {"generator": generator}
+
+    dual_gen, plain_gen = gen(), gen()
+    with fwAD.dual_level():
+        out = bias_dropout_add(
+            fwAD.make_dual(x, tx),
+            fwAD.make_dual(bias, tbias),
+            fwAD.make_dual(residual, tresidual),
+            0.3,
+            impl=impl,
+            **randomness(dual_gen),
+        )
+        primal, tangent = fwAD.unpack_dual(out)
+        alone = fwAD.unpack_dual(
+            dropout(fwAD.make_dual(x, tx), 0.3, impl=impl, seed=torch.tensor([5, 7, 0, 0]))
+        )
+    assert torch.equal(
+        primal, bias_dropout_add(x, bias, residual, 0.3, impl=impl, **randomness(plain_gen))
+    )
+    same_mask = dropout(tx + tbias, 0.3, impl=impl, **randomness(gen()))
+    assert torch.equal(tangent, same_mask + tresidual)
+    assert torch.equal(alone.tangent, dropout(tx, 0.3, impl=impl, seed=torch.tensor([5, 7, 0, 0])))
+    assert torch.equal(dual_gen.get_state(), plain_gen.get_state())

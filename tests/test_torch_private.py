@@ -53,3 +53,16 @@ def test_unchecked_apply_is_the_functions_own_apply_without_the_python_wrapper()
     kept = unchecked_apply(_ScaledWithSetupContext)
     assert kept == _ScaledWithSetupContext.apply
     assert torch.equal(kept(x), x * 3.0)  # the default argument, bound by the wrapper
+
+
+def test_forward_ad_active_is_true_exactly_inside_a_dual_level():
+    """The kernels look for tangents only where this says a dual level is open: torch's own
+    level counter must still read -1 outside one and >= 0 inside."""
+    import torch.autograd.forward_ad as fwAD
+
+    from rng_tracker._torch_private import forward_ad_active
+
+    assert not forward_ad_active()
+    with fwAD.dual_level():
+        assert forward_ad_active()
+    assert not forward_ad_active()
