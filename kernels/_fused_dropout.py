@@ -18,13 +18,13 @@ from rng_tracker.kernels._index_map import ShardArg, index_map_of
 from rng_tracker.kernels._rng_source import Words, check_generator
 from rng_tracker.kernels.reference import check_p, check_seed_shape
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels compute in
 
 
 def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise KernelInputTypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
+    if t.dtype not in KERNEL_DTYPES:
         raise KernelInputError(
             f"{name} has dtype {t.dtype}; fused dropout supports fp32, fp16 and bf16"
         )

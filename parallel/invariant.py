@@ -39,8 +39,10 @@ from rng_tracker.errors import (
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
     KernelInputError,
+    RNGTrackerError,
 )
 from rng_tracker.kernels import dropout as _kernel_dropout
+from rng_tracker.kernels._fused_dropout import KERNEL_DTYPES
 from rng_tracker.kernels._keyed_fill import (
     check_normal,
     check_trunc_normal,
@@ -78,13 +80,18 @@ def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return _kernel_dropout(x, p, training=training)
 
 
+def _ones(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Ones to draw a keep mask on: fp32 whatever the default dtype (the kernels take no fp64)."""
+    return torch.ones(shape, dtype=torch.float32, device=device)
+
+
 def _keep(x: torch.Tensor, p: float) -> torch.Tensor:
     """The keep mask (bool, x's shape and placements) dropout(x, p) would draw."""
     if isinstance(x, DTensor):
         x = without_partial(x)
-        ones = wrap_local(torch.ones(x.to_local().shape, device=x.device), x)
+        ones = wrap_local(_ones(x.to_local().shape, x.device), x)
         return dropout(ones, p) != 0
-    return _kernel_dropout(torch.ones(x.shape, device=x.device), p) != 0
+    return _kernel_dropout(_ones(x.shape, x.device), p) != 0
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -117,13 +124,9 @@ def _f_dropout(
     training: bool = True,
     inplace: bool = False,
 ) -> torch.Tensor:
+    if input.dtype not in KERNEL_DTYPES:  # fp64: the kernel's mask, applied in input's dtype
+        return _masked_dropout(ctx, input, p, training, inplace)
     return _inplace(input, _drop(input, p, training), inplace)
-
-
-def _torch_dropout(
-    ctx: _InvariantRandomMode, input: torch.Tensor, p: float, train: bool
-) -> torch.Tensor:
-    return _drop(input, p, train)
 
 
 _ALPHA = 1.7580993408473766  # SELU's alpha: alpha dropout keeps mean 0 and variance 1
@@ -174,7 +177,7 @@ def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
     """
     features = 2 if _FEATURE_DROPOUTS[func][0](input.dim()) else 1
     shape = tuple(input.shape[:features])
-    keep = _kernel_dropout(torch.ones(shape, device=input.device), p) != 0  # (N, C) or (C,)
+    keep = _kernel_dropout(_ones(shape, input.device), p) != 0  # (N, C) or (C,)
     if isinstance(input, DTensor):
         index = local_index_of(input)
         for dim in range(features):
@@ -214,14 +217,18 @@ def _mask_route(
         x = without_partial(input) if isinstance(input, DTensor) else input
         local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
         keep = keep_of(x, p)
-        out = (
-            _alpha(local, keep, p)
-            if alpha
-            else local * (keep.to(local.dtype) * keep_scale_unchecked(p))
-        )
+        if alpha:
+            out = _alpha(local, keep, p)
+        elif local.dtype == torch.float64:  # torch's arithmetic: the kernels' scale is fp32
+            out = local * keep.to(local.dtype).div_(1.0 - p)
+        else:
+            out = local * (keep.to(local.dtype) * keep_scale_unchecked(p))
         return _inplace(input, wrap_local(out, x) if isinstance(x, DTensor) else out, inplace)
 
     return route
+
+
+_masked_dropout = _mask_route(False, _local_keep)
 
 
 def _bernoulli_(
@@ -237,11 +244,77 @@ def _bernoulli_(
             "generator; a tensor of probabilities or a generator= has no layout-invariant "
             "draw here - draw it outside the block, or use a float p"
         )
-    p = check_p(p)
+    try:
+        p = check_p(p)
+    except RNGTrackerError:
+        _raise_torchs_refusal(lambda probe: probe.bernoulli_(p), self)
+        raise
     record_in_place_draw(self)
     keep = _keep(self, 1.0 - p)
     with torch.no_grad():
         return _write(self, keep)
+
+
+_REQUIRED = object()
+
+# Each routed dropout's p and training as torch takes them: p's default, training's name and
+# default (_REQUIRED: no default).
+_DROPOUT_ARGUMENTS: dict[Any, tuple[object, str, object]] = {
+    **dict.fromkeys((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d), (0.5, "training", True)),
+    **dict.fromkeys((F.alpha_dropout, F.feature_alpha_dropout), (0.5, "training", False)),
+    **dict.fromkeys(
+        (
+            torch.dropout,
+            torch.dropout_,
+            torch.alpha_dropout,
+            torch.alpha_dropout_,
+            torch.feature_dropout,
+            torch.feature_dropout_,
+            torch.feature_alpha_dropout,
+            torch.feature_alpha_dropout_,
+        ),
+        (_REQUIRED, "train", _REQUIRED),
+    ),
+}
+_DRAW = object()
+
+
+def _torchs_answer(func: Any, args: tuple, kwargs: dict) -> Any:
+    """torch's own answer to a dropout call the routes need not draw, else ``_DRAW``: where it
+    draws nothing (training off, p == 0 or 1: torch's result, for any dtype and aliasing as
+    torch aliases) or where torch refuses the call (its own error, for p and dtype alike)."""
+    p_default, training_name, training_default = _DROPOUT_ARGUMENTS[func]
+    input = _first_tensor(args, kwargs)
+    p = _argument(args, kwargs, 1, "p", p_default)
+    training = _argument(args, kwargs, 2, training_name, training_default)
+    if p is _REQUIRED or training is _REQUIRED:  # torch's TypeError, before anything is drawn
+        with _torchs_own():
+            return func(*args, **kwargs)
+    try:
+        p = check_p(p)
+    except RNGTrackerError:
+        _raise_torchs_refusal(lambda probe: func(probe, p, training), input)
+        raise
+    if training is False or p in (0.0, 1.0):  # torch draws nothing: x, or x * 0
+        with _torchs_own():
+            return func(*args, **kwargs)
+    if not input.dtype.is_floating_point:
+        _raise_torchs_refusal(lambda probe: func(probe, p, training), input)
+        raise InvariantRandomUnsupportedError(
+            f"{getattr(func, '__name__', func)} of a {input.dtype} tensor has no "
+            "layout-invariant draw under invariant_random(): the masks are drawn for floating "
+            "tensors; cast it, or leave the block"
+        )
+    return _DRAW
+
+
+def _raise_torchs_refusal(call: Callable[[torch.Tensor], Any], input: torch.Tensor) -> None:
+    """Raise torch's own error for ``call`` on a tensor like ``input`` (its dtype and number of
+    dims, one element, on the CPU): torch's code runs, its CPU generator restored, so nothing is
+    drawn; returns where torch takes the call."""
+    probe = torch.zeros((1,) * input.dim(), dtype=input.dtype)
+    with torch.random.fork_rng(devices=[]), _torchs_own():
+        call(probe)
 
 
 # Per thread: > 0 while a route runs torch's own init. Calls made inside a mode's handler reach
@@ -353,7 +426,7 @@ def _torch_form(route: Callable[..., torch.Tensor], inplace: bool) -> Callable[.
 
 _ROUTES: dict[Any, Callable[..., Any]] = {
     F.dropout: _f_dropout,
-    torch.dropout: _torch_dropout,
+    torch.dropout: _torch_form(_f_dropout, inplace=False),
     torch.dropout_: _torch_form(_f_dropout, inplace=True),
     F.dropout1d: _feature_route(F.dropout1d, alpha=False),
     F.dropout2d: _feature_route(F.dropout2d, alpha=False),
@@ -588,6 +661,10 @@ class _InvariantRandomMode(TorchFunctionMode):
             return func(*args, **kwargs)
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
+            if func in _DROPOUT_ARGUMENTS:
+                answer = _torchs_answer(func, args, kwargs)
+                if answer is not _DRAW:
+                    return answer
             return route(self, *args, **kwargs)
         whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
         if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):

@@ -918,3 +918,124 @@ def test_in_place_routes_on_a_partial_sum_dtensor_write_the_plain_tensors_values
         _in_place_routes_on_a_partial_sum_over_three_ranks, world_size=3
     ):
         assert differing == {"dropout": 0, "alpha_dropout": 0, "bernoulli_ int64": 0}
+
+
+# --- torch's answers where nothing is drawn, torch's errors where torch refuses ----------------
+
+# each routed dropout as (name, call(x, p, training)); feature dropouts get 4-D inputs
+_DROPOUT_CALLS = {
+    "F.dropout": lambda x, p, t: F.dropout(x, p, t),
+    "F.dropout_inplace": lambda x, p, t: F.dropout(x, p, t, inplace=True),
+    "torch.dropout": torch.dropout,
+    "torch.dropout_": torch.dropout_,
+    "F.alpha_dropout": lambda x, p, t: F.alpha_dropout(x, p, t),
+    "torch.alpha_dropout": torch.alpha_dropout,
+    "F.dropout1d": lambda x, p, t: F.dropout1d(x[0], p, t),
+    "F.dropout2d": lambda x, p, t: F.dropout2d(x, p, t),
+    "F.dropout3d": lambda x, p, t: F.dropout3d(x[None], p, t),
+    "F.feature_alpha_dropout": lambda x, p, t: F.feature_alpha_dropout(x, p, t),
+    "torch.feature_dropout": torch.feature_dropout,
+    "torch.feature_alpha_dropout_": torch.feature_alpha_dropout_,
+}
+
+
+def _outcome(call, x: torch.Tensor, p: float, training: bool) -> tuple:
+    """What a call gives: its result (values with signs, dtype, whether it is x) or its error
+    (type and message), the warnings it gave, and whether the CPU generator moved."""
+    before = torch.get_rng_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = call(x, p, training)
+            result = (out.dtype, out.tolist(), out.signbit().tolist(), out is x)
+        except Exception as exc:
+            result = (type(exc), str(exc))
+    moved = not torch.equal(before, torch.get_rng_state())
+    return result, [str(w.message) for w in caught], moved
+
+
+@pytest.mark.parametrize("name", sorted(_DROPOUT_CALLS))
+@pytest.mark.parametrize(
+    ("dtype", "p", "training"),
+    [
+        (torch.float64, 0.5, False),
+        (torch.float64, 0.0, True),
+        (torch.float64, 1.0, True),
+        (torch.int64, 0.5, False),
+        (torch.int64, 1.0, True),
+        (torch.float32, 1.0, True),
+        (torch.float32, 1.5, True),
+        (torch.float32, -0.1, False),
+        (torch.float32, float("nan"), True),
+        (torch.int64, 0.5, True),
+        (torch.complex64, 0.5, True),
+    ],
+    ids=str,
+)
+def test_dropout_routes_answer_as_torch_where_nothing_is_drawn_or_torch_refuses(
+    name, dtype, p, training
+) -> None:
+    """Under the mode a dropout that draws nothing (training off, p == 0 or 1) gives torch's own
+    result for any dtype (values and signs bitwise, x itself where torch returns x), and one
+    torch refuses (p out of [0, 1] or NaN; an integer or complex tensor it would draw on) raises
+    torch's own error with torch's warnings; the generator does not move."""
+    call = _DROPOUT_CALLS[name]
+    x = (torch.arange(-24, 24) % 7 - 3).reshape(2, 4, 3, 2).to(dtype)
+    torch.manual_seed(5)
+    want = _outcome(call, x.clone(), p, training)
+    torch.manual_seed(5)
+    with invariant_random():
+        got = _outcome(call, x.clone(), p, training)
+    assert got[:2] == want[:2]
+    assert not got[2]  # torch's own moves it before some of its errors; ours never does
+
+
+def test_float64_dropout_draws_the_kernels_mask_in_its_own_dtype() -> None:
+    """F.dropout of a float64 tensor under the mode keeps the mask the kernel draws for the same
+    call in float32 (same generator state, same advance) and scales as torch does in float64."""
+    x = torch.randn(6, 10, dtype=torch.float64)
+    torch.manual_seed(3)
+    with invariant_random():
+        out = F.dropout(x, _P)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    keep = kernel_dropout(torch.ones(6, 10), _P) != 0
+    assert torch.equal(torch.get_rng_state(), after)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, x * keep.to(torch.float64).div_(1 - _P))  # torch's fp64 arithmetic
+
+
+@pytest.mark.parametrize("name", ["F.alpha_dropout", "F.dropout2d", "F.feature_alpha_dropout"])
+def test_mask_routes_ignore_a_float64_default_dtype(name) -> None:
+    """The alpha and feature routes draw their masks in float32 whatever the default dtype:
+    under torch.set_default_dtype(torch.float64) a float32 input gets the mask and result it
+    gets under the float32 default."""
+    call = _DROPOUT_CALLS[name]
+    x = torch.randn(2, 4, 3, 2)
+    results = []
+    for default in (torch.float32, torch.float64):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            torch.manual_seed(9)
+            with invariant_random():
+                results.append(call(x, _P, True))
+        finally:
+            torch.set_default_dtype(previous)
+    assert torch.equal(results[0], results[1])
+
+
+def test_routed_dropout_carries_a_forward_mode_tangent_through_its_mask() -> None:
+    """Forward-mode AD through a routed F.dropout: the tangent goes through the primal's mask."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, tangent = torch.randn(5, 8), torch.randn(5, 8)
+    torch.manual_seed(4)
+    with invariant_random(), fwAD.dual_level():
+        unpacked = fwAD.unpack_dual(F.dropout(fwAD.make_dual(x, tangent), _P))
+    torch.manual_seed(4)
+    with invariant_random():
+        assert torch.equal(unpacked.primal, F.dropout(x, _P))
+    torch.manual_seed(4)
+    with invariant_random():
+        assert torch.equal(unpacked.tangent, F.dropout(tangent, _P))
