@@ -28,12 +28,23 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
         raise KernelInputError(
             f"{name} has dtype {t.dtype}; fused dropout supports fp32, fp16 and bf16"
         )
-    if like is not None and (t.device != like.device or t.dtype != like.dtype):
-        raise KernelInputError(
-            f"{name} is {t.dtype} on {t.device} but x is {like.dtype} on {like.device}; "
-            "move/cast it to match x"
-        )
+    if like is not None and t.device != like.device:
+        raise KernelInputError(f"{name} is on {t.device} but x is on {like.device}; move it there")
     return t
+
+
+def _in_one_dtype(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Megatron's dtypes for bias-dropout-add: where x's dtype is not the residual's (a fp32
+    residual stream under bf16 activations), x and bias in the residual's; else x + bias
+    promotes, as in torch."""
+    if x.dtype != residual.dtype:
+        return x.to(residual.dtype), None if bias is None else bias.to(residual.dtype), residual
+    if bias is not None and bias.dtype != x.dtype:
+        dtype = torch.promote_types(x.dtype, bias.dtype)
+        return x.to(dtype), bias.to(dtype), residual.to(dtype)
+    return x, bias, residual
 
 
 def _check_training(training: object) -> None:
@@ -127,7 +138,10 @@ def bias_dropout_add(
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
-    """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None."""
+    """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None.
+
+    Dtypes as Megatron's: where x's is not the residual's, x and bias are taken in the
+    residual's (an fp32 residual stream under bf16 activations); else x + bias promotes."""
     _check_tensor("x", x)
     _check_tensor("residual", residual, like=x)
     if residual.shape != x.shape:
@@ -144,6 +158,7 @@ def bias_dropout_add(
     index_map = index_map_of(x.shape, shard)
     seed, words = _check_seed(seed, generator, x)
     _check_training(training)
+    x, bias, residual = _in_one_dtype(x, bias, residual)
     if not training or p == 0.0:
         _check_skipped_call(generator, impl)
         return residual + (x if bias is None else x + bias)

@@ -418,15 +418,11 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
         ),
         (
             lambda g: bias_dropout_add(
-                torch.ones(2, 4),
-                torch.ones(4, dtype=torch.float16),
-                torch.ones(2, 4),
-                0.1,
-                generator=g,
+                torch.ones(2, 4), torch.ones(4, device="meta"), torch.ones(2, 4), 0.1, generator=g
             ),
             KernelInputError,
             ValueError,
-            "cast it to match x",
+            "bias is on meta but x is on cpu; move it there",
         ),
         (
             lambda g: bias_dropout_add(
@@ -773,3 +769,35 @@ def test_forward_mode_ad_carries_the_tangents_through_the_same_mask(impl, keyed)
     assert torch.equal(tangent, same_mask + tresidual)
     assert torch.equal(alone.tangent, dropout(tx, 0.3, impl=impl, seed=torch.tensor([5, 7, 0, 0])))
     assert torch.equal(dual_gen.get_state(), plain_gen.get_state())
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(
+    ("x_dtype", "bias_dtype", "residual_dtype", "computed_in"),
+    [
+        (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32),  # fp32 residual stream
+        (torch.float16, None, torch.float32, torch.float32),
+        (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16, torch.float32, torch.float32),  # x + bias promotes
+        (torch.bfloat16, torch.float16, torch.bfloat16, torch.float32),
+    ],
+    ids=str,
+)
+def test_bias_dropout_add_takes_megatrons_dtypes(
+    impl, training, x_dtype, bias_dtype, residual_dtype, computed_in
+):
+    """As megatron-core's bias-dropout-add: where x's dtype is not the residual's, x and bias are
+    taken in the residual's; else x + bias promotes as in torch. The result is the call on the
+    inputs cast to that dtype (bitwise, the same mask), and gradients reach each input in its
+    own dtype."""
+    x = torch.randn(6, 8).to(x_dtype).requires_grad_()
+    bias = None if bias_dtype is None else torch.randn(8).to(bias_dtype).requires_grad_()
+    residual = torch.randn(6, 8).to(residual_dtype).requires_grad_()
+    out = bias_dropout_add(x, bias, residual, 0.3, training=training, generator=gen(), impl=impl)
+    cast = [None if t is None else t.detach().to(computed_in) for t in (x, bias, residual)]
+    want = bias_dropout_add(*cast, 0.3, training=training, generator=gen(), impl=impl)
+    assert out.dtype == computed_in and torch.equal(out, want)
+    out.sum().backward()
+    for t in (x, bias, residual):
+        assert t is None or (t.grad is not None and t.grad.dtype == t.dtype)

@@ -1087,3 +1087,32 @@ def test_checkpoints_run_plainly_while_megatrons_cuda_graphs_warm_up(mg):
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
     out = mg.checkpoint(body, False, x)  # after the warmup: checkpointed again
     assert seen == [False, True] and type(out.grad_fn).__name__ != "MulBackward0"
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "bias_dtype", "residual_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16, torch.float32),
+        (torch.float16, None, torch.float32),
+        (torch.float32, torch.float32, torch.bfloat16),
+        (torch.float32, torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16, torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_kernel_bias_dropout_add_equals_megatrons_in_mixed_dtypes(
+    x_dtype, bias_dtype, residual_dtype
+) -> None:
+    """rng_tracker.kernels.bias_dropout_add takes mixed dtypes as megatron-core's does (x and bias
+    in an fp32 residual's dtype; else promotion): outside training the two are bitwise equal,
+    dtype included (megatron's own function, inputs that require grad as in training)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from rng_tracker.kernels import bias_dropout_add
+
+    x = torch.randn(6, 8).to(x_dtype).requires_grad_()
+    bias = None if bias_dtype is None else torch.randn(8).to(bias_dtype)
+    residual = torch.randn(6, 8).to(residual_dtype)
+    theirs = get_bias_dropout_add(False, False)((x, bias), residual, 0.3)
+    ours = bias_dropout_add(x, bias, residual, 0.3, training=False)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
