@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rng_tracker._torch_private import functorch_transforms_active
 from rng_tracker._validate import checked_flag
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import dropout_call
@@ -80,7 +81,9 @@ def _check_seed(
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
     words = None
-    if seed.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: no sync
+    # free to read on the CPU (no sync), but not as a traced value or a batched one (vmap)
+    readable = seed.device.type == "cpu" and not torch.compiler.is_compiling()
+    if readable and functorch_transforms_active() is False:
         words = tuple(seed.tolist())
         if not all(0 <= w < 2**32 for w in words[2:]):
             raise KernelInputError(

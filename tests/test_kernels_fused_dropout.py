@@ -801,3 +801,23 @@ def test_bias_dropout_add_takes_megatrons_dtypes(
     out.sum().backward()
     for t in (x, bias, residual):
         assert t is None or (t.grad is not None and t.grad.dtype == t.dtype)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("impl", ["torch", "cpu", "auto"])
+def test_vmap_over_a_table_of_seeds_gives_each_sample_its_own_keyed_mask(impl):
+    """torch.func.vmap over x and a (B, 4) seed table: sample i is the call on x[i] with seeds[i]
+    (bitwise), so the samples' masks differ, as under randomness='different', deterministically.
+    A drawn call keeps vmap's randomness rules: 'error' refuses, 'same' gives every sample one
+    mask."""
+    x = torch.randn(3, 64)
+    seeds = torch.tensor([[11, 0, 0, 0], [12, 0, 0, 0], [13, 0, 0, 0]])
+    out = torch.func.vmap(lambda t, s: dropout(t, 0.5, seed=s, impl=impl))(x, seeds)
+    for i in range(3):
+        assert torch.equal(out[i], dropout(x[i], 0.5, seed=seeds[i], impl=impl))
+    assert not torch.equal(out[0] != 0, out[1] != 0)
+    ones = torch.ones(3, 64)
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        torch.func.vmap(lambda t: dropout(t, 0.5, impl=impl))(ones)
+    same = torch.func.vmap(lambda t: dropout(t, 0.5, impl=impl), randomness="same")(ones)
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
