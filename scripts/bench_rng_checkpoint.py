@@ -183,28 +183,19 @@ def _measure(repeats: int, root: str) -> dict:
             "load_ms": 1000 * statistics.median(loads),
             "metadata": os.path.getsize(os.path.join(path, ".metadata")),
         }
-    # the main-process form (accelerate's save_state: state_dict() on every process, the main
-    # process writes): entries gathered to rank 0
-    before = rng_dcp.comm_bytes()
-    main = rng_dcp.RNGStateful(tracker, keyed, saved_by="main_process").state_dict()
-    after = rng_dcp.comm_bytes()
-    out["main process"] = {
-        "held": sum(len(v) for v in main.values()),
-        "sent": after["sent"] - before["sent"],
-        "recv": after["received"] - before["received"],
-        "rank": rank,
-    }
-    # the each-node form (accelerate's save_on_each_node=True: each node's local main writes):
-    # entries all-gathered to every process
-    before = rng_dcp.comm_bytes()
-    every = rng_dcp.RNGStateful(tracker, keyed, saved_by="each_node").state_dict()
-    after = rng_dcp.comm_bytes()
-    out["each node"] = {
-        "held": sum(len(v) for v in every.values()),
-        "sent": after["sent"] - before["sent"],
-        "recv": after["received"] - before["received"],
-        "rank": rank,
-    }
+    # the forms for trainers that write from one process (accelerate's save_state: the main
+    # process; with save_on_each_node=True, each node's local main): gathered to rank 0, or
+    # all-gathered to every process
+    for name, saved_by in (("main process", "main_process"), ("each node", "each_node")):
+        before = rng_dcp.comm_bytes()
+        held = rng_dcp.RNGStateful(tracker, keyed, saved_by=saved_by).state_dict()
+        after = rng_dcp.comm_bytes()
+        out[name] = {
+            "held": sum(len(v) for v in held.values()),
+            "sent": after["sent"] - before["sent"],
+            "recv": after["received"] - before["received"],
+            "rank": rank,
+        }
     return out
 
 
