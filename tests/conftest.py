@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -34,3 +35,15 @@ def _restore_cpu_generator() -> Iterator[None]:
     state = torch.get_rng_state()
     yield
     torch.set_rng_state(state)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_debug_logger() -> Iterator[None]:
+    """torch's checkpoint debug mode leaves its "LoggingTensor" logger with propagate off, level
+    INFO and its traceback filters; pytest then attaches its capture handlers to that logger in
+    every later test, and they cannot format torch's records: a later debug-mode checkpoint
+    fails inside logging. Each test leaves the logger as it found it."""
+    logger = logging.getLogger("LoggingTensor")
+    saved = (logger.propagate, logger.level, logger.filters[:])
+    yield
+    logger.propagate, logger.level, logger.filters[:] = saved[0], saved[1], saved[2]

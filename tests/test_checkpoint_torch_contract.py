@@ -269,10 +269,9 @@ def test_determinism_check_is_torchs():
 
 def test_debug_mode_works_and_logs_only_the_users_ops():
     """debug=True and set_checkpoint_debug_enabled(True): exact grads and masks; on a mismatch,
-    torch's op log names the user's ops and none of the replay's own bookkeeping.
-
-    One test, not several: under pytest's log capture a debug-mode checkpoint in a later test
-    fails inside torch's logging (torch alone shows it, with pytest's logging plugin on)."""
+    torch's op log names the user's ops and none of the replay's own bookkeeping. (A debug-mode
+    run leaves torch's logger in a state that breaks the next one under pytest's log capture:
+    conftest's _restore_torch_debug_logger undoes it after each test.)"""
     tracker, x, w = start(5)
     masks: list[torch.Tensor] = []
     (block(x, w, tracker, masks) * WEIGHTS).sum().backward()
