@@ -612,6 +612,10 @@ class _InvariantRandomMode(TorchFunctionMode):
     """Sends the random ops of _ROUTES, on plain tensors and DTensors alike, to the invariant
     ops; refuses the random ops that have none on a DTensor."""
 
+    # rng_tracker's checkpoints enter it again around a recompute that autograd's engine runs
+    # without it (rng_tracker._recompute.REPLAYED_IN_RECOMPUTE): the recompute draws its masks
+    replayed_in_recompute = True
+
     def __init__(
         self,
         model: torch.nn.Module | None = None,

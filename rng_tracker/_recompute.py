@@ -1,13 +1,16 @@
-"""What both checkpoint modules share around a recompute: which trackers it replays, and the
-backward through its outputs (``activation_checkpoint`` and ``checkpoint_without_output``)."""
+"""What both checkpoint modules share around a recompute: which trackers it replays, the torch
+function modes it runs under again, and the backward through its outputs
+(``activation_checkpoint`` and ``checkpoint_without_output``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from rng_tracker._torch_private import function_mode_stack
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
 
@@ -34,6 +37,33 @@ def resolve_trackers(
                 f"tracker must be an RNGStatesTracker, got {type(t).__name__}"
             )
     return trackers
+
+
+# A torch function mode whose class sets this attribute true decides what a random op draws
+# (rng_tracker.parallel's invariant_random), so a recompute must run under it as the forward did.
+REPLAYED_IN_RECOMPUTE = "replayed_in_recompute"
+
+
+def replayed_modes() -> tuple[Any, ...]:
+    """The active function modes a recompute must run under again (outermost first)."""
+    if torch.compiler.is_compiling():  # traced: the compiled graph holds what the modes routed
+        return ()
+    return tuple(m for m in function_mode_stack() if getattr(m, REPLAYED_IN_RECOMPUTE, False))
+
+
+@contextlib.contextmanager
+def reentered(modes: Sequence[Any]) -> Iterator[None]:
+    """``modes`` entered again where they are not active, left afterwards: autograd's engine runs
+    a backward, and so a recompute, without the function modes of the code that called it."""
+    if not modes:
+        yield
+        return
+    active = function_mode_stack()
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if not any(m is mode for m in active):
+                stack.enter_context(mode)
+        yield
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

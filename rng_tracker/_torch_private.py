@@ -129,6 +129,18 @@ def is_innermost_function_mode(mode: Any) -> bool:
     return _get_current_function_mode is None or _get_current_function_mode() is mode
 
 
+# torch.overrides._get_current_function_mode_stack: the active torch function modes, outermost
+# first. A checkpoint reads it at the forward to enter invariant_random again around a recompute
+# (autograd's engine runs backward without the caller's function modes). Without it nothing is
+# entered again (docs/compile.md says what then differs).
+_get_function_mode_stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+
+
+def function_mode_stack() -> list[Any]:
+    """The active torch function modes, outermost first (none where torch cannot say)."""
+    return [] if _get_function_mode_stack is None else list(_get_function_mode_stack())
+
+
 def disable_current_dispatch_modes() -> Any:
     """torch.utils._python_dispatch._disable_current_modes: the checkpoint's recompute runs
     with the caller's dispatch modes popped, as torch.utils.checkpoint's does. Required."""

@@ -121,6 +121,7 @@ class _RNGRecord:
         self.start: RNGSnapshot | None = None
         self.forward_end: RNGSnapshot | None = None
         self.forward_log: RandomOpLog | None = None
+        self.modes: tuple[Any, ...] = ()  # the function modes the forward ran under (replayed)
 
     def capture(self) -> RNGSnapshot:
         return _unseen_by_modes(RNGSnapshot.take, self.wanted, self.trackers)
@@ -148,6 +149,7 @@ class _Forward:
     def __enter__(self) -> None:
         record = self._record
         record.start = record.capture()
+        record.modes = recompute.replayed_modes()
         _enter_checkpointing()
         if record.check:
             record.forward_log = RandomOpLog()
@@ -174,22 +176,24 @@ class _Replay:
 
     def __init__(self, record: _RNGRecord) -> None:
         self._record = record
-        self._open: list[tuple[RNGSnapshot, RandomOpLog | None]] = []
+        self._open: list[tuple[RNGSnapshot, RandomOpLog | None, Any]] = []
 
     def __enter__(self) -> None:
         record = self._record
         assert record.start is not None, "recompute before forward"
         found = record.capture()
         record.install(record.start)
+        modes = recompute.reentered(record.modes)
+        modes.__enter__()
         log = RandomOpLog() if record.check else None
-        self._open.append((found, log))
+        self._open.append((found, log, modes))
         _enter_checkpointing()
         if log is not None:
             log.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         record = self._record
-        found, log = self._open.pop()
+        found, log, modes = self._open.pop()
         mismatch: list[str] = []
         try:
             if log is not None:
@@ -198,6 +202,7 @@ class _Replay:
                 mismatch = _unseen_by_modes(self._mismatch, log)
         finally:
             _leave_checkpointing()
+            modes.__exit__(None, None, None)
             record.install(found)
         if mismatch:
             raise CheckpointRNGMismatchError(

@@ -27,7 +27,12 @@ from typing import Any
 
 import torch
 
-from rng_tracker._recompute import backward_recomputed, resolve_trackers
+from rng_tracker._recompute import (
+    backward_recomputed,
+    reentered,
+    replayed_modes,
+    resolve_trackers,
+)
 from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, replaying
 from rng_tracker._torch_private import checkpoint_valid, storage_use_count
 from rng_tracker._tracker import RNGStatesTracker
@@ -157,6 +162,7 @@ class CheckpointWithoutOutput:
         self._snapshot: RNGSnapshot | None = None
         self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
+        self._modes: tuple[Any, ...] = ()  # the function modes checkpoint() ran under (replayed)
         self._recomputed: tuple[list[Any], tuple[Any, ...]] | None = None
         # (inputs, their versions) while no autograd node keeps them: no output needs grad
         self._held_inputs: tuple[tuple[Any, ...], list[int | None]] | None = None
@@ -172,6 +178,7 @@ class CheckpointWithoutOutput:
         self._replayed = resolve_trackers(self._trackers)
         self._wanted = accelerators(devices, self._replayed)  # found once, used at each replay
         self._snapshot = RNGSnapshot.take(self._wanted, self._replayed)
+        self._modes = replayed_modes()
         self._recomputed = None
         self._discarded = False
         outputs = _RunWithoutSavingOutput.apply(self, *args)
@@ -255,7 +262,11 @@ class CheckpointWithoutOutput:
                 args[slot] = tensor.detach().requires_grad_(tensor.requires_grad)
         else:
             args = self._unchanged_held_inputs()
-        with replaying(self._snapshot, self._wanted, self._replayed), torch.enable_grad():
+        with (
+            replaying(self._snapshot, self._wanted, self._replayed),
+            reentered(self._modes),
+            torch.enable_grad(),
+        ):
             outputs = self._function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         if self._discarded:

@@ -1039,3 +1039,71 @@ def test_routed_dropout_carries_a_forward_mode_tangent_through_its_mask() -> Non
     torch.manual_seed(4)
     with invariant_random():
         assert torch.equal(unpacked.tangent, F.dropout(tangent, _P))
+
+
+# --- recompute under the mode ------------------------------------------------------------------
+
+
+def _dropout_block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(F.dropout(h @ w, 0.5))
+
+
+def _without_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from rng_tracker import CheckpointWithoutOutput
+
+    act = CheckpointWithoutOutput()
+    h = act.checkpoint(_dropout_block, x, w)
+    y = h * 2.0
+    act.discard_output_and_register_recompute(y)
+    return y
+
+
+def _torchs_with_our_context(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from rng_tracker import rng_context_fn
+
+    return torch_checkpoint(_dropout_block, x, w, use_reentrant=False, context_fn=rng_context_fn())
+
+
+_RECOMPUTING = {
+    "checkpoint": lambda x, w: __import__("rng_tracker").checkpoint(_dropout_block, x, w),
+    "checkpoint reentrant": lambda x, w: __import__("rng_tracker").checkpoint(
+        _dropout_block, x, w, use_reentrant=True
+    ),
+    "megatron checkpoint": lambda x, w: __import__(
+        "rng_tracker.megatron", fromlist=["checkpoint"]
+    ).checkpoint(_dropout_block, False, x, w),
+    "CheckpointWithoutOutput": _without_output,
+    "torch checkpoint with rng_context_fn": _torchs_with_our_context,
+}
+
+
+@pytest.mark.parametrize("opened", ["with", "enable"])
+@pytest.mark.parametrize("name", sorted(_RECOMPUTING))
+def test_a_recompute_draws_the_forwards_masks_under_the_mode(name, opened) -> None:
+    """autograd's engine runs backward without the caller's function modes, so a recompute ran
+    outside invariant_random and drew torch's own dropout masks: silently other gradients. Every
+    rng_tracker checkpoint (and torch's with rng_context_fn) now enters the mode again around
+    its recompute: outputs and gradients are bitwise those of the run without a checkpoint."""
+
+    def step(run) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(8, 8, requires_grad=True)
+        x = torch.ones(4, 8, requires_grad=True)
+        if opened == "with":
+            with invariant_random():
+                y = run(x, w)
+                y.sum().backward()
+        else:
+            enable_invariant_random()
+            try:
+                y = run(x, w)
+                y.sum().backward()
+            finally:
+                disable_invariant_random()
+        return [y.detach(), x.grad, w.grad]
+
+    plain = step(lambda x, w: _dropout_block(x, w) * (2.0 if "Without" in name else 1.0))
+    recomputed = step(_RECOMPUTING[name])
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
