@@ -32,8 +32,10 @@ from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
     set_trunc_normal_impl,
+    torch_checkpoint_forward_active,
     trunc_normal_impl,
 )
+from rng_tracker.activation_checkpoint import is_checkpointing
 from rng_tracker.errors import (
     InvariantRandomConfigError,
     InvariantRandomModeError,
@@ -277,6 +279,23 @@ _DROPOUT_ARGUMENTS: dict[Any, tuple[object, str, object]] = {
     ),
 }
 _DRAW = object()
+_MASK_DRAWS = frozenset((*_DROPOUT_ARGUMENTS, torch.Tensor.bernoulli_))
+
+
+def _refuse_in_torchs_checkpoint(func: Any) -> None:
+    """Refuse a mask drawn in a forward of torch's own checkpoint: its recompute runs where the
+    mode is not (autograd's engine drops function modes), so it would draw torch's masks there
+    and the gradients would silently be another mask's. rng_tracker's checkpoints (and torch's
+    with ``context_fn=rng_context_fn()``) enter the mode again around their recompute."""
+    if is_checkpointing() or not torch_checkpoint_forward_active():
+        return
+    raise InvariantRandomUnsupportedError(
+        f"{getattr(func, '__name__', func)} under invariant_random() inside "
+        "torch.utils.checkpoint: torch's recompute runs without the mode, so it would draw "
+        "another mask than this forward and the gradients would be wrong. Checkpoint with "
+        "rng_tracker.checkpoint (e.g. checkpoint_wrapper(module, checkpoint_fn="
+        "rng_tracker.checkpoint)), or pass context_fn=rng_tracker.rng_context_fn() to torch's"
+    )
 
 
 def _torchs_answer(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -669,6 +688,8 @@ class _InvariantRandomMode(TorchFunctionMode):
                 answer = _torchs_answer(func, args, kwargs)
                 if answer is not _DRAW:
                     return answer
+            if func in _MASK_DRAWS:
+                _refuse_in_torchs_checkpoint(func)
             return route(self, *args, **kwargs)
         whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim
         if func in _GLOBAL_REDUCTIONS and whole and isinstance(args[0], DTensor):

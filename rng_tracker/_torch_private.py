@@ -141,6 +141,40 @@ def function_mode_stack() -> list[Any]:
     return [] if _get_function_mode_stack is None else list(_get_function_mode_stack())
 
 
+# torch._C._autograd._top_saved_tensors_default_hooks and the names of torch.utils.checkpoint's
+# internals: whether torch's own checkpoint is running a forward (its non-reentrant form installs
+# _checkpoint_hook's saved-tensor hooks; its reentrant form runs CheckpointFunction.forward under
+# no_grad). invariant_random refuses to draw there, since torch's recompute runs without the mode.
+# Without them the check answers False (the draw is not refused).
+_top_saved_tensors_hooks = getattr(
+    getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None
+)
+
+
+def torch_checkpoint_forward_active() -> bool:
+    """Whether a forward of ``torch.utils.checkpoint`` is running here (False where torch
+    cannot say): its non-reentrant hooks are the innermost, or, under no_grad, its reentrant
+    ``CheckpointFunction.forward`` is on the stack."""
+    if _top_saved_tensors_hooks is not None:
+        hooks = _top_saved_tensors_hooks(False)
+        if hooks and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
+            return True
+    if torch.is_grad_enabled():
+        return False
+    import sys
+
+    from torch.utils import checkpoint as torch_checkpoint
+
+    forward = getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None)
+    code = getattr(forward, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def disable_current_dispatch_modes() -> Any:
     """torch.utils._python_dispatch._disable_current_modes: the checkpoint's recompute runs
     with the caller's dispatch modes popped, as torch.utils.checkpoint's does. Required."""

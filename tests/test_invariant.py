@@ -1107,3 +1107,34 @@ def test_a_recompute_draws_the_forwards_masks_under_the_mode(name, opened) -> No
     plain = step(lambda x, w: _dropout_block(x, w) * (2.0 if "Without" in name else 1.0))
     recomputed = step(_RECOMPUTING[name])
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_mask_drawn_in_torchs_own_checkpoint_is_refused(reentrant) -> None:
+    """torch's own checkpoint recomputes without the mode, so a mask drawn in its forward would
+    be redrawn by torch's dropout: refused, typed, before anything is drawn. torch's
+    checkpoint_wrapper with checkpoint_fn=rng_tracker.checkpoint (the way to keep a wrapper)
+    gives the run without a checkpoint bitwise."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    import rng_tracker
+
+    x = torch.ones(4, 8, requires_grad=True)
+    before = torch.get_rng_state()
+    with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="rng_context_fn"):
+        torch_checkpoint(lambda t: F.dropout(t, 0.5), x, use_reentrant=reentrant)
+    assert torch.equal(torch.get_rng_state(), before)
+
+    def run(wrapped: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+        if wrapped:
+            model = checkpoint_wrapper(model, checkpoint_fn=rng_tracker.checkpoint)
+        x = torch.ones(4, 8, requires_grad=True)
+        with invariant_random():
+            y = model(x)
+            y.sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))

@@ -66,3 +66,24 @@ def test_forward_ad_active_is_true_exactly_inside_a_dual_level():
     with fwAD.dual_level():
         assert forward_ad_active()
     assert not forward_ad_active()
+
+
+def test_torch_checkpoint_forward_active_sees_both_of_torchs_checkpoints():
+    """invariant_random refuses masks drawn where this says torch's checkpoint runs a forward:
+    torch's names behind it (its saved-tensor hook, CheckpointFunction) must still say so."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from rng_tracker._torch_private import torch_checkpoint_forward_active
+
+    seen = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch_checkpoint_forward_active())
+        return x * x  # saves x: backward recomputes
+
+    x = torch.ones(2, requires_grad=True)
+    probe(x)
+    torch_checkpoint(probe, x, use_reentrant=False).sum().backward()
+    torch_checkpoint(probe, x, use_reentrant=True).sum().backward()
+    # [plain, non-reentrant forward, its recompute, reentrant forward, its recompute]
+    assert seen == [False, True, False, True, False]
