@@ -347,17 +347,18 @@ def _alias_outer_tensors(outputs: Any, args: Sequence[Any]) -> Any:
     receives its gradient exactly once.
     """
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    inputs = {id(a) for a in tensors}
     # a view of an input (or of an input's base) stays a view: autograd.Function marks it as
     # one, so an in-place change of it is refused as torch's checkpoint refuses it
-    bases = inputs | {id(a._base) for a in tensors if a._base is not None}
+    bases = [*tensors, *(a._base for a in tensors if a._base is not None)]
 
+    # identity by `is`, not id(): under torch.compile an id() is a guard on the object, which
+    # recompiles at every step's new input
     def alias(value: Any) -> Any:
         if (
             isinstance(value, torch.Tensor)
             and value.requires_grad
-            and id(value) not in inputs
-            and (value._base is None or id(value._base) not in bases)
+            and not any(value is a for a in tensors)
+            and (value._base is None or not any(value._base is b for b in bases))
         ):
             return value.detach()
         return value

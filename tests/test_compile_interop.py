@@ -9,6 +9,7 @@ replays the forward's mask (pytorch#190758: Inductor's own dropout re-draws ther
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -21,8 +22,9 @@ from rng_tracker.kernels import _cpu_kernel, bias_dropout_add, dropout
 class _Block(torch.nn.Module):
     """x @ w1 -> dropout in a tracker fork -> relu -> @ w2, checkpointed; then bias-dropout-add."""
 
-    def __init__(self, tracker: RNGStatesTracker) -> None:
+    def __init__(self, tracker: RNGStatesTracker, reentrant: bool = False) -> None:
         super().__init__()
+        self.reentrant = reentrant
         g = torch.Generator().manual_seed(0)
         self.w1 = torch.nn.Parameter(torch.randn(16, 32, generator=g) / 4)
         self.w2 = torch.nn.Parameter(torch.randn(32, 16, generator=g) / 4)
@@ -35,14 +37,17 @@ class _Block(torch.nn.Module):
         return torch.relu(h) @ self.w2  # (tokens, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return bias_dropout_add(checkpoint(self._inner, x), None, x, 0.1)
+        inner = checkpoint(self._inner, x, use_reentrant=self.reentrant)
+        return bias_dropout_add(inner, None, x, 0.1)
 
 
-def _train(compiled: bool, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+def _train(
+    compiled: bool, steps: int = 3, reentrant: bool = False
+) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
     torch.manual_seed(123)
     tracker = RNGStatesTracker("cpu")
     tracker.add("model-parallel-rng", 77)
-    model = _Block(tracker)
+    model = _Block(tracker, reentrant)
     run = torch.compile(model) if compiled else model
     data = torch.Generator().manual_seed(5)
     # the same input and output gradient every step: only the masks can differ between steps
@@ -58,12 +63,14 @@ def _train(compiled: bool, steps: int = 3) -> tuple[list[tuple[torch.Tensor, ...
     return results, graphs
 
 
-def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling():
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling(reentrant):
     # impl="auto" runs the compiled CPU kernel in both runs: eager calls it directly, the
-    # compiled graph through the rng_tracker::fused_dropout_cpu op.
+    # compiled graph through the rng_tracker::fused_dropout_cpu op. (The reentrant checkpoint
+    # recompiled every step while it told its inputs apart by id(): a guard on each new tensor.)
     assert _cpu_kernel.available(), _cpu_kernel._state["failed"]
-    eager, _ = _train(compiled=False)
-    compiled, graphs = _train(compiled=True)
+    eager, _ = _train(compiled=False, reentrant=reentrant)
+    compiled, graphs = _train(compiled=True, reentrant=reentrant)
     for step_eager, step_compiled in zip(eager, compiled, strict=True):
         for a, b in zip(step_eager, step_compiled, strict=True):
             assert torch.equal(a, b)
