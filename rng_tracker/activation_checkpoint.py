@@ -441,6 +441,14 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
+@torch.compiler.disable
+def _reentrant_apply(*inputs: Any) -> Any:
+    """``_ReentrantCheckpoint.apply``, run eagerly under torch.compile: traced, its backward (the
+    recompute) would be compiled without the function modes of the forward, so a recompute under
+    invariant_random would draw torch's masks (the non-reentrant form is never traced either)."""
+    return _ReentrantCheckpoint.apply(*inputs)
+
+
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         warnings.warn(
@@ -552,7 +560,7 @@ def checkpoint(
     record = _RNGRecord(devices, trackers, check_rng) if preserve_rng_state else None
     if use_reentrant:
         _warn_if_no_input_requires_grad(args)
-        return _ReentrantCheckpoint.apply(function, record, saver, None, *args)
+        return _reentrant_apply(function, record, saver, None, *args)
     if not torch.is_grad_enabled():
         record = None  # torch will not recompute: nothing to replay
     if early_stop is None:
@@ -662,7 +670,7 @@ def reentrant_checkpoint(
         saved_inputs.check_split_input(args)
     record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
     # no warning when no input needs grad: Megatron's CheckpointFunction gives none
-    return _ReentrantCheckpoint.apply(function, record, InputSaver(), split_group, *args)
+    return _reentrant_apply(function, record, InputSaver(), split_group, *args)
 
 
 def _tp_group_of(layout: ParallelLayout | None) -> dist.ProcessGroup:

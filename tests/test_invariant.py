@@ -1138,3 +1138,37 @@ def test_a_mask_drawn_in_torchs_own_checkpoint_is_refused(reentrant) -> None:
         return [y.detach(), x.grad, *(p.grad for p in model.parameters())]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_compiled_checkpoint_recomputes_the_forwards_masks_under_the_mode(reentrant) -> None:
+    """Under torch.compile (aot_eager) a traced reentrant checkpoint compiled its backward, the
+    recompute, without the mode: torch's masks there, silently other gradients. Both checkpoint
+    forms run eagerly under compile, so two compiled steps give the eager run without a
+    checkpoint bitwise."""
+    import rng_tracker
+
+    def block(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.dropout(h @ w, 0.5))
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        w = torch.randn(8, 8, requires_grad=True)
+        if compiled:
+            step = torch.compile(
+                lambda x: rng_tracker.checkpoint(block, x, w, use_reentrant=reentrant),
+                backend="aot_eager",
+            )
+        else:
+            step = lambda x: block(x, w)  # noqa: E731
+        results = []
+        with invariant_random():
+            for _ in range(2):
+                x = torch.ones(4, 8, requires_grad=True)
+                y = step(x)
+                y.sum().backward()
+                results += [y.detach(), x.grad]
+        return [*results, w.grad]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
