@@ -441,12 +441,24 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
-@torch.compiler.disable
+def _apply_reentrant(*inputs: Any) -> Any:
+    return _ReentrantCheckpoint.apply(*inputs)
+
+
+# Process-wide: _apply_reentrant behind torch.compiler.disable, made at the first call under
+# torch.compile (making it imports torch._dynamo: seconds, and numpy, which the base install lacks)
+_EAGER_UNDER_COMPILE: list[Callable[..., Any]] = []
+
+
 def _reentrant_apply(*inputs: Any) -> Any:
     """``_ReentrantCheckpoint.apply``, run eagerly under torch.compile: traced, its backward (the
     recompute) would be compiled without the function modes of the forward, so a recompute under
     invariant_random would draw torch's masks (the non-reentrant form is never traced either)."""
-    return _ReentrantCheckpoint.apply(*inputs)
+    if not torch.compiler.is_compiling():
+        return _apply_reentrant(*inputs)
+    if not _EAGER_UNDER_COMPILE:
+        _EAGER_UNDER_COMPILE.append(torch.compiler.disable(_apply_reentrant))
+    return _EAGER_UNDER_COMPILE[0](*inputs)
 
 
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
