@@ -7,10 +7,12 @@ library does when the name is gone.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.overrides
+import torch.utils.checkpoint
 
 # torch.autograd.forward_ad._current_level: the innermost open dual_level, -1 where none is open.
 # The kernels look for forward-mode tangents only inside one. Without it, every call looks.
@@ -149,6 +151,11 @@ def function_mode_stack() -> list[Any]:
 _top_saved_tensors_hooks = getattr(
     getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None
 )
+_reentrant_forward_code = getattr(
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None),
+    "__code__",
+    None,
+)
 
 
 def torch_checkpoint_forward_active() -> bool:
@@ -159,17 +166,11 @@ def torch_checkpoint_forward_active() -> bool:
         hooks = _top_saved_tensors_hooks(False)
         if hooks and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
             return True
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or _reentrant_forward_code is None:
         return False
-    import sys
-
-    from torch.utils import checkpoint as torch_checkpoint
-
-    forward = getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None)
-    code = getattr(forward, "__code__", None)
     frame = sys._getframe(1)
-    while frame is not None and code is not None:
-        if frame.f_code is code:
+    while frame is not None:
+        if frame.f_code is _reentrant_forward_code:
             return True
         frame = frame.f_back
     return False
