@@ -28,7 +28,7 @@ from rng_tracker._torch_private import (
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import _cpu_kernel
-from rng_tracker.kernels._call import DropoutCall, dropout_call
+from rng_tracker.kernels._call import DropoutCall, dropout_call, in_memory_order
 from rng_tracker.kernels._ops import (
     OPS,
     call_op,
@@ -172,7 +172,13 @@ def run(
     words: Words | None,
 ) -> torch.Tensor:
     """The output of ``call`` on the route's kernel. ``seed`` (with its ``words`` where they were
-    read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's)."""
+    read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's).
+    The output has x's memory format where x is dense (``in_memory_order``), else row-major."""
+    if not call.x.is_contiguous():
+        in_order = in_memory_order(call)
+        if in_order is not None:
+            call, back = in_order
+            return run(call, impl, generator, seed, words).permute(back)
     if forward_ad_active():
         dual = _run_dual(call, impl, generator, seed, words)
         if dual is not None:

@@ -262,6 +262,34 @@ def _merge(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 ShardArg = Chunk | Region | IndexMap
 
 
+def permuted(index_map: IndexMap, shape: Sequence[int], order: Sequence[int]) -> IndexMap | None:
+    """The map of ``x.permute(order)`` (read in its own row-major order) where ``index_map``
+    places x of ``shape``: each element keeps its global index, so the mask moves with it.
+    None where a dim of x is not one run of the map's dims (then x has no per-dim strides)."""
+    if index_map.numel == 0:
+        return index_map
+    pairs = list(index_map.dims)
+    per_dim: list[list[tuple[int, int]]] = []
+    for extent in reversed(shape):  # peel the map's dims off from the innermost, x dim by x dim
+        left, group = extent, []
+        while left > 1:
+            inner_extent, stride = pairs.pop()
+            if inner_extent <= left and left % inner_extent == 0:
+                group.insert(0, (inner_extent, stride))
+                left //= inner_extent
+            elif inner_extent % left == 0:  # the map's dim spans this x dim and outer ones
+                pairs.append((inner_extent // left, stride * left))
+                group.insert(0, (left, stride))
+                left = 1
+            else:
+                return None
+        per_dim.insert(0, group)
+    dims = [pair for d in order for pair in per_dim[d]]
+    return IndexMap(
+        offset=index_map.offset, dims=tuple(dims), logical_numel=index_map.logical_numel
+    )
+
+
 def to_op_args(index_map: IndexMap) -> tuple[int, list[int], int]:
     """(offset, dims as [extent0, stride0, extent1, ...], logical numel): the index map as the
     registered ops take it (torch.library has no IndexMap type); :func:`from_op_args` inverts it."""

@@ -115,7 +115,11 @@ def _register(
 
 
 def _reference(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
-    return fused_dropout_reference_unchecked(call._replace(x=call.x.contiguous()), seed)
+    # row-major in, row-major out, as the other kernels (torch's ops would follow the residual)
+    residual = None if call.residual is None else call.residual.contiguous()
+    return fused_dropout_reference_unchecked(
+        call._replace(x=call.x.contiguous(), residual=residual), seed
+    )
 
 
 def _compiled(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:

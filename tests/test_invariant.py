@@ -1005,6 +1005,23 @@ def test_float64_dropout_draws_the_kernels_mask_in_its_own_dtype() -> None:
     assert torch.equal(out, x * keep.to(torch.float64).div_(1 - _P))  # torch's fp64 arithmetic
 
 
+@pytest.mark.parametrize("name", sorted(_DROPOUT_CALLS))
+def test_routed_dropout_keeps_torchs_memory_format_and_the_contiguous_copys_values(name) -> None:
+    """Under the mode a channels_last input gives an output with the strides torch's own call
+    gives it (torch keeps the input's memory format), and the values of its contiguous copy."""
+    call = _DROPOUT_CALLS[name]
+    x = torch.randn(2, 4, 3, 5)
+    strided = x.contiguous(memory_format=torch.channels_last)
+    want_strides = call(strided.clone(), _P, True).stride()
+    results = []
+    for t in (x, strided):
+        torch.manual_seed(11)
+        with invariant_random():
+            results.append(call(t.clone(), _P, True))
+    assert torch.equal(results[0], results[1])
+    assert results[1].stride() == want_strides
+
+
 @pytest.mark.parametrize("name", ["F.alpha_dropout", "F.dropout2d", "F.feature_alpha_dropout"])
 def test_mask_routes_ignore_a_float64_default_dtype(name) -> None:
     """The alpha and feature routes draw their masks in float32 whatever the default dtype:

@@ -15,7 +15,7 @@ from _dispatch_log import OpNames
 
 from rng_tracker import RNGStatesTracker, RNGTrackerError, checkpoint
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
-from rng_tracker.kernels import Chunk, Region, bias_dropout_add, dropout
+from rng_tracker.kernels import Chunk, IndexMap, Region, bias_dropout_add, dropout
 from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.reference import keep_threshold
 
@@ -103,14 +103,75 @@ def test_triton_converts_every_16_bit_value_like_the_reference(dtype):
     assert torch.equal(nan, got.isnan()) and torch.equal(_bits(ref)[~nan], _bits(got)[~nan])
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_non_contiguous_input_equals_its_contiguous_copy(impl):
-    x = torch.randn(16, 12).t()  # (12, 16), strides (1, 12)
+_LAYOUTS = {
+    "transposed": lambda: torch.randn(16, 12).t(),
+    "channels_last": lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+    "channels_last_3d": lambda: torch.randn(2, 3, 2, 3, 4).contiguous(
+        memory_format=torch.channels_last_3d
+    ),
+    "permuted": lambda: torch.randn(4, 6, 8).permute(2, 0, 1),
+    "sliced": lambda: torch.randn(8, 10)[:, ::2],  # not dense: the output is row-major
+}
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_a_strided_input_keeps_its_memory_format_and_its_contiguous_copys_mask(impl, layout):
+    """Like torch's dropout, the output of a dense x has x's strides (channels_last, a transpose,
+    any permutation), and its values and gradient are bitwise those of x's contiguous copy."""
+    x = _LAYOUTS[layout]().requires_grad_()
+    flat = x.detach().contiguous().requires_grad_()
     assert not x.is_contiguous()
+    out, want = (dropout(t, 0.5, generator=gen(), impl=impl) for t in (x, flat))
+    assert torch.equal(out, want)
+    dense = layout != "sliced"
+    assert out.stride() == (x.stride() if dense else want.stride())
+    grad = torch.randn_like(x)  # x's strides, as a loss's gradient would have
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.equal(x.grad, flat.grad)
+    assert x.grad.stride() == x.stride() or not dense
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+def test_permuted_shards_assemble_to_the_unsharded_output(impl):
+    """A shard stored transposed draws its place's mask: the shards' outputs, with the shard's
+    strides, assemble to the unsharded output; a map that cannot be split per dim of x (a dim of
+    3 across map dims of 2 and 3) still draws right, row-major."""
+    full = torch.randn(8, 6)
+    seed = torch.tensor([5, 0, 0, 0])
+    whole = dropout(full, 0.5, seed=seed, impl=impl)
+    for i, rows in enumerate(full.chunk(2)):
+        shard = rows.t().contiguous().t()
+        out = dropout(shard, 0.5, seed=seed, shard=Chunk(0, i, 2, extent=8), impl=impl)
+        assert torch.equal(out, whole.chunk(2)[i]) and out.stride() == shard.stride()
+    index_map = IndexMap(offset=0, dims=((2, 10), (3, 1)), logical_numel=20)
+    x = torch.randn(2, 3).t()  # (3, 2): its inner dim of 2 is not a dim of the map
     assert torch.equal(
-        dropout(x, 0.5, generator=gen(), impl=impl),
-        dropout(x.contiguous(), 0.5, generator=gen(), impl=impl),
+        dropout(x, 0.5, seed=seed, shard=index_map, impl=impl),
+        dropout(x.contiguous(), 0.5, seed=seed, shard=index_map, impl=impl),
     )
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("order", [(1, 0, 2), (2, 0, 1)], ids=["last_inner", "last_moved"])
+def test_bias_dropout_add_keeps_xs_memory_format_where_the_bias_dim_stays_innermost(
+    impl, with_bias, order
+):
+    """residual + dropout(x + bias) takes x's strides where x's last dim (the bias's) stays its
+    innermost or there is no bias; otherwise it is row-major. Values bitwise as the contiguous
+    call's either way."""
+    back = sorted(range(3), key=order.__getitem__)
+    x = torch.randn(4, 6, 8).permute(order).contiguous().permute(back)
+    residual = torch.randn(x.shape).permute(order).contiguous().permute(back)
+    bias = torch.randn(x.shape[-1]) if with_bias else None
+    seed = torch.tensor([9, 0, 0, 0])
+    out = bias_dropout_add(x, bias, residual, 0.4, seed=seed, impl=impl)
+    want = bias_dropout_add(x.contiguous(), bias, residual.contiguous(), 0.4, seed=seed, impl=impl)
+    assert torch.equal(out, want)
+    kept = not with_bias or order[-1] == 2
+    assert out.stride() == (x.stride() if kept else want.stride())
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
