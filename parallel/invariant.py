@@ -309,16 +309,20 @@ def _torchs_answer(func: Any, args: tuple, kwargs: dict) -> Any:
     if p is _REQUIRED or training is _REQUIRED:  # torch's TypeError, before anything is drawn
         with _torchs_own():
             return func(*args, **kwargs)
+
+    def raise_torchs_refusal() -> None:  # p as it is then: the caller's, or the checked one
+        _raise_torchs_refusal(lambda probe: func(probe, p, training), input)
+
     try:
         p = check_p(p)
     except RNGTrackerError:
-        _raise_torchs_refusal(lambda probe: func(probe, p, training), input)
+        raise_torchs_refusal()
         raise
     if training is False or p in (0.0, 1.0):  # torch draws nothing: x, or x * 0
         with _torchs_own():
             return func(*args, **kwargs)
     if not input.dtype.is_floating_point:
-        _raise_torchs_refusal(lambda probe: func(probe, p, training), input)
+        raise_torchs_refusal()
         raise InvariantRandomUnsupportedError(
             f"{getattr(func, '__name__', func)} of a {input.dtype} tensor has no "
             "layout-invariant draw under invariant_random(): the masks are drawn for floating "
