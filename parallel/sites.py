@@ -23,19 +23,23 @@ mask and :func:`place_masks` assembles the records in the logical tensors.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
+from rng_tracker._batch_position import (
+    BatchPosition,
+    batch_position,
+    current_batch_position,
+    fitting,
+)
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._tracker import get_rng_tracker
-from rng_tracker._validate import checked_flag, checked_int, checked_size
+from rng_tracker._validate import checked_flag, checked_int
 from rng_tracker.errors import (
     ArgumentTypeError,
     KernelInputTypeError,
@@ -63,73 +67,6 @@ __all__ = [
 
 RNGMode = Literal["megatron", "invariant", "keyed"]
 _RNG_MODES = get_args(RNGMode)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPosition:
-    """A microbatch holds samples [sample_offset, sample_offset + b) of a global batch."""
-
-    sample_offset: int
-    global_batch: int
-
-    def __post_init__(self) -> None:  # a hand-made one is checked too (ints >= 0)
-        checked_size(self.sample_offset, "sample_offset", minimum=0)
-        checked_size(self.global_batch, "global_batch", minimum=0)
-
-
-# Per thread: a forward runs in the thread that entered batch_position, and a recompute (which
-# autograd may run in another thread) uses the position its layer captured at forward time.
-_POSITION = threading.local()
-
-
-@contextlib.contextmanager
-def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosition]:
-    """Run the body's forward as the microbatch at ``sample_offset`` of a ``global_batch``.
-
-    The trainer enters it around each microbatch's forward on each data-parallel rank:
-    keyed dropout sites then draw the masks of those samples of the whole global batch.
-    Without it a forward's local batch is taken to be the whole global batch. Recompute
-    does not need it: capture :func:`current_batch_position` at forward time and pass it on.
-    """
-    position = BatchPosition(
-        checked_size(sample_offset, "sample_offset", minimum=0),
-        checked_size(global_batch, "global_batch"),
-    )
-    if position.sample_offset >= position.global_batch:
-        raise ParallelConfigError(
-            f"sample_offset {position.sample_offset} must be below global_batch {position.global_batch}"
-        )
-    previous = getattr(_POSITION, "value", None)
-    _POSITION.value = position
-    try:
-        yield position
-    finally:
-        _POSITION.value = previous
-
-
-def current_batch_position(local_batch: int) -> BatchPosition:
-    """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
-    else the whole batch. Read it in a layer's forward and pass it to :func:`site_dropout`
-    through a checkpointed function, whose recompute runs outside ``batch_position``."""
-    local_batch = checked_size(local_batch, "local_batch", minimum=0)
-    position = getattr(_POSITION, "value", None) or BatchPosition(0, local_batch)
-    return _fitting(position, local_batch)
-
-
-def _fitting(position: object, local_batch: int) -> BatchPosition:
-    """``position`` itself, if it is a :class:`BatchPosition` that a microbatch of
-    ``local_batch`` samples fits."""
-    if not isinstance(position, BatchPosition):
-        raise ParallelConfigTypeError(
-            f"position must be a BatchPosition (from current_batch_position or batch_position), "
-            f"got {type(position).__name__} {position!r}"
-        )
-    if position.sample_offset + local_batch > position.global_batch:
-        raise ParallelConfigError(
-            f"a microbatch of {local_batch} samples at offset {position.sample_offset} does not "
-            f"fit a global batch of {position.global_batch}; fix batch_position(...)"
-        )
-    return position
 
 
 class MaskRecord(tuple):
@@ -309,7 +246,7 @@ def site_dropout(
     if position is None:
         position = current_batch_position(local_batch)
     else:
-        position = _fitting(position, local_batch)
+        position = fitting(position, local_batch)
     tp_rank, tp = tp_rank_and_size(group)
     placement = None  # the TP/SP shard of x (an even split)
     if sharded_dim is not None and tp > 1:

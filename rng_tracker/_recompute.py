@@ -1,15 +1,17 @@
-"""What both checkpoint modules share around a recompute: which trackers it replays, the torch
-function modes it runs under again, and the backward through its outputs
-(``activation_checkpoint`` and ``checkpoint_without_output``)."""
+"""What both checkpoint modules share around a recompute: which trackers it replays, what it runs
+in again (the torch function modes and the batch position of its forward), and the backward
+through its outputs (``activation_checkpoint`` and ``checkpoint_without_output``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rng_tracker._batch_position import BatchContext, batch_context, entered
 from rng_tracker._torch_private import function_mode_stack
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
@@ -44,26 +46,39 @@ def resolve_trackers(
 REPLAYED_IN_RECOMPUTE = "replayed_in_recompute"
 
 
-def replayed_modes() -> tuple[Any, ...]:
-    """The active function modes a recompute must run under again (outermost first)."""
+@dataclass(frozen=True, slots=True)
+class ForwardContext:
+    """What a forward ran in that its recompute runs in again: the active function modes that
+    decide what random ops draw (outermost first), and the batch position."""
+
+    modes: tuple[Any, ...]
+    batch: BatchContext
+
+
+def forward_context() -> ForwardContext:
+    """This forward's context, for its recompute."""
     if torch.compiler.is_compiling():  # traced: the compiled graph holds what the modes routed
-        return ()
-    return tuple(m for m in function_mode_stack() if getattr(m, REPLAYED_IN_RECOMPUTE, False))
+        modes: tuple[Any, ...] = ()
+    else:
+        modes = tuple(m for m in function_mode_stack() if getattr(m, REPLAYED_IN_RECOMPUTE, False))
+    return ForwardContext(modes, batch_context())
 
 
 @contextlib.contextmanager
-def reentered(modes: Sequence[Any]) -> Iterator[None]:
-    """``modes`` entered again where they are not active, left afterwards: autograd's engine runs
-    a backward, and so a recompute, without the function modes of the code that called it."""
-    if not modes:
-        yield
-        return
-    active = function_mode_stack()
-    with contextlib.ExitStack() as stack:
-        for mode in modes:
-            if not any(m is mode for m in active):
-                stack.enter_context(mode)
-        yield
+def reentered(context: ForwardContext) -> Iterator[None]:
+    """The forward's batch position, and its modes where they are not active: autograd's engine
+    runs a backward, and so a recompute, without the function modes of the code that called it,
+    and after later microbatches entered theirs."""
+    with entered(context.batch):
+        if not context.modes:
+            yield
+            return
+        active = function_mode_stack()
+        with contextlib.ExitStack() as stack:
+            for mode in context.modes:
+                if not any(m is mode for m in active):
+                    stack.enter_context(mode)
+            yield
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

@@ -121,7 +121,7 @@ class _RNGRecord:
         self.start: RNGSnapshot | None = None
         self.forward_end: RNGSnapshot | None = None
         self.forward_log: RandomOpLog | None = None
-        self.modes: tuple[Any, ...] = ()  # the function modes the forward ran under (replayed)
+        self.context: recompute.ForwardContext | None = None  # what the recompute reenters
 
     def capture(self) -> RNGSnapshot:
         return _unseen_by_modes(RNGSnapshot.take, self.wanted, self.trackers)
@@ -149,7 +149,7 @@ class _Forward:
     def __enter__(self) -> None:
         record = self._record
         record.start = record.capture()
-        record.modes = recompute.replayed_modes()
+        record.context = recompute.forward_context()
         _enter_checkpointing()
         if record.check:
             record.forward_log = RandomOpLog()
@@ -183,17 +183,17 @@ class _Replay:
         assert record.start is not None, "recompute before forward"
         found = record.capture()
         record.install(record.start)
-        modes = recompute.reentered(record.modes)
-        modes.__enter__()
+        context = recompute.reentered(record.context)
+        context.__enter__()
         log = RandomOpLog() if record.check else None
-        self._open.append((found, log, modes))
+        self._open.append((found, log, context))
         _enter_checkpointing()
         if log is not None:
             log.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         record = self._record
-        found, log, modes = self._open.pop()
+        found, log, context = self._open.pop()
         mismatch: list[str] = []
         try:
             if log is not None:
@@ -202,7 +202,7 @@ class _Replay:
                 mismatch = _unseen_by_modes(self._mismatch, log)
         finally:
             _leave_checkpointing()
-            modes.__exit__(None, None, None)
+            context.__exit__(None, None, None)
             record.install(found)
         if mismatch:
             raise CheckpointRNGMismatchError(

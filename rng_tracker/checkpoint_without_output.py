@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from rng_tracker._recompute import (
+    ForwardContext,
     backward_recomputed,
+    forward_context,
     reentered,
-    replayed_modes,
     resolve_trackers,
 )
 from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, replaying
@@ -162,7 +163,7 @@ class CheckpointWithoutOutput:
         self._snapshot: RNGSnapshot | None = None
         self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
-        self._modes: tuple[Any, ...] = ()  # the function modes checkpoint() ran under (replayed)
+        self._context: ForwardContext | None = None  # what checkpoint() ran in (reentered)
         self._recomputed: tuple[list[Any], tuple[Any, ...]] | None = None
         # (inputs, their versions) while no autograd node keeps them: no output needs grad
         self._held_inputs: tuple[tuple[Any, ...], list[int | None]] | None = None
@@ -178,7 +179,7 @@ class CheckpointWithoutOutput:
         self._replayed = resolve_trackers(self._trackers)
         self._wanted = accelerators(devices, self._replayed)  # found once, used at each replay
         self._snapshot = RNGSnapshot.take(self._wanted, self._replayed)
-        self._modes = replayed_modes()
+        self._context = forward_context()
         self._recomputed = None
         self._discarded = False
         outputs = _RunWithoutSavingOutput.apply(self, *args)
@@ -264,7 +265,7 @@ class CheckpointWithoutOutput:
             args = self._unchanged_held_inputs()
         with (
             replaying(self._snapshot, self._wanted, self._replayed),
-            reentered(self._modes),
+            reentered(self._context),
             torch.enable_grad(),
         ):
             outputs = self._function(*args)

@@ -254,13 +254,9 @@ class MegatronInvariantInitError(RNGTrackerError, RuntimeError):
     not a ``GPTModel``, or ``sharded_state_dict()`` gives it no box)."""
 
 
-class BatchPositionError(RNGTrackerError, ValueError):
+class BatchPositionError(ParallelConfigError):
     """A batch position that is not ints, lies outside the global batch, or does not fit the
-    microbatch that runs in it."""
-
-
-class BatchPositionTypeError(BatchPositionError, TypeError):
-    """A batch position given as something other than ints; also a :class:`BatchPositionError`."""
+    microbatch that runs in it; also a :class:`ParallelConfigError`."""
 
 
 class MissingBatchPositionError(RNGTrackerError, RuntimeError):
@@ -360,6 +356,11 @@ class ArgumentTypeError(RNGTrackerError, TypeError):
 class ParallelConfigTypeError(ParallelConfigError, TypeError):
     """A parallel size or layout entry that is not an int (a bool, a float, a string); also a
     :class:`ParallelConfigError`."""
+
+
+class BatchPositionTypeError(BatchPositionError, ParallelConfigTypeError):
+    """A batch position given as something other than ints; also a :class:`BatchPositionError`
+    and a :class:`ParallelConfigTypeError`."""
 
 
 class StateDictTypeError(StateDictError, TypeError):

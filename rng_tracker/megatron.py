@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import rng_tracker._megatron_install as _megatron_install
 from rng_tracker import checkpoint_without_output as _without_output
+from rng_tracker._batch_position import batch_position
 from rng_tracker._collective import collective_device
 from rng_tracker._device_rng import RNGState, default_device, device_rng, plain_state
 from rng_tracker._keyed import get_keyed_rng
@@ -38,7 +39,6 @@ from rng_tracker._megatron_install import (
     invariant_installed,
     uninstall,
 )
-from rng_tracker._megatron_invariant.position import batch_position, carrying_position
 from rng_tracker._saved_inputs import check_split_input
 from rng_tracker._seeds import (
     SeedPlan,
@@ -651,14 +651,6 @@ def _fork_rng() -> Iterator[None]:
 
 
 # -- checkpointing -------------------------------------------------------------------------
-def _in_batch_position(function: Any) -> Any:
-    """``function`` re-entering, at every recompute, the batch position of its first forward
-    while invariant mode is installed (its keyed sites then draw the same rows); else itself."""
-    if invariant_installed() and callable(function):
-        return carrying_position(function)
-    return function
-
-
 def _megatron_graphs_warming_up(*, or_capturing: bool = False) -> bool:
     """Whether megatron-core's CUDA graphs are warming up (or capturing): its checkpoints then
     run the function plainly, since a recompute cannot run inside a captured graph. Its module
@@ -682,7 +674,7 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     if distribute_saved_activations:
         check_split_input(args)
         group = _tp_group_of_parallel_state()
-    return reentrant_checkpoint(_in_batch_position(function), *args, split_group=group)
+    return reentrant_checkpoint(function, *args, split_group=group)
 
 
 def _tp_group_of_parallel_state() -> torch.distributed.ProcessGroup:
@@ -710,8 +702,7 @@ class CheckpointFunction:
 
 
 class CheckpointWithoutOutput(_without_output.CheckpointWithoutOutput):
-    """Megatron's ``CheckpointWithoutOutput`` (:class:`rng_tracker.CheckpointWithoutOutput`);
-    in invariant mode its recompute re-enters the batch position of the first forward. While
+    """Megatron's ``CheckpointWithoutOutput`` (:class:`rng_tracker.CheckpointWithoutOutput`). While
     megatron-core's CUDA graphs warm up, it checkpoints, discards and recomputes nothing, as
     Megatron's does (the discard may come in a separate warmup)."""
 
@@ -719,7 +710,7 @@ class CheckpointWithoutOutput(_without_output.CheckpointWithoutOutput):
         """Run ``run_function(*args)`` without saving its output (see the base class)."""
         if _megatron_graphs_warming_up():
             return run_function(*args)
-        return super().checkpoint(_in_batch_position(run_function), *args)
+        return super().checkpoint(run_function, *args)
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
         """Free the outputs' memory now; refill it when backward reaches ``hook_tensor``."""

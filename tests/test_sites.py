@@ -24,7 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rng_tracker import _keyed, get_keyed_rng, get_rng_tracker
+from rng_tracker import (
+    CheckpointWithoutOutput,
+    _keyed,
+    checkpoint,
+    get_keyed_rng,
+    get_rng_tracker,
+)
 from rng_tracker._keyed import KeyedRNG
 from rng_tracker.errors import (
     ArgumentTypeError,
@@ -208,6 +214,48 @@ def test_batch_position_is_per_thread() -> None:
         assert current_batch_position(2) == BatchPosition(4, 8)
     assert seen["other"] == BatchPosition(0, 2)
     assert current_batch_position(3) == BatchPosition(0, 3)
+
+
+def _scaled_site(how: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``block(x) * weight``, where ``block``'s keyed site reads the batch position inside the
+    checkpointed function (as ``checkpoint_wrapper(block, checkpoint_fn=rng_tracker.checkpoint)``
+    runs it); ``how``: not checkpointed, or which checkpoint."""
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return site_dropout("wrapped.site", x * 2, _P, rng_mode="keyed", batch_dim=0)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if how == "none":
+            return block(x) * weight
+        if how == "without_output":
+            manager = CheckpointWithoutOutput()
+            out = manager.checkpoint(block, x)
+            scaled = out * weight  # weight's gradient reads out: refilled by the recompute
+            manager.discard_output_and_register_recompute(scaled)
+            return scaled
+        return checkpoint(block, x, use_reentrant=how == "reentrant") * weight
+
+    return run
+
+
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "without_output"])
+def test_a_recompute_draws_at_its_forwards_batch_position(keyed: KeyedRNG, how: str) -> None:
+    """A site inside a checkpointed function reads the batch position in the recompute too,
+    which runs after batch_position was left (a pipeline schedule: after later microbatches
+    entered theirs): the checkpoint carries its forward's position, so the gradients equal
+    the run without a checkpoint, bitwise."""
+    keyed.manual_seed(21)
+    grads = {}
+    for mode in ("none", how):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
+        weight = torch.linspace(1, 2, 64).view(4, 16).requires_grad_()
+        with batch_position(4, 8):
+            out = _scaled_site(mode, weight)(x)
+        with batch_position(0, 8):  # the next microbatch's forward, before this backward
+            out.sum().backward()
+        grads[mode] = (x.grad, weight.grad)
+    for want, got in zip(grads["none"], grads[how], strict=True):
+        assert torch.equal(want, got)
 
 
 @pytest.fixture

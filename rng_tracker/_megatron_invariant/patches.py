@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from rng_tracker._batch_position import microbatches
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._megatron_invariant import keyed_params, sites
-from rng_tracker._megatron_invariant.position import microbatches
 from rng_tracker.errors import MegatronInvariantUnsupportedError
 
 _INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")

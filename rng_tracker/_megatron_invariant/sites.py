@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import rng_tracker.kernels._keyed_fill as _init_kernel
+from rng_tracker._batch_position import BatchPosition, required_position
 from rng_tracker._collective import all_gather_json
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._megatron_invariant.position import Position, resolve
 from rng_tracker.errors import MegatronInvariantInitError, MegatronInvariantUnsupportedError
 from rng_tracker.kernels import Region, bias_dropout_add, dropout
 
@@ -39,7 +39,7 @@ class SiteLayout:
     tp_rank: int
     tp_size: int
 
-    def region(self, shape: torch.Size, position: Position) -> Region:
+    def region(self, shape: torch.Size, position: BatchPosition) -> Region:
         """The box a local activation of ``shape`` holds in the site's logical tensor."""
         global_shape, offset = list(shape), [0] * len(shape)
         if self.sharded_dim is not None and self.tp_size > 1:
@@ -54,6 +54,15 @@ def _layout(group: Any, batch_dim: int, sharded_dim: int | None) -> SiteLayout:
     if group is None or not dist.is_initialized():
         return SiteLayout(batch_dim, sharded_dim, 0, 1)
     return SiteLayout(batch_dim, sharded_dim, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _position(local_batch: int, site: str) -> BatchPosition:
+    return required_position(
+        local_batch,
+        f"keyed site {site!r}",
+        "Wrap the model call in forward_step_func in "
+        "rng_tracker.megatron.batch_position(sample_offset, global_batch)",
+    )
 
 
 # -- the probe tests use to see every site's draw ---------------------------------------------
@@ -92,7 +101,7 @@ def _keyed(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    position = resolve(x.shape[layout.batch_dim], site)
+    position = _position(x.shape[layout.batch_dim], site)
     region = layout.region(x.shape, position)
     seed = _seed_words(site, x.device)
     records = _recording()
@@ -161,7 +170,7 @@ class KeyedJitter:
         eps = self.router.config.moe_input_jitter_eps
         if eps is None:
             return input
-        position = resolve(input.shape[self.layout.batch_dim], self.site)
+        position = _position(input.shape[self.layout.batch_dim], self.site)
         region = self.layout.region(input.shape, position)
         rng = get_keyed_rng(input.device)
         if rng.seed is None:

@@ -1,0 +1,148 @@
+"""Where the running microbatch sits in the global batch: the one home of the batch position.
+
+A data-parallel rank or a microbatch holds some samples of the step's global batch; nothing in
+a forward says which. The training loop says it, ``batch_position(sample_offset, global_batch)``
+around the microbatch's forward, and whatever places a mask in the global batch reads it: keyed
+sites (``rng_tracker.parallel.sites``, megatron-core's in invariant mode) and
+``invariant_random()``. A checkpoint captures it with its forward and re-enters it in the
+recompute (``_recompute``), which pipeline schedules run after later microbatches' forwards.
+Per thread: a recompute in an autograd worker thread sees the position its forward had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rng_tracker._layout import process_layout
+from rng_tracker._validate import checked_int, shown_value
+from rng_tracker.errors import (
+    BatchPositionError,
+    BatchPositionTypeError,
+    MissingBatchPositionError,
+)
+
+
+def _checked(value: object, what: str, minimum: int) -> int:
+    return checked_int(
+        value,
+        what,
+        type_error=BatchPositionTypeError,
+        value_error=BatchPositionError,
+        minimum=minimum,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPosition:
+    """A microbatch holds samples [sample_offset, sample_offset + b) of a global batch."""
+
+    sample_offset: int
+    global_batch: int
+
+    def __post_init__(self) -> None:  # a hand-made one is checked too (ints >= 0)
+        _checked(self.sample_offset, "sample_offset", 0)
+        _checked(self.global_batch, "global_batch", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchContext:
+    """What a forward runs in: its position (None: none entered) and, while megatron-core's
+    schedule runs a forward step, how many microbatches the step has."""
+
+    position: BatchPosition | None = None
+    microbatches: int | None = None
+
+
+_LOCAL = threading.local()
+_NONE = BatchContext()
+
+
+def batch_context() -> BatchContext:
+    """This thread's batch context now (what a checkpoint's forward captures)."""
+    return getattr(_LOCAL, "context", None) or _NONE
+
+
+@contextlib.contextmanager
+def entered(context: BatchContext) -> Iterator[None]:
+    """Run the body in ``context`` (a recompute, in its forward's), then restore this thread's."""
+    previous = getattr(_LOCAL, "context", None)
+    _LOCAL.context = context
+    try:
+        yield
+    finally:
+        _LOCAL.context = previous
+
+
+@contextlib.contextmanager
+def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosition]:
+    """Run the body's forward as the microbatch at ``sample_offset`` of a ``global_batch``.
+
+    Enter it around each microbatch's forward, on every data-parallel rank and pipeline stage:
+    keyed dropout sites and ``invariant_random()`` then draw the rows of the whole global
+    batch's masks that these samples own. Checkpoints carry it into their recompute. Raises
+    :class:`~rng_tracker.errors.BatchPositionError` for a position outside the batch.
+    """
+    position = BatchPosition(
+        _checked(sample_offset, "sample_offset", 0), _checked(global_batch, "global_batch", 1)
+    )
+    if position.sample_offset >= position.global_batch:
+        raise BatchPositionError(
+            f"batch_position(sample_offset={position.sample_offset}, "
+            f"global_batch={position.global_batch}): the offset must be below the global batch"
+        )
+    with entered(BatchContext(position, batch_context().microbatches)):
+        yield position
+
+
+@contextlib.contextmanager
+def microbatches(count: int | None) -> Iterator[None]:
+    """Record, for the body, how many microbatches megatron-core's schedule runs in this step."""
+    with entered(BatchContext(batch_context().position, count)):
+        yield
+
+
+def fitting(position: object, local_batch: int, where: str = "") -> BatchPosition:
+    """``position`` itself, if it is a :class:`BatchPosition` that a microbatch of
+    ``local_batch`` samples fits (``where``: who asks, for the message)."""
+    if not isinstance(position, BatchPosition):
+        raise BatchPositionTypeError(
+            "position must be a BatchPosition (from current_batch_position or batch_position), "
+            f"got {shown_value(position)}"
+        )
+    if position.sample_offset + local_batch > position.global_batch:
+        raise BatchPositionError(
+            f"{where}a microbatch of {local_batch} samples at offset {position.sample_offset} "
+            f"does not fit a global batch of {position.global_batch}; fix batch_position(...)"
+        )
+    return position
+
+
+def current_batch_position(local_batch: int) -> BatchPosition:
+    """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
+    else the whole batch."""
+    local_batch = _checked(local_batch, "local_batch", 0)
+    position = batch_context().position or BatchPosition(0, local_batch)
+    return fitting(position, local_batch)
+
+
+def required_position(local_batch: int, drawer: str, advice: str) -> BatchPosition:
+    """The position of a microbatch of ``local_batch`` samples that ``drawer`` places: the
+    entered :func:`batch_position`; without one, the whole batch where one data-parallel rank
+    runs one microbatch, as far as the process's layout and megatron-core's schedule say, else
+    :class:`~rng_tracker.errors.MissingBatchPositionError` (an offset is never guessed) saying
+    ``advice``."""
+    context = batch_context()
+    if context.position is not None:
+        return fitting(context.position, local_batch, f"{drawer}: ")
+    layout = process_layout()
+    dp = 1 if layout is None else layout.size("dp")
+    count = context.microbatches or 1
+    if dp > 1 or count > 1:
+        raise MissingBatchPositionError(
+            f"{drawer} ran with no batch position while {dp} data-parallel rank(s) run {count} "
+            f"microbatch(es) each: its rows of the global batch are unknown. {advice}"
+        )
+    return BatchPosition(0, local_batch)
