@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from rng_tracker._batch_position import BatchPosition
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorInputTypeError, DTensorPlacementError
 from rng_tracker.kernels._index_map import Region, chunk_bounds
@@ -97,6 +98,16 @@ class LocalIndex:
             )
             for combo in itertools.product(*per_dim)
         ]
+
+
+def in_global_batch(index: LocalIndex, batch_dim: int, position: BatchPosition) -> LocalIndex:
+    """``index`` of a tensor whose logical tensor holds samples [sample_offset, sample_offset +
+    b) of a global batch along ``batch_dim``: the same elements, placed in the logical tensor
+    over the whole global batch."""
+    global_shape, indices = list(index.global_shape), list(index.indices)
+    global_shape[batch_dim] = position.global_batch
+    indices[batch_dim] = tuple(i + position.sample_offset for i in indices[batch_dim])
+    return LocalIndex(tuple(global_shape), tuple(indices))
 
 
 def _shard_steps(placements: Sequence[object], shard_order: object) -> list[tuple[int, int]]:

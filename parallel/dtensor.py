@@ -23,12 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from rng_tracker._batch_position import BatchPosition, fitting
 from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._validate import checked_flag, checked_instance
+from rng_tracker._validate import checked_flag, checked_instance, checked_int
 from rng_tracker.errors import (
+    BatchPositionError,
+    BatchPositionTypeError,
     DTensorPlacementError,
     KernelInputError,
     KeyedTypeError,
@@ -43,6 +46,7 @@ from rng_tracker.kernels.reference import check_p
 from rng_tracker.parallel._placement import (
     LocalIndex,
     fill_from_full,
+    in_global_batch,
     local_index_of,
     record_in_place_draw,
     require_dtensor,
@@ -165,6 +169,30 @@ def _keyed_seed(x: DTensor, seed: torch.Tensor | None, site: str | None) -> torc
     return get_keyed_rng(x.device).seed_tensor(site)
 
 
+def _batch_of(
+    x: DTensor, position: BatchPosition | None, batch_dim: object
+) -> tuple[int, BatchPosition] | None:
+    """(x's sample dim, where its samples sit in the global batch), checked; None: no position."""
+    if position is None:
+        return None
+    dim = checked_int(
+        batch_dim, "batch_dim", type_error=BatchPositionTypeError, value_error=BatchPositionError
+    )
+    if not -x.ndim <= dim < x.ndim:
+        raise BatchPositionError(
+            f"batch_dim={batch_dim} is not a dim of x, which has shape {tuple(x.shape)}"
+        )
+    dim %= x.ndim
+    return dim, fitting(position, x.shape[dim])
+
+
+def _placed_index(x: DTensor, batch: tuple[int, BatchPosition] | None) -> LocalIndex:
+    """The place of this rank's local tensor of x in its logical tensor (over the global batch
+    where ``batch`` says where x's samples sit)."""
+    index = local_index_of(x)
+    return index if batch is None else in_global_batch(index, *batch)
+
+
 def dropout(
     x: DTensor,
     p: float,
@@ -172,6 +200,8 @@ def dropout(
     training: bool = True,
     seed: torch.Tensor | None = None,
     site: str | None = None,
+    position: BatchPosition | None = None,
+    batch_dim: int = 0,
 ) -> DTensor:
     """Dropout of a DTensor whose gathered result is ``rng_tracker.kernels.dropout(full, p)``.
 
@@ -181,13 +211,17 @@ def dropout(
     Keyed: ``site`` (a name registered with ``get_keyed_rng(x.device)``) or ``seed`` (the int64
     words ``[key, base, c2, c3]``, e.g. ``keyed.seed_tensor(site)``) makes the mask a pure
     function of those words and the global index: nothing is drawn from any generator.
+    ``position``: x holds those samples of a global batch along ``batch_dim`` (a data-parallel
+    rank's, a microbatch's: its mesh does not shard the batch); the mask is then that part of
+    the mask of the logical tensor over the whole global batch.
     """
     require_dtensor("x", x)
     seed = _keyed_seed(x, seed, site)
+    batch = _batch_of(x, position, batch_dim)
     if not checked_flag(training, "training") or check_p(p) == 0.0:
         return x  # as torch and the kernel: nothing drawn, x itself
     x = without_partial(x)
-    index = local_index_of(x)
+    index = _placed_index(x, batch)
     local = x.to_local()  # (local shape of x)
 
     def call(
@@ -220,14 +254,17 @@ def bias_dropout_add(
     training: bool = True,
     seed: torch.Tensor | None = None,
     site: str | None = None,
+    position: BatchPosition | None = None,
+    batch_dim: int = 0,
 ) -> DTensor:
     """``residual + dropout(x + bias)`` on DTensors, gathered equal to the fused kernel on the full tensors.
 
     ``bias`` (shape ``(x.shape[-1],)``, any placements) is gathered - it is small - and
     sliced to x's last-dim indices; ``residual`` is redistributed to x's placements.
-    ``seed``/``site``: keyed, as in :func:`dropout`.
+    ``seed``/``site``/``position``: as in :func:`dropout`.
     """
     seed = _keyed_seed(require_dtensor("x", x), seed, site)
+    batch = _batch_of(x, position, batch_dim)
     checked_flag(training, "training")
     residual = require_dtensor("residual", residual)
     if bias is not None:
@@ -247,7 +284,7 @@ def bias_dropout_add(
     x = without_partial(x)
     if residual.placements != x.placements:
         residual = residual.redistribute(x.device_mesh, x.placements)
-    index = local_index_of(x)
+    index = _placed_index(x, batch)
     local = x.to_local()  # (local shape of x)
     local_residual = residual.to_local()  # (local shape of x)
     full_bias = None if bias is None else _gathered_bias(bias, x)  # (hidden,)

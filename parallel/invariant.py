@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
+from rng_tracker._batch_position import BatchPosition, batch_context, required_position
 from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
@@ -37,12 +38,14 @@ from rng_tracker._torch_private import (
 )
 from rng_tracker.activation_checkpoint import is_checkpointing
 from rng_tracker.errors import (
+    BatchPositionError,
     InvariantRandomConfigError,
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
     KernelInputError,
     RNGTrackerError,
 )
+from rng_tracker.kernels import Region
 from rng_tracker.kernels import dropout as _kernel_dropout
 from rng_tracker.kernels._fused_dropout import KERNEL_DTYPES
 from rng_tracker.kernels._keyed_fill import (
@@ -75,11 +78,56 @@ InitMode = Literal["full", "keyed"]
 _INIT_MODES = ("full", "keyed")
 
 
-def _drop(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout of a DTensor or a plain tensor: the same kernel, so one device equals any mesh."""
+_BATCH_ADVICE = (
+    "Enter rng_tracker.batch_position(sample_offset, global_batch) around each microbatch's "
+    "forward (sample_offset: its first sample's index in the step's global batch, over all "
+    "data-parallel ranks)"
+)
+
+
+def _samples(
+    ctx: _InvariantRandomMode, shape: Sequence[int], dim: int | None = None
+) -> tuple[int, BatchPosition] | None:
+    """Where a draw on a tensor of ``shape`` sits in the global batch: (its sample dim, the place
+    of its samples), or None where it is the whole batch. ``dim``: the sample dim, if not the
+    mode's ``batch_dim``."""
+    dim = ctx.batch_dim if dim is None else dim
+    if not -len(shape) <= dim < len(shape):
+        if batch_context().position is not None:
+            raise BatchPositionError(
+                f"a dropout mask of shape {tuple(shape)} drawn under invariant_random(batch_dim="
+                f"{ctx.batch_dim}) inside batch_position(...) has no sample dim, so its place in "
+                "the global batch is unknown; draw it outside the batch_position block"
+            )
+        return None
+    dim %= len(shape)
+    position = required_position(shape[dim], "a dropout under invariant_random()", _BATCH_ADVICE)
+    if position.sample_offset == 0 and position.global_batch == shape[dim]:
+        return None
+    return dim, position
+
+
+def _in_batch(shape: Sequence[int], batch: tuple[int, BatchPosition] | None) -> Region | None:
+    """The kernels' shard of a plain tensor of ``shape`` whose samples sit at ``batch``."""
+    if batch is None:
+        return None
+    dim, position = batch
+    global_shape, offset = list(shape), [0] * len(shape)
+    global_shape[dim], offset[dim] = position.global_batch, position.sample_offset
+    return Region(tuple(global_shape), tuple(offset))
+
+
+def _drop(ctx: _InvariantRandomMode, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout of a DTensor or a plain tensor: the same kernel, so one device equals any mesh,
+    placed in the global batch where the batch position says."""
+    if not training or p == 0.0:
+        return x
+    batch = _samples(ctx, x.shape)
     if isinstance(x, DTensor):
-        return dropout(x, p, training=training)
-    return _kernel_dropout(x, p, training=training)
+        if batch is None:
+            return dropout(x, p, training=training)
+        return dropout(x, p, training=training, position=batch[1], batch_dim=batch[0])
+    return _kernel_dropout(x, p, training=training, shard=_in_batch(x.shape, batch))
 
 
 def _ones(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -87,13 +135,13 @@ def _ones(shape: torch.Size, device: torch.device) -> torch.Tensor:
     return torch.ones(shape, dtype=torch.float32, device=device)
 
 
-def _keep(x: torch.Tensor, p: float) -> torch.Tensor:
+def _keep(ctx: _InvariantRandomMode, x: torch.Tensor, p: float) -> torch.Tensor:
     """The keep mask (bool, x's shape and placements) dropout(x, p) would draw."""
     if isinstance(x, DTensor):
         x = without_partial(x)
         ones = wrap_local(_ones(x.to_local().shape, x.device), x)
-        return dropout(ones, p) != 0
-    return _kernel_dropout(_ones(x.shape, x.device), p) != 0
+        return _drop(ctx, ones, p, True) != 0
+    return _drop(ctx, _ones(x.shape, x.device), p, True) != 0
 
 
 def _write(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -128,7 +176,7 @@ def _f_dropout(
 ) -> torch.Tensor:
     if input.dtype not in KERNEL_DTYPES:  # fp64: the kernel's mask, applied in input's dtype
         return _masked_dropout(ctx, input, p, training, inplace)
-    return _inplace(input, _drop(input, p, training), inplace)
+    return _inplace(input, _drop(ctx, input, p, training), inplace)
 
 
 _ALPHA = 1.7580993408473766  # SELU's alpha: alpha dropout keeps mean 0 and variance 1
@@ -172,14 +220,19 @@ def _torchs_checks(func: Any, input: torch.Tensor, p: float, training: bool) -> 
             func(torch.empty(input.shape, device="meta"), p, training)
 
 
-def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
+def _feature_keep(
+    func: Any, ctx: _InvariantRandomMode, input: torch.Tensor, p: float
+) -> torch.Tensor:
     """The per-(sample, channel) keep mask of a feature dropout, broadcastable to ``input``.
 
-    Drawn on the logical (N, C) tensor by every rank alike, then cut to this rank's part.
+    Drawn on the logical (N, C) tensor by every rank alike (the rows of N in the global batch
+    where the batch position says), then cut to this rank's part.
     """
     features = 2 if _FEATURE_DROPOUTS[func][0](input.dim()) else 1
     shape = tuple(input.shape[:features])
-    keep = _kernel_dropout(_ones(shape, input.device), p) != 0  # (N, C) or (C,)
+    batch = _samples(ctx, shape, 0 if features == 2 else -2)  # an unbatched input: no N
+    ones = _ones(shape, input.device)
+    keep = _kernel_dropout(ones, p, shard=_in_batch(shape, batch)) != 0  # (N, C) or (C,)
     if isinstance(input, DTensor):
         index = local_index_of(input)
         for dim in range(features):
@@ -189,17 +242,19 @@ def _feature_keep(func: Any, input: torch.Tensor, p: float) -> torch.Tensor:
     return keep.reshape(keep.shape + (1,) * (input.dim() - features))
 
 
-def _local_keep(x: torch.Tensor, p: float) -> torch.Tensor:
+def _local_keep(ctx: _InvariantRandomMode, x: torch.Tensor, p: float) -> torch.Tensor:
     """This rank's part of the element keep mask ``dropout(x, p)`` would draw."""
-    keep = _keep(x, p)
+    keep = _keep(ctx, x, p)
     return keep.to_local() if isinstance(keep, DTensor) else keep
 
 
 def _mask_route(
-    alpha: bool, keep_of: Callable[[torch.Tensor, float], torch.Tensor], func: Any = None
+    alpha: bool,
+    keep_of: Callable[[_InvariantRandomMode, torch.Tensor, float], torch.Tensor],
+    func: Any = None,
 ) -> Callable[..., torch.Tensor]:
     """The route of a dropout that applies its keep mask here (alpha and feature dropouts):
-    ``keep_of(x, p)`` is this rank's part of the mask, broadcastable to x's local tensor;
+    ``keep_of(mode, x, p)`` is this rank's part of the mask, broadcastable to x's local tensor;
     ``func``: the feature dropout whose input rules (:func:`_torchs_checks`) apply."""
 
     def route(
@@ -218,7 +273,7 @@ def _mask_route(
             return _inplace(input, input.mul(0.0), inplace)
         x = without_partial(input) if isinstance(input, DTensor) else input
         local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
-        keep = keep_of(x, p)
+        keep = keep_of(ctx, x, p)
         if alpha:
             out = _alpha(local, keep, p)
         elif local.dtype == torch.float64:  # torch's arithmetic: the kernels' scale is fp32
@@ -252,7 +307,7 @@ def _bernoulli_(
         _raise_torchs_refusal(lambda probe: probe.bernoulli_(p), self)
         raise
     record_in_place_draw(self)
-    keep = _keep(self, 1.0 - p)
+    keep = _keep(ctx, self, 1.0 - p)
     with torch.no_grad():
         return _write(self, keep)
 
@@ -645,8 +700,14 @@ class _InvariantRandomMode(TorchFunctionMode):
         *,
         init: InitMode = "keyed",
         seed: int | None = None,
+        batch_dim: int = 0,
     ) -> None:
         super().__init__()
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
+            raise InvariantRandomConfigError(
+                f"batch_dim must be an int (the sample dim of the activations), got "
+                f"{type(batch_dim).__name__} {batch_dim!r}"
+            )
         if init not in _INIT_MODES:
             raise InvariantRandomConfigError(
                 f"init must be 'keyed' (values keyed by name, computed per shard; the default) or "
@@ -662,6 +723,7 @@ class _InvariantRandomMode(TorchFunctionMode):
                 f"model must be an nn.Module or None, got {type(model).__name__}"
             )
         self.init = init
+        self.batch_dim = batch_dim
         self.keyed: KeyedInit | None = None
         if init == "keyed":
             self.keyed = KeyedInit(model, torch.initial_seed() if seed is None else seed)
@@ -709,7 +771,11 @@ class _InvariantRandomMode(TorchFunctionMode):
 
 @contextmanager
 def invariant_random(
-    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
+    model: torch.nn.Module | None = None,
+    *,
+    init: InitMode = "keyed",
+    seed: int | None = None,
+    batch_dim: int = 0,
 ) -> Iterator[None]:
     """Within the block, dropout and init draw the same values on one device and on any mesh.
 
@@ -731,10 +797,19 @@ def invariant_random(
       init from the same generator state; each rank draws the whole tensor and holds a
       full-size buffer: for small models that must equal a plain torch run).
 
+    Data parallelism and microbatches: a forward holds some samples of the step's global batch,
+    which nothing in the forward says. Enter ``rng_tracker.batch_position(sample_offset,
+    global_batch)`` around each microbatch's forward: each dropout mask is then the part of the
+    global batch's mask that its samples own, along ``batch_dim`` (dim 0 of the (N, C) mask of
+    the feature dropouts), so the ranks and microbatches draw what one device draws over the
+    whole batch. Without it a forward's tensors are the whole batch, and a process whose parallel
+    layout (``rng_tracker.parallel.ParallelState``, megatron's) has several data-parallel ranks
+    raises ``MissingBatchPositionError``. Checkpoints carry the position into the recompute.
+
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).
     """
-    with _InvariantRandomMode(model, init=init, seed=seed):
+    with _InvariantRandomMode(model, init=init, seed=seed, batch_dim=batch_dim):
         yield
 
 
@@ -744,13 +819,17 @@ _ENABLED = threading.local()
 
 
 def enable_invariant_random(
-    model: torch.nn.Module | None = None, *, init: InitMode = "keyed", seed: int | None = None
+    model: torch.nn.Module | None = None,
+    *,
+    init: InitMode = "keyed",
+    seed: int | None = None,
+    batch_dim: int = 0,
 ) -> None:
     """Turn ``invariant_random(...)`` on in this thread until ``disable_invariant_random()``
     (idempotent: a second call while on changes nothing)."""
     if getattr(_ENABLED, "mode", None) is not None:
         return
-    mode = _InvariantRandomMode(model, init=init, seed=seed)
+    mode = _InvariantRandomMode(model, init=init, seed=seed, batch_dim=batch_dim)
     mode.__enter__()
     _ENABLED.mode = mode
 

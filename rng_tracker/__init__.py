@@ -27,6 +27,7 @@ from rng_tracker._layout import ParallelLayout  # isort: skip
 
 # keyed randomness
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng  # isort: skip
+from rng_tracker._batch_position import batch_position  # isort: skip
 
 # activation checkpointing
 from rng_tracker.activation_checkpoint import checkpoint, rng_context_fn  # isort: skip
@@ -60,6 +61,7 @@ __all__ = [
     # keyed randomness
     "KeyedRNG",
     "get_keyed_rng",
+    "batch_position",
     # activation checkpointing
     "checkpoint",
     "rng_context_fn",

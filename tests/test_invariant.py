@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -25,12 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rng_tracker import batch_position, checkpoint
 from rng_tracker._torch_private import trunc_normal_impl
 from rng_tracker.errors import (
+    BatchPositionError,
     InvariantRandomConfigError,
     InvariantRandomUnsupportedError,
     KernelInputError,
     KernelInputTypeError,
+    MissingBatchPositionError,
     RNGTrackerError,
 )
 from rng_tracker.kernels import dropout as kernel_dropout
@@ -514,6 +518,126 @@ def test_init_bounds_torch_refuses_are_refused_in_both_modes() -> None:
         with invariant_random(**options):
             assert torch.equal(torch.nn.init.uniform_(torch.empty(3), 2, 2), torch.full((3,), 2.0))
             assert torch.equal(torch.nn.init.normal_(torch.empty(3), 1, 0), torch.ones(3))
+
+
+_DROPOUT_OPS = sorted(set(_ops()) - _INIT_OPS)
+
+
+def _whole_and_halves(
+    op: Callable[[torch.Tensor], torch.Tensor],
+    base: torch.Tensor,
+    as_input: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    gathered: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``op`` under the mode on the whole batch (4 samples), and on each half of it in its batch
+    position, from the same seed (what two data-parallel ranks or microbatches run), joined."""
+    torch.manual_seed(11)
+    with invariant_random():
+        want = op(base.clone())
+    parts = []
+    for offset in (0, 2):
+        x = as_input(base[offset : offset + 2].clone())
+        torch.manual_seed(11)  # every data-parallel rank's generator
+        with invariant_random(), batch_position(offset, 4):
+            parts.append(gathered(op(x)))
+    return want, torch.cat(parts)
+
+
+def test_data_parallel_ranks_draw_their_samples_of_the_whole_batchs_masks() -> None:
+    """Each data-parallel rank (or microbatch) holds some samples of the global batch; inside
+    batch_position every routed dropout draws those samples' part of the mask the whole batch
+    draws on one device (same seed on every rank, as DP ranks have). torch's own dropout draws
+    the same mask on every rank instead: the ranks' noise is the same for other samples."""
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
+    for name in _DROPOUT_OPS:
+        want, halves = _whole_and_halves(_ops()[name], base)
+        assert torch.equal(halves, want), name
+    torch.manual_seed(11)
+    first = F.dropout(base[:2], 0.3)
+    torch.manual_seed(11)
+    second = F.dropout(base[2:], 0.3)
+    assert torch.equal(first != 0, second != 0)  # torch: one mask for both ranks' samples
+
+
+def test_batch_dim_names_the_sample_dim_and_a_recompute_keeps_its_position() -> None:
+    """invariant_random(batch_dim=1) places (seq, batch, hidden) activations by their dim 1; a
+    block checkpointed by rng_tracker.checkpoint recomputes at its forward's position, though
+    its backward runs after the next microbatch entered another: gradients equal the eager
+    run's, bitwise."""
+    base = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(5)
+    with invariant_random(batch_dim=1):
+        want = F.dropout(base, 0.5)
+    parts = []
+    for offset in (0, 2):
+        torch.manual_seed(5)
+        with invariant_random(batch_dim=1), batch_position(offset, 4):
+            parts.append(F.dropout(base[:, offset : offset + 2], 0.5))
+    assert torch.equal(torch.cat(parts, dim=1), want)
+
+    def grads(checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(5)
+        x = base[:, 2:].clone().requires_grad_()
+        w = torch.linspace(0.5, 1.5, 5).requires_grad_()
+        block = lambda t: F.dropout(t * w, 0.5)  # noqa: E731
+        with invariant_random(batch_dim=1):
+            with batch_position(2, 4):
+                y = checkpoint(block, x) if checkpointed else block(x)
+            with batch_position(0, 4):  # the next microbatch's forward, before this backward
+                (y * torch.arange(30.0).view(3, 2, 5)).sum().backward()
+        return x.grad, w.grad
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
+def test_bad_batch_placements_are_typed_errors_that_draw_nothing() -> None:
+    """A batch_dim that is no int is refused when the mode is made; a sample dim the tensor
+    lacks, or samples that do not fit the global batch, are refused before anything is drawn."""
+    with pytest.raises(InvariantRandomConfigError, match="batch_dim must be an int"):
+        invariant_random(batch_dim="0").__enter__()
+    state = torch.get_rng_state()
+    for call, error, words in (
+        (lambda: F.dropout(torch.ones(3), 0.5), BatchPositionError, "has no sample dim"),
+        (lambda: F.dropout(torch.ones(3, 3), 0.5), BatchPositionError, "does not fit"),
+        (lambda: F.dropout2d(torch.ones(3, 4, 2), 0.5), BatchPositionError, "does not fit"),
+    ):
+        with invariant_random(batch_dim=1), batch_position(2, 4), pytest.raises(error, match=words):
+            call()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_dtensor_microbatches_and_a_data_parallel_layout(rank: int) -> None:
+    """A TP-sharded DTensor activation that holds a microbatch draws its part of the global
+    batch's mask (gathered: the single-device mask); with rng_tracker's parallel state at two
+    data-parallel ranks, a dropout outside batch_position is refused, drawing nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+
+    mesh = init_device_mesh("cpu", (2,))
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
+    for name in ("F.dropout", "dropout2d", "alpha_dropout", "bernoulli_"):
+        want, halves = _whole_and_halves(
+            _ops()[name],
+            base,
+            as_input=lambda t: distribute_tensor(t, mesh, [Shard(2)]),
+            gathered=lambda t: t.full_tensor(),
+        )
+        assert torch.equal(halves, want), name
+
+    init_model_parallel(tensor=1)  # two data-parallel ranks
+    try:
+        state = torch.get_rng_state()
+        with invariant_random(), pytest.raises(MissingBatchPositionError, match="batch_position"):
+            F.dropout(base[2 * rank : 2 * rank + 2], 0.3)
+        assert torch.equal(torch.get_rng_state(), state)
+        with invariant_random(), batch_position(2 * rank, 4):
+            F.dropout(base[2 * rank : 2 * rank + 2], 0.3)
+    finally:
+        destroy_model_parallel()
 
 
 @pytest.mark.distributed(world_size=4, timeout=300)
