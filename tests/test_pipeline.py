@@ -11,7 +11,7 @@ from _small_run import SMALL, small_run
 from gpt_training.pipeline import GPTStage, split_layers
 from gpt_training.trainer import TrainConfig, train
 
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import MissingBatchPositionError, ParallelConfigError
 from rng_tracker.parallel.testing import run_distributed
 from rng_tracker.parallel.transformer import TinyGPT
 
@@ -47,6 +47,20 @@ def test_stages_split_the_layers_and_keep_the_full_models_names():
         [4],
     ]
     assert stages[0].is_first and stages[2].is_last and not stages[1].is_first
+
+
+def test_a_forward_beyond_the_steps_microbatches_is_refused_not_guessed():
+    """A stage's n-th forward of a step is microbatch n; one more (torch's shape inference
+    runs one when a PipelineStage has no input_args/output_args) drew another microbatch's
+    masks. It raises instead, and the positions of the next step start over."""
+    stage = GPTStage(TinyGPT(SMALL), stage=0, stages=1)
+    tokens = torch.zeros(2, SMALL.seq_len, dtype=torch.int64)
+    stage.set_positions([0, 2], 4)
+    stage(tokens), stage(tokens)
+    with pytest.raises(MissingBatchPositionError, match="input_args/output_args"):
+        stage(tokens)
+    stage.set_positions([0, 2], 4)
+    stage(tokens)
 
 
 def _losses(*configs: TrainConfig) -> list[list[float]]:

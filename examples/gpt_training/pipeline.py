@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rng_tracker.errors import ParallelConfigError
+from rng_tracker.errors import MissingBatchPositionError, ParallelConfigError
 from rng_tracker.parallel.sites import batch_position
 from rng_tracker.parallel.transformer import TinyGPT
 
@@ -70,13 +70,22 @@ class GPTStage(torch.nn.Module):
     def set_positions(self, offsets: list[int], global_batch: int) -> None:
         """First sample (in the global batch) of each microbatch of the coming step, in order.
 
-        GPipe and 1F1B run a stage's forwards in microbatch order, so the n-th forward of the
-        step is microbatch n.
+        torch's schedules run a stage's forwards in microbatch order, so the n-th forward of the
+        step is microbatch n. A stage built without ``input_args``/``output_args`` runs one
+        forward more in its first step (torch infers the shapes): :func:`build_schedule` gives
+        them, and a forward beyond the step's microbatches raises instead of guessing.
         """
         self._offsets, self._global_batch, self._calls = list(offsets), global_batch, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        offset = self._offsets[self._calls % len(self._offsets)]
+        if self._calls >= len(self._offsets):
+            raise MissingBatchPositionError(
+                f"forward {self._calls + 1} of a step of {len(self._offsets)} microbatch(es): its "
+                "place in the global batch is unknown. Call set_positions before each step, and "
+                "build the PipelineStage with input_args/output_args (without them torch runs an "
+                "extra forward to infer the shapes)"
+            )
+        offset = self._offsets[self._calls]
         self._calls += 1
         with batch_position(offset, self._global_batch):
             # TinyGPT's own embedding and head code, run on this stage's modules: the stage
