@@ -3,8 +3,9 @@
 Claim: with one line (``enable_invariant_random()``, its default init mode: keyed, each rank
 computing only its shard), the model initialised by torchtitan's
 ``init_weights`` and a dropout site on a TP-sharded activation draw, on 1, 2 and 4 gloo CPU
-ranks (TP=1 with FSDP, TP=2, TP=4) and on TP=2 x FSDP=2, bitwise the parameters and masks
-of the single-device model; and a DCP checkpoint of ``rng_tracker.dcp.RNGStateful`` saved at
+ranks (TP=1 with FSDP, TP=2, TP=4) and on TP=2 x FSDP=2 (each data-parallel rank running its
+own samples inside ``rng_tracker.batch_position``), bitwise the parameters and masks of the
+single-device model; and a DCP checkpoint of ``rng_tracker.dcp.RNGStateful`` saved at
 TP=2 x FSDP=2 and loaded at TP=4 draws the next step's masks bitwise equal to the
 uninterrupted single-device run.
 
@@ -48,13 +49,23 @@ def _add_dropout_site(model: torch.nn.Module, masks: list[torch.Tensor]) -> None
     model.layers["0"].feed_forward.w1.register_forward_hook(site)
 
 
-def _steps(model: torch.nn.Module, masks: list[torch.Tensor], steps: int) -> None:
+def _steps(
+    model: torch.nn.Module, masks: list[torch.Tensor], steps: int, dp: tuple[int, int] = (0, 1)
+) -> None:
+    """``steps`` forwards of the global batch; ``dp`` = (data-parallel rank, degree): this rank
+    runs its own samples, in their batch position."""
+    import rng_tracker
+
+    rank, degree = dp
+    local = _BATCH // degree
     tokens = torch.arange(_BATCH * _SEQ).reshape(_BATCH, _SEQ) * 37 % 2048
-    positions = torch.arange(_SEQ).repeat(_BATCH, 1)
+    tokens = tokens[rank * local : (rank + 1) * local]
+    positions = torch.arange(_SEQ).repeat(local, 1)
     model.train()
     with torch.no_grad():
         for _ in range(steps):
-            model(tokens, positions=positions)
+            with rng_tracker.batch_position(rank * local, _BATCH):
+                model(tokens, positions=positions)
 
 
 def _run(
@@ -105,6 +116,7 @@ def test_tp2_equals_single_device() -> None:
 
 @pytest.mark.distributed(world_size=4, timeout=600)
 def test_tp4_and_tp2_fsdp2_and_a_dcp_resume_across_layouts(rank: int, tmp_path) -> None:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from rng_tracker.dcp import RNGStateful
@@ -113,7 +125,8 @@ def test_tp4_and_tp2_fsdp2_and_a_dcp_resume_across_layouts(rank: int, tmp_path) 
     single = _run(1, 1, parallel=False)
     _assert_equal_to_single_device(_run(4, 1), single, "TP=4")
 
-    # TP=2 x FSDP=2: one step, then a DCP checkpoint of the RNG state
+    # TP=2 x FSDP=2, each data-parallel rank on its own sample of the batch (torchtitan's mesh:
+    # fsdp outer, tp inner): one step, then a DCP checkpoint of the RNG state
     model = _build(2, 2)
     torch.manual_seed(0)
     masks: list[torch.Tensor] = []
@@ -123,11 +136,14 @@ def test_tp4_and_tp2_fsdp2_and_a_dcp_resume_across_layouts(rank: int, tmp_path) 
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         params = {n: _full(p) for n, p in model.named_parameters()}
-        _steps(model, masks, 1)
+        _steps(model, masks, 1, dp=(rank // 2, 2))
         path = str(tmp_path / "ckpt")
         dcp.save({"rng": RNGStateful(layout={"tp": 2, "fsdp": 2})}, checkpoint_id=path)
     finally:
         disable_invariant_random()
+    per_rank = [torch.empty_like(masks[0]) for _ in range(4)]
+    dist.all_gather(per_rank, masks[0])
+    masks = [torch.cat(per_rank[::2])]  # the two data-parallel ranks' samples, in batch order
     _assert_equal_to_single_device((params, masks, None), (single[0], single[1][:1], None), "2x2")
 
     # resume at TP=4 in a fresh model; the generator is elsewhere until the load
