@@ -1,9 +1,10 @@
 """torch's default DTensor randomness vs invariant_random() on torchtitan's Llama3 debug model.
 
-One run, 4 gloo CPU ranks: the model built and parallelized by torchtitan (TP=2, TP=4,
+One run, 4 gloo CPU ranks: the model built and parallelized by torchtitan (TP=2, FSDP=2, TP=4,
 TP=2 x FSDP=2), initialised by torchtitan's ``init_weights``, one forward step with a dropout
-site on the first block's w1 output; each compared with the single-device model of the same
-mode (parameters bitwise equal, max abs difference, dropout mask elements that differ).
+site on the first block's w1 output, each data-parallel rank on its own samples of the global
+batch (inside ``rng_tracker.batch_position``); each compared with the single-device model of the
+same mode (parameters bitwise equal, max abs difference, dropout mask elements that differ).
 
     .venv/bin/python scripts/compare_torchtitan.py
 """
@@ -22,6 +23,7 @@ from rng_tracker.parallel.testing._harness import run_distributed
 
 def _one(tp: int, dp_shard: int, parallel: bool, ours: bool) -> tuple[dict, list]:
     import test_torchtitan as titan
+    import torch.distributed as dist
 
     from rng_tracker.parallel.invariant import disable_invariant_random, enable_invariant_random
 
@@ -35,10 +37,16 @@ def _one(tp: int, dp_shard: int, parallel: bool, ours: bool) -> tuple[dict, list
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         params = {n: titan._full(p) for n, p in model.named_parameters()}
-        titan._steps(model, masks, 1)
+        if not parallel:
+            titan._steps(model, masks, 1)
+            return params, masks
+        # each data-parallel rank runs its own samples (torchtitan's mesh: fsdp outer, tp inner)
+        titan._steps(model, masks, 1, dp=(dist.get_rank() // tp, dp_shard))
     finally:
         disable_invariant_random()
-    return params, masks
+    per_rank = [torch.empty_like(masks[0]) for _ in range(dist.get_world_size())]
+    dist.all_gather(per_rank, masks[0])
+    return params, [torch.cat(per_rank[::tp])]  # the data-parallel ranks' samples, in order
 
 
 def _compare(layouts: list[tuple[str, int, int]]) -> list[str]:
@@ -63,7 +71,9 @@ def _compare(layouts: list[tuple[str, int, int]]) -> list[str]:
 
 
 def main() -> None:
-    rows = run_distributed(_compare, world_size=2, args=([("TP=2", 2, 1)],), timeout=3000)[0]
+    rows = run_distributed(
+        _compare, world_size=2, args=([("TP=2", 2, 1), ("FSDP=2", 1, 2)],), timeout=3000
+    )[0]
     rows += run_distributed(
         _compare, world_size=4, args=([("TP=4", 4, 1), ("TP=2 x FSDP=2", 2, 2)],), timeout=3000
     )[0]
