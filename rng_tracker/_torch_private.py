@@ -158,14 +158,21 @@ _reentrant_forward_code = getattr(
 )
 
 
+def torch_nonreentrant_checkpoint_forward_active() -> bool:
+    """Whether a forward of ``torch.utils.checkpoint``'s non-reentrant form runs here: its
+    saved-tensor hooks are the innermost (False where torch cannot say). One C call."""
+    if _top_saved_tensors_hooks is None:
+        return False
+    hooks = _top_saved_tensors_hooks(False)
+    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
 def torch_checkpoint_forward_active() -> bool:
     """Whether a forward of ``torch.utils.checkpoint`` is running here (False where torch
     cannot say): its non-reentrant hooks are the innermost, or, under no_grad, its reentrant
     ``CheckpointFunction.forward`` is on the stack."""
-    if _top_saved_tensors_hooks is not None:
-        hooks = _top_saved_tensors_hooks(False)
-        if hooks and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
-            return True
+    if torch_nonreentrant_checkpoint_forward_active():
+        return True
     if torch.is_grad_enabled() or _reentrant_forward_code is None:
         return False
     frame = sys._getframe(1)

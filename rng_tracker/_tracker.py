@@ -17,13 +17,16 @@ from typing import Any, TypeVar
 
 import torch
 
+from rng_tracker._checkpointing import is_checkpointing
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
+from rng_tracker._torch_private import torch_nonreentrant_checkpoint_forward_active
 from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
     CPURNGChangedWarning,
     DuplicateStreamError,
+    ForkNotReplayedWarning,
     ForkOrderError,
     InvalidSeedError,
     InvalidSeedTypeError,
@@ -116,6 +119,21 @@ def _check_name(name: object) -> str:
     return name
 
 
+def _warn_unreplayed(name: str) -> None:
+    """Warn of a fork in a forward of torch's own checkpoint (not under rng_tracker's, which
+    replay the streams: rng_context_fn runs torch's checkpoint inside its own record)."""
+    if not is_checkpointing():
+        warnings.warn(
+            f"fork({name!r}) entered in a forward of torch.utils.checkpoint, which replays the "
+            "default generators but not the tracker's streams: its recompute would draw other "
+            f"values from {name!r} and the gradients would be wrong. Use rng_tracker.checkpoint "
+            "(e.g. checkpoint_wrapper(module, checkpoint_fn=rng_tracker.checkpoint)), or pass "
+            "context_fn=rng_tracker.rng_context_fn() to torch's checkpoint",
+            ForkNotReplayedWarning,
+            stacklevel=3,
+        )
+
+
 class _Fork:
     """Context manager of one fork; a class (not a generator) to keep enter/exit cheap. Also a
     decorator, as Megatron's ``@contextmanager`` fork is: each call runs in a fork of its own.
@@ -134,6 +152,8 @@ class _Fork:
         tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
             self._cpu_before = torch.default_generator.get_state()
+        if torch_nonreentrant_checkpoint_forward_active():
+            _warn_unreplayed(self._name)
 
     def __exit__(self, *exc_info: object) -> None:
         self._tracker._exit(self._name)

@@ -15,7 +15,6 @@ those states and the states found when it started are restored afterwards.
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -26,6 +25,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import rng_tracker._recompute as recompute
 import rng_tracker._saved_inputs as saved_inputs
+from rng_tracker._checkpointing import enter_checkpointing, is_checkpointing, leave_checkpointing
 from rng_tracker._deprecation import deprecated_names, renamed_keyword
 from rng_tracker._layout import ParallelLayout, checked_layout, process_layout
 from rng_tracker._random_op_log import RandomOpLog, first_divergence
@@ -70,23 +70,6 @@ __getattr__ = deprecated_names(
 _DETERMINISM_CHECKS = ("default", "none")
 
 _T = TypeVar("_T")
-
-_DEPTH = threading.local()  # how many checkpointed forwards/recomputes this thread is inside
-
-
-def is_checkpointing() -> bool:
-    """Whether this thread runs inside a checkpointed forward or its recompute (Megatron's
-    ``is_checkpointing``), in any mode of :func:`checkpoint`, :func:`reentrant_checkpoint` or
-    under :func:`rng_context_fn`."""
-    return getattr(_DEPTH, "value", 0) > 0
-
-
-def _enter_checkpointing() -> None:
-    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
-
-
-def _leave_checkpointing() -> None:
-    _DEPTH.value -= 1
 
 
 def _input_devices(args: Iterable[Any], kwargs: dict[str, Any]) -> list[torch.device]:
@@ -150,7 +133,7 @@ class _Forward:
         record = self._record
         record.start = record.capture()
         record.context = recompute.forward_context()
-        _enter_checkpointing()
+        enter_checkpointing()
         if record.check:
             record.forward_log = RandomOpLog()
             record.forward_log.__enter__()
@@ -163,7 +146,7 @@ class _Forward:
             if record.check and exc_type is None:
                 record.forward_end = record.capture()
         finally:
-            _leave_checkpointing()
+            leave_checkpointing()
 
 
 class _Replay:
@@ -187,7 +170,7 @@ class _Replay:
         context.__enter__()
         log = RandomOpLog() if record.check else None
         self._open.append((found, log, context))
-        _enter_checkpointing()
+        enter_checkpointing()
         if log is not None:
             log.__enter__()
 
@@ -201,7 +184,7 @@ class _Replay:
             if log is not None and exc_type is None:
                 mismatch = _unseen_by_modes(self._mismatch, log)
         finally:
-            _leave_checkpointing()
+            leave_checkpointing()
             context.__exit__(None, None, None)
             record.install(found)
         if mismatch:
@@ -264,10 +247,10 @@ class _CheckpointingOnly:
     """Marks a region as checkpointed (for :func:`is_checkpointing`) without touching RNG."""
 
     def __enter__(self) -> None:
-        _enter_checkpointing()
+        enter_checkpointing()
 
     def __exit__(self, *exc_info: object) -> None:
-        _leave_checkpointing()
+        leave_checkpointing()
 
 
 class _WithReplay:

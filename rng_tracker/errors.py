@@ -311,7 +311,13 @@ class ArgumentConflictError(RNGTrackerError, TypeError):
     ``state=``)."""
 
 
-__all__ += ["ArgumentConflictError", "CPURNGChangedWarning"]
+class ForkNotReplayedWarning(UserWarning):
+    """A tracker fork entered in a forward of torch's own checkpoint, which replays the default
+    generators but not the tracker's streams: its recompute would draw other values (use
+    ``rng_tracker.checkpoint``, or ``context_fn=rng_tracker.rng_context_fn()``)."""
+
+
+__all__ += ["ArgumentConflictError", "CPURNGChangedWarning", "ForkNotReplayedWarning"]
 
 
 # The distributed test harness's (rng_tracker.parallel.testing exports them too).

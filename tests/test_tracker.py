@@ -801,3 +801,47 @@ def test_state_views_at_a_storage_offset_install_their_own_bytes(generator_state
     tracker.set_states({"a": strided})
     with tracker.fork("a"):
         assert torch.equal(torch.rand(5), expected["a"])
+
+
+def _fork_grads(run: str) -> tuple[torch.Tensor, list[str]]:
+    """x's gradient through a fork's dropout, checkpointed as ``run`` says, and the warnings."""
+    import warnings
+
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from rng_tracker import checkpoint, rng_context_fn
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 5)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return torch.nn.functional.dropout(x, 0.5)
+
+    runs = {
+        "eager": block,
+        "torch": lambda x: torch_checkpoint.checkpoint(block, x, use_reentrant=False),
+        "torch_with_rng_context_fn": lambda x: torch_checkpoint.checkpoint(
+            block, x, use_reentrant=False, context_fn=rng_context_fn(tracker)
+        ),
+        "rng_tracker": lambda x: checkpoint(block, x, tracker=tracker),
+    }
+    x = torch.ones(64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (runs[run](x) * torch.arange(64.0)).sum().backward()
+    return x.grad, [type(w.message).__name__ for w in caught]
+
+
+def test_a_fork_in_torchs_own_checkpoint_warns_that_its_recompute_draws_other_values() -> None:
+    """torch's checkpoint replays the default generators, not the tracker's streams: a fork in
+    its forward recomputes from the stream's advanced state (gradients of another mask, which
+    the test shows), so the fork warns ForkNotReplayedWarning. Under rng_tracker's checkpoint,
+    or torch's with rng_context_fn, the gradients are the eager ones and nothing warns."""
+    eager, warned = _fork_grads("eager")
+    assert warned == []
+    grad, warned = _fork_grads("torch")
+    assert warned == ["ForkNotReplayedWarning"] and not torch.equal(grad, eager)
+    for run in ("torch_with_rng_context_fn", "rng_tracker"):
+        grad, warned = _fork_grads(run)
+        assert warned == [] and torch.equal(grad, eager), run
