@@ -244,13 +244,29 @@ def _preserving_recompute(
 
 
 class _CheckpointingOnly:
-    """Marks a region as checkpointed (for :func:`is_checkpointing`) without touching RNG."""
+    """Without RNG replay (``preserve_rng_state=False``): marks the forward and each recompute as
+    checkpointed (for :func:`is_checkpointing`) and enters the forward's context (function modes,
+    batch position) again around each recompute, touching no generator. Re-enterable."""
+
+    __slots__ = ("_context", "_open")
+
+    def __init__(self) -> None:
+        self._context: recompute.ForwardContext | None = None
+        self._open: list[Any] = []
 
     def __enter__(self) -> None:
+        if self._context is None:  # the forward
+            self._context = recompute.forward_context()
+            context: Any = contextlib.nullcontext()
+        else:
+            context = recompute.reentered(self._context)
+        context.__enter__()
+        self._open.append(context)
         enter_checkpointing()
 
     def __exit__(self, *exc_info: object) -> None:
         leave_checkpointing()
+        self._open.pop().__exit__(None, None, None)
 
 
 class _WithReplay:
@@ -262,13 +278,13 @@ class _WithReplay:
     def __init__(self, function: Callable[..., Any], record: _RNGRecord | None) -> None:
         self._function = function
         self._record = record
-        self._replay = record.replay() if record is not None else None
+        self._replay: Any = record.replay() if record is not None else _CheckpointingOnly()
         self._forward_done = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context: Any
         if self._record is None:
-            context = _CheckpointingOnly()
+            context = self._replay  # forward and recomputes alike
         elif not self._forward_done:
             context = self._record.forward()
         else:
@@ -363,12 +379,13 @@ class _ReentrantCheckpoint(torch.autograd.Function):
     ) -> Any:
         ctx.run_function = run_function
         ctx.record = record
+        ctx.checkpointing_only = _CheckpointingOnly() if record is None else None
         ctx.saver = saver
         ctx.autocast = _autocast_state(a.device.type for a in args if isinstance(a, torch.Tensor))
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
         with (
             torch.no_grad(),
-            record.forward() if record is not None else _CheckpointingOnly(),
+            record.forward() if record is not None else ctx.checkpointing_only,
         ):
             outputs = _alias_outer_tensors(run_function(*args), args)
         ctx.tensor_slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -411,7 +428,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             args[slot] = tensor.detach().requires_grad_(ctx.input_requires_grad[slot])
         record: _RNGRecord | None = ctx.record
         with (
-            record.replay() if record is not None else _CheckpointingOnly(),
+            record.replay() if record is not None else ctx.checkpointing_only,
             torch.enable_grad(),
             _replay_autocast(ctx.autocast, ctx.autocast_cache),
         ):

@@ -222,7 +222,8 @@ def _scaled_site(how: str, weight: torch.Tensor) -> Callable[[torch.Tensor], tor
     runs it); ``how``: not checkpointed, or which checkpoint."""
 
     def block(x: torch.Tensor) -> torch.Tensor:
-        return site_dropout("wrapped.site", x * 2, _P, rng_mode="keyed", batch_dim=0)
+        dropped = site_dropout("wrapped.site", x * 2, _P, rng_mode="keyed", batch_dim=0)
+        return dropped * dropped  # saves the mask's output: a recompute redraws it
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if how == "none":
@@ -233,17 +234,29 @@ def _scaled_site(how: str, weight: torch.Tensor) -> Callable[[torch.Tensor], tor
             scaled = out * weight  # weight's gradient reads out: refilled by the recompute
             manager.discard_output_and_register_recompute(scaled)
             return scaled
-        return checkpoint(block, x, use_reentrant=how == "reentrant") * weight
+        reentrant, preserve = how.startswith("reentrant"), not how.endswith("_no_preserve")
+        out = checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=preserve)
+        return out * weight
 
     return run
 
 
-@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "without_output"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "non_reentrant",
+        "reentrant",
+        "non_reentrant_no_preserve",
+        "reentrant_no_preserve",
+        "without_output",
+    ],
+)
 def test_a_recompute_draws_at_its_forwards_batch_position(keyed: KeyedRNG, how: str) -> None:
     """A site inside a checkpointed function reads the batch position in the recompute too,
     which runs after batch_position was left (a pipeline schedule: after later microbatches
-    entered theirs): the checkpoint carries its forward's position, so the gradients equal
-    the run without a checkpoint, bitwise."""
+    entered theirs): the checkpoint carries its forward's position (with or without
+    preserve_rng_state, which keyed sites do not need), so the gradients equal the run without
+    a checkpoint, bitwise."""
     keyed.manual_seed(21)
     grads = {}
     for mode in ("none", how):
