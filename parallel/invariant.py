@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
 from rng_tracker._batch_position import BatchPosition, batch_context, required_position
+from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint
 from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
@@ -342,7 +343,9 @@ def _refuse_in_torchs_checkpoint(func: Any) -> None:
     mode is not (autograd's engine drops function modes), so it would draw torch's masks there
     and the gradients would silently be another mask's. rng_tracker's checkpoints (and torch's
     with ``context_fn=rng_context_fn()``) enter the mode again around their recompute."""
-    if is_checkpointing() or not torch_checkpoint_forward_active():
+    if not in_unreplayed_torch_checkpoint() and (
+        is_checkpointing() or not torch_checkpoint_forward_active()
+    ):
         return
     raise InvariantRandomUnsupportedError(
         f"{getattr(func, '__name__', func)} under invariant_random() inside "

@@ -158,20 +158,24 @@ _reentrant_forward_code = getattr(
 )
 
 
-def torch_nonreentrant_checkpoint_forward_active() -> bool:
-    """Whether a forward of ``torch.utils.checkpoint``'s non-reentrant form runs here: its
-    saved-tensor hooks are the innermost (False where torch cannot say). One C call."""
+def innermost_pack_hook() -> Any | None:
+    """The pack hook of the innermost saved-tensor hooks (None: none, or torch cannot say)."""
     if _top_saved_tensors_hooks is None:
-        return False
+        return None
     hooks = _top_saved_tensors_hooks(False)
-    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+    return hooks[0] if hooks else None
+
+
+def is_torch_checkpoint_hook(hook: Any) -> bool:
+    """Whether ``hook`` is the pack hook of a forward of torch's non-reentrant checkpoint."""
+    return getattr(hook, "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 def torch_checkpoint_forward_active() -> bool:
     """Whether a forward of ``torch.utils.checkpoint`` is running here (False where torch
     cannot say): its non-reentrant hooks are the innermost, or, under no_grad, its reentrant
     ``CheckpointFunction.forward`` is on the stack."""
-    if torch_nonreentrant_checkpoint_forward_active():
+    if is_torch_checkpoint_hook(innermost_pack_hook()):
         return True
     if torch.is_grad_enabled() or _reentrant_forward_code is None:
         return False

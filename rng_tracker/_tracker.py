@@ -17,11 +17,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from rng_tracker._checkpointing import is_checkpointing
+from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
-from rng_tracker._torch_private import torch_nonreentrant_checkpoint_forward_active
 from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
     CPURNGChangedWarning,
@@ -120,18 +119,17 @@ def _check_name(name: object) -> str:
 
 
 def _warn_unreplayed(name: str) -> None:
-    """Warn of a fork in a forward of torch's own checkpoint (not under rng_tracker's, which
-    replay the streams: rng_context_fn runs torch's checkpoint inside its own record)."""
-    if not is_checkpointing():
-        warnings.warn(
-            f"fork({name!r}) entered in a forward of torch.utils.checkpoint, which replays the "
-            "default generators but not the tracker's streams: its recompute would draw other "
-            f"values from {name!r} and the gradients would be wrong. Use rng_tracker.checkpoint "
-            "(e.g. checkpoint_wrapper(module, checkpoint_fn=rng_tracker.checkpoint)), or pass "
-            "context_fn=rng_tracker.rng_context_fn() to torch's checkpoint",
-            ForkNotReplayedWarning,
-            stacklevel=3,
-        )
+    """Warn of a fork in a forward of torch's own checkpoint that no rng_tracker checkpoint
+    (which replay the streams; rng_context_fn runs torch's inside its own record) runs in."""
+    warnings.warn(
+        f"fork({name!r}) entered in a forward of torch.utils.checkpoint, which replays the "
+        "default generators but not the tracker's streams: its recompute would draw other "
+        f"values from {name!r} and the gradients would be wrong. Use rng_tracker.checkpoint "
+        "(e.g. checkpoint_wrapper(module, checkpoint_fn=rng_tracker.checkpoint)), or pass "
+        "context_fn=rng_tracker.rng_context_fn() to torch's checkpoint",
+        ForkNotReplayedWarning,
+        stacklevel=3,
+    )
 
 
 class _Fork:
@@ -152,8 +150,12 @@ class _Fork:
         tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
             self._cpu_before = torch.default_generator.get_state()
-        if torch_nonreentrant_checkpoint_forward_active():
-            _warn_unreplayed(self._name)
+        if in_unreplayed_torch_checkpoint():
+            try:
+                _warn_unreplayed(self._name)
+            except BaseException:  # the warning as an error (-W error): the fork stays closed
+                self.__exit__(None, None, None)
+                raise
 
     def __exit__(self, *exc_info: object) -> None:
         self._tracker._exit(self._name)

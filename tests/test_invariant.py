@@ -1265,6 +1265,10 @@ def test_a_mask_drawn_in_torchs_own_checkpoint_is_refused(reentrant) -> None:
     before = torch.get_rng_state()
     with invariant_random(), pytest.raises(InvariantRandomUnsupportedError, match="rng_context_fn"):
         torch_checkpoint(lambda t: F.dropout(t, 0.5), x, use_reentrant=reentrant)
+    if not reentrant:  # nested in rng_tracker's: the inner torch one still recomputes without it
+        inner = lambda t: torch_checkpoint(lambda u: F.dropout(u, 0.5), t, use_reentrant=False)  # noqa: E731
+        with invariant_random(), pytest.raises(InvariantRandomUnsupportedError):
+            rng_tracker.checkpoint(inner, x)
     assert torch.equal(torch.get_rng_state(), before)
 
     def run(wrapped: bool) -> list[torch.Tensor]:

@@ -825,6 +825,7 @@ def _fork_grads(run: str) -> tuple[torch.Tensor, list[str]]:
             block, x, use_reentrant=False, context_fn=rng_context_fn(tracker)
         ),
         "rng_tracker": lambda x: checkpoint(block, x, tracker=tracker),
+        "torch_inside_rng_tracker": lambda x: checkpoint(runs["torch"], x, tracker=tracker),
     }
     x = torch.ones(64, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -840,8 +841,36 @@ def test_a_fork_in_torchs_own_checkpoint_warns_that_its_recompute_draws_other_va
     or torch's with rng_context_fn, the gradients are the eager ones and nothing warns."""
     eager, warned = _fork_grads("eager")
     assert warned == []
-    grad, warned = _fork_grads("torch")
-    assert warned == ["ForkNotReplayedWarning"] and not torch.equal(grad, eager)
+    for run in ("torch", "torch_inside_rng_tracker"):  # the inner torch one replays no stream
+        grad, warned = _fork_grads(run)
+        assert warned == ["ForkNotReplayedWarning"] and not torch.equal(grad, eager), run
     for run in ("torch_with_rng_context_fn", "rng_tracker"):
         grad, warned = _fork_grads(run)
         assert warned == [] and torch.equal(grad, eager), run
+
+
+def test_the_fork_warning_raised_as_an_error_leaves_no_fork_open() -> None:
+    """Under -W error the warning raises from the fork's entry: the fork is closed again and
+    the generator is where it was, so the tracker is usable (reset() works)."""
+    import warnings
+
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from rng_tracker.errors import ForkNotReplayedWarning
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 5)
+    state = torch.get_rng_state()
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return x * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ForkNotReplayedWarning)
+        with pytest.raises(ForkNotReplayedWarning):
+            torch_checkpoint.checkpoint(
+                block, torch.ones(2, requires_grad=True), use_reentrant=False
+            )
+    assert tracker.open_forks() == () and torch.equal(torch.get_rng_state(), state)
+    tracker.reset()
