@@ -28,7 +28,8 @@ from rng_tracker._torch_private import (
 )
 from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels import _cpu_kernel
-from rng_tracker.kernels._call import DropoutCall, dropout_call, in_memory_order
+from rng_tracker.kernels._call import DropoutCall, dropout_call
+from rng_tracker.kernels._memory_format import in_memory_order, memory_order
 from rng_tracker.kernels._ops import (
     OPS,
     call_op,
@@ -173,12 +174,16 @@ def run(
 ) -> torch.Tensor:
     """The output of ``call`` on the route's kernel. ``seed`` (with its ``words`` where they were
     read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's).
-    The output has x's memory format where x is dense (``in_memory_order``), else row-major."""
+    The output has x's memory format where x is dense (``_memory_format``), else row-major."""
     if not call.x.is_contiguous():
-        in_order = in_memory_order(call)
-        if in_order is not None:
-            call, back = in_order
-            return run(call, impl, generator, seed, words).permute(back)
+        order = memory_order(call.x)
+        if order is not None:
+            in_order = in_memory_order(call, order)
+            if in_order is not None:
+                call, back = in_order
+                return run(call, impl, generator, seed, words).permute(back)
+            out = run(call._replace(x=call.x.contiguous()), impl, generator, seed, words)
+            return torch.empty_like(call.x).copy_(out)
     if forward_ad_active():
         dual = _run_dual(call, impl, generator, seed, words)
         if dual is not None:

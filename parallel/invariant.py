@@ -804,10 +804,13 @@ def invariant_random(
     which nothing in the forward says. Enter ``rng_tracker.batch_position(sample_offset,
     global_batch)`` around each microbatch's forward: each dropout mask is then the part of the
     global batch's mask that its samples own, along ``batch_dim`` (dim 0 of the (N, C) mask of
-    the feature dropouts), so the ranks and microbatches draw what one device draws over the
-    whole batch. Without it a forward's tensors are the whole batch, and a process whose parallel
-    layout (``rng_tracker.parallel.ParallelState``, megatron's) has several data-parallel ranks
-    raises ``MissingBatchPositionError``. Checkpoints carry the position into the recompute.
+    the feature dropouts), so data-parallel ranks draw what one device draws over the whole
+    batch. Each draw moves the generator past the whole global batch, so several microbatches
+    on one rank must each start from the step's generator state (all but the last in
+    ``torch.random.fork_rng``). Without a position a forward's tensors are the whole batch, and a
+    process whose parallel layout (``rng_tracker.parallel.ParallelState``, megatron's) has
+    several data-parallel ranks raises ``MissingBatchPositionError``. Checkpoints carry the
+    position into the recompute.
 
     Random ops with no invariant route raise ``InvariantRandomUnsupportedError`` on a DTensor
     and run torch's own code on a plain tensor. Per thread (torch function modes are).

@@ -19,6 +19,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import pytest
@@ -557,6 +558,29 @@ def test_data_parallel_ranks_draw_their_samples_of_the_whole_batchs_masks() -> N
     torch.manual_seed(11)
     second = F.dropout(base[2:], 0.3)
     assert torch.equal(first != 0, second != 0)  # torch: one mask for both ranks' samples
+
+
+def test_microbatches_of_one_rank_each_start_from_the_steps_generator_state() -> None:
+    """The mode draws from the default generator, and each draw moves it past the whole global
+    batch: a second microbatch on the same rank would draw its rows of another global mask. Run
+    every microbatch but the last in torch.random.fork_rng (each then starts from the step's
+    state, as every data-parallel rank does): the microbatches draw the single-device masks and
+    leave the generator where the single-device forward leaves it."""
+    base = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8) / 7.0 + 0.5
+    torch.manual_seed(11)
+    with invariant_random():
+        want = F.dropout(base, 0.3)
+    want_state = torch.get_rng_state()
+    for rewind in (False, True):
+        torch.manual_seed(11)
+        parts = []
+        for offset in (0, 2):
+            last = offset == 2
+            fork = torch.random.fork_rng(devices=[]) if rewind and not last else nullcontext()
+            with fork, invariant_random(), batch_position(offset, 4):
+                parts.append(F.dropout(base[offset : offset + 2], 0.3))
+        assert torch.equal(torch.cat(parts), want) == rewind
+    assert torch.equal(torch.get_rng_state(), want_state)
 
 
 def test_batch_dim_names_the_sample_dim_and_a_recompute_keeps_its_position() -> None:
