@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from rng_tracker._batch_position import BatchPosition, batch_context, required_position
@@ -37,9 +37,11 @@ from rng_tracker._torch_private import (
     torch_checkpoint_forward_active,
     trunc_normal_impl,
 )
+from rng_tracker._validate import checked_int
 from rng_tracker.activation_checkpoint import is_checkpointing
 from rng_tracker.errors import (
     BatchPositionError,
+    BatchPositionTypeError,
     InvariantRandomConfigError,
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
@@ -87,21 +89,27 @@ _BATCH_ADVICE = (
 
 
 def _samples(
-    ctx: _InvariantRandomMode, shape: Sequence[int], dim: int | None = None
+    ctx: _InvariantRandomMode, x: torch.Tensor, dim: int | None = None
 ) -> tuple[int, BatchPosition] | None:
-    """Where a draw on a tensor of ``shape`` sits in the global batch: (its sample dim, the place
-    of its samples), or None where it is the whole batch. ``dim``: the sample dim, if not the
-    mode's ``batch_dim``."""
+    """Where a draw on x (its mask: x's shape) sits in the global batch: (its sample dim, the
+    place of its samples), or None where it is the whole batch or a DTensor whose mesh shards
+    the sample dim (it holds its place). ``dim``: the sample dim, if not the mode's
+    ``batch_dim``."""
+    shape = x.shape
     dim = ctx.batch_dim if dim is None else dim
     if not -len(shape) <= dim < len(shape):
         if batch_context().position is not None:
             raise BatchPositionError(
-                f"a dropout mask of shape {tuple(shape)} drawn under invariant_random(batch_dim="
-                f"{ctx.batch_dim}) inside batch_position(...) has no sample dim, so its place in "
-                "the global batch is unknown; draw it outside the batch_position block"
+                f"a dropout mask of shape {tuple(shape)} drawn under invariant_random() inside "
+                "batch_position(...) has no sample dim, so its place in the global batch is "
+                "unknown; draw it outside the batch_position block"
             )
         return None
     dim %= len(shape)
+    if isinstance(x, DTensor) and any(
+        isinstance(p, Shard) and p.dim % len(shape) == dim for p in x.placements
+    ):
+        return None
     position = required_position(shape[dim], "a dropout under invariant_random()", _BATCH_ADVICE)
     if position.sample_offset == 0 and position.global_batch == shape[dim]:
         return None
@@ -123,7 +131,7 @@ def _drop(ctx: _InvariantRandomMode, x: torch.Tensor, p: float, training: bool) 
     placed in the global batch where the batch position says."""
     if not training or p == 0.0:
         return x
-    batch = _samples(ctx, x.shape)
+    batch = _samples(ctx, x)
     if isinstance(x, DTensor):
         if batch is None:
             return dropout(x, p, training=training)
@@ -231,7 +239,7 @@ def _feature_keep(
     """
     features = 2 if _FEATURE_DROPOUTS[func][0](input.dim()) else 1
     shape = tuple(input.shape[:features])
-    batch = _samples(ctx, shape, 0 if features == 2 else -2)  # an unbatched input: no N
+    batch = _samples(ctx, input, 0 if features == 2 else input.dim())  # unbatched: no N
     ones = _ones(shape, input.device)
     keep = _kernel_dropout(ones, p, shard=_in_batch(shape, batch)) != 0  # (N, C) or (C,)
     if isinstance(input, DTensor):
@@ -307,6 +315,7 @@ def _bernoulli_(
     except RNGTrackerError:
         _raise_torchs_refusal(lambda probe: probe.bernoulli_(p), self)
         raise
+    _samples(ctx, self)  # a bad batch placement is refused before self is touched
     record_in_place_draw(self)
     keep = _keep(ctx, self, 1.0 - p)
     with torch.no_grad():
@@ -706,11 +715,11 @@ class _InvariantRandomMode(TorchFunctionMode):
         batch_dim: int = 0,
     ) -> None:
         super().__init__()
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
-            raise InvariantRandomConfigError(
-                f"batch_dim must be an int (the sample dim of the activations), got "
-                f"{type(batch_dim).__name__} {batch_dim!r}"
-            )
+        batch_dim = checked_int(
+            batch_dim,
+            "batch_dim (the sample dim of the activations)",
+            type_error=BatchPositionTypeError,
+        )
         if init not in _INIT_MODES:
             raise InvariantRandomConfigError(
                 f"init must be 'keyed' (values keyed by name, computed per shard; the default) or "

@@ -260,8 +260,9 @@ class BatchPositionError(ParallelConfigError):
 
 
 class MissingBatchPositionError(RNGTrackerError, RuntimeError):
-    """A keyed dropout site ran with no batch position where the microbatch's place in the
-    global batch cannot be known (several data-parallel ranks or microbatches)."""
+    """A mask placed in the global batch (a keyed site, a dropout under ``invariant_random()``)
+    was drawn with no batch position where the microbatch's place cannot be known (several
+    data-parallel ranks or microbatches)."""
 
 
 class InvariantSeedError(RNGTrackerError, ValueError):

@@ -31,6 +31,7 @@ from rng_tracker import batch_position, checkpoint
 from rng_tracker._torch_private import trunc_normal_impl
 from rng_tracker.errors import (
     BatchPositionError,
+    BatchPositionTypeError,
     InvariantRandomConfigError,
     InvariantRandomUnsupportedError,
     KernelInputError,
@@ -617,8 +618,12 @@ def test_batch_dim_names_the_sample_dim_and_a_recompute_keeps_its_position() -> 
 def test_bad_batch_placements_are_typed_errors_that_draw_nothing() -> None:
     """A batch_dim that is no int is refused when the mode is made; a sample dim the tensor
     lacks, or samples that do not fit the global batch, are refused before anything is drawn."""
-    with pytest.raises(InvariantRandomConfigError, match="batch_dim must be an int"):
+    with pytest.raises(BatchPositionTypeError, match="batch_dim"):
         invariant_random(batch_dim="0").__enter__()
+    t = torch.full((3,), 7.0)
+    with invariant_random(), batch_position(2, 4), pytest.raises(BatchPositionError):
+        t.bernoulli_(0.5)  # 3 samples at offset 2 do not fit: t is left as it was
+    assert torch.equal(t, torch.full((3,), 7.0)) and t._version == 0
     state = torch.get_rng_state()
     for call, error, words in (
         (lambda: F.dropout(torch.ones(3), 0.5), BatchPositionError, "has no sample dim"),
@@ -660,6 +665,14 @@ def test_dtensor_microbatches_and_a_data_parallel_layout(rank: int) -> None:
         assert torch.equal(torch.get_rng_state(), state)
         with invariant_random(), batch_position(2 * rank, 4):
             F.dropout(base[2 * rank : 2 * rank + 2], 0.3)
+        # a DTensor whose mesh shards the batch holds its place: no position needed
+        torch.manual_seed(11)
+        with invariant_random(), batch_position(0, 4):  # the whole batch, as one device runs it
+            want = F.dropout(base, 0.3)
+        torch.manual_seed(11)
+        with invariant_random():
+            got = F.dropout(distribute_tensor(base, mesh, [Shard(0)]), 0.3).full_tensor()
+        assert torch.equal(got, want)
     finally:
         destroy_model_parallel()
 
