@@ -65,15 +65,20 @@ def batch_context() -> BatchContext:
     return getattr(_LOCAL, "context", None) or _NONE
 
 
-@contextlib.contextmanager
-def entered(context: BatchContext) -> Iterator[None]:
-    """Run the body in ``context`` (a recompute, in its forward's), then restore this thread's."""
+def swap_batch_context(context: BatchContext | None) -> BatchContext | None:
+    """Make ``context`` this thread's (None: none entered); return the one it replaces."""
     previous = getattr(_LOCAL, "context", None)
     _LOCAL.context = context
+    return previous
+
+
+@contextlib.contextmanager
+def _entered(context: BatchContext) -> Iterator[None]:
+    previous = swap_batch_context(context)
     try:
         yield
     finally:
-        _LOCAL.context = previous
+        swap_batch_context(previous)
 
 
 @contextlib.contextmanager
@@ -93,14 +98,14 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
             f"batch_position(sample_offset={position.sample_offset}, "
             f"global_batch={position.global_batch}): the offset must be below the global batch"
         )
-    with entered(BatchContext(position, batch_context().microbatches)):
+    with _entered(BatchContext(position, batch_context().microbatches)):
         yield position
 
 
 @contextlib.contextmanager
 def microbatches(count: int | None) -> Iterator[None]:
     """Record, for the body, how many microbatches megatron-core's schedule runs in this step."""
-    with entered(BatchContext(batch_context().position, count)):
+    with _entered(BatchContext(batch_context().position, count)):
         yield
 
 

@@ -5,13 +5,12 @@ through its outputs (``activation_checkpoint`` and ``checkpoint_without_output``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from rng_tracker._batch_position import BatchContext, batch_context, entered
+from rng_tracker._batch_position import BatchContext, batch_context, swap_batch_context
 from rng_tracker._torch_private import function_mode_stack
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
@@ -46,13 +45,15 @@ def resolve_trackers(
 REPLAYED_IN_RECOMPUTE = "replayed_in_recompute"
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardContext:
+class ForwardContext(NamedTuple):
     """What a forward ran in that its recompute runs in again: the active function modes that
     decide what random ops draw (outermost first), and the batch position."""
 
     modes: tuple[Any, ...]
     batch: BatchContext
+
+
+_new_context = tuple.__new__  # NamedTuple's own __new__ is Python: this runs at every checkpoint
 
 
 def forward_context() -> ForwardContext:
@@ -61,24 +62,45 @@ def forward_context() -> ForwardContext:
         modes: tuple[Any, ...] = ()
     else:
         modes = tuple(m for m in function_mode_stack() if getattr(m, REPLAYED_IN_RECOMPUTE, False))
-    return ForwardContext(modes, batch_context())
+    return _new_context(ForwardContext, (modes, batch_context()))
 
 
-@contextlib.contextmanager
-def reentered(context: ForwardContext) -> Iterator[None]:
-    """The forward's batch position, and its modes where they are not active: autograd's engine
-    runs a backward, and so a recompute, without the function modes of the code that called it,
-    and after later microbatches entered theirs."""
-    with entered(context.batch):
-        if not context.modes:
-            yield
-            return
-        active = function_mode_stack()
-        with contextlib.ExitStack() as stack:
-            for mode in context.modes:
-                if not any(m is mode for m in active):
-                    stack.enter_context(mode)
-            yield
+class Reentry:
+    """Context manager around a recompute: the forward's batch position, and its modes where
+    they are not active (autograd's engine runs a backward, and so a recompute, without the
+    function modes of the code that called it, and after later microbatches entered theirs). A
+    class, not a generator: it runs at every recompute."""
+
+    __slots__ = ("_context", "_previous", "_stack")
+
+    def __init__(self, context: ForwardContext) -> None:
+        self._context = context
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        modes, batch = self._context
+        self._previous = swap_batch_context(batch)
+        if modes:
+            active = function_mode_stack()
+            missing = [m for m in modes if not any(a is m for a in active)]
+            if missing:
+                stack = contextlib.ExitStack()
+                try:
+                    for mode in missing:
+                        stack.enter_context(mode)
+                except BaseException:
+                    stack.close()
+                    swap_batch_context(self._previous)
+                    raise
+                self._stack = stack
+
+    def __exit__(self, *exc_info: object) -> None:
+        stack, self._stack = self._stack, None
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            swap_batch_context(self._previous)
 
 
 def backward_recomputed(outputs: Any, grad_outputs: Sequence[torch.Tensor | None]) -> None:

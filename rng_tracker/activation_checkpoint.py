@@ -166,7 +166,7 @@ class _Replay:
         assert record.start is not None, "recompute before forward"
         found = record.capture()
         record.install(record.start)
-        context = recompute.reentered(record.context)
+        context = recompute.Reentry(record.context)
         context.__enter__()
         log = RandomOpLog() if record.check else None
         self._open.append((found, log, context))
@@ -259,7 +259,7 @@ class _CheckpointingOnly:
             self._context = recompute.forward_context()
             context: Any = contextlib.nullcontext()
         else:
-            context = recompute.reentered(self._context)
+            context = recompute.Reentry(self._context)
         context.__enter__()
         self._open.append(context)
         enter_checkpointing()

@@ -29,9 +29,9 @@ import torch
 
 from rng_tracker._recompute import (
     ForwardContext,
+    Reentry,
     backward_recomputed,
     forward_context,
-    reentered,
     resolve_trackers,
 )
 from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, replaying
@@ -265,7 +265,7 @@ class CheckpointWithoutOutput:
             args = self._unchanged_held_inputs()
         with (
             replaying(self._snapshot, self._wanted, self._replayed),
-            reentered(self._context),
+            Reentry(self._context),
             torch.enable_grad(),
         ):
             outputs = self._function(*args)
