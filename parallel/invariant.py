@@ -28,7 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-from rng_tracker._batch_position import BatchPosition, batch_context, required_position
+from rng_tracker._batch_position import (
+    BatchPosition,
+    batch_context,
+    box_in_batch,
+    required_position,
+)
 from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint
 from rng_tracker._torch_private import (
     correct_fan,
@@ -120,10 +125,7 @@ def _in_batch(shape: Sequence[int], batch: tuple[int, BatchPosition] | None) -> 
     """The kernels' shard of a plain tensor of ``shape`` whose samples sit at ``batch``."""
     if batch is None:
         return None
-    dim, position = batch
-    global_shape, offset = list(shape), [0] * len(shape)
-    global_shape[dim], offset[dim] = position.global_batch, position.sample_offset
-    return Region(tuple(global_shape), tuple(offset))
+    return Region(*box_in_batch(shape, *batch))
 
 
 def _drop(ctx: _InvariantRandomMode, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from rng_tracker._batch_position import (
     BatchPosition,
     batch_position,
+    box_in_batch,
     current_batch_position,
     fitting,
 )
@@ -148,12 +149,8 @@ def _region(
     shape: torch.Size, shard: Chunk | None, batch_dim: int, position: BatchPosition
 ) -> Region:
     """The box a local activation of ``shape`` holds in its site's logical tensor."""
-    global_shape, offset = list(shape), [0] * len(shape)
-    if shard is not None:
-        global_shape[shard.dim] *= shard.count
-        offset[shard.dim] = shard.index * shape[shard.dim]
-    global_shape[batch_dim], offset[batch_dim] = position.global_batch, position.sample_offset
-    return Region(tuple(global_shape), tuple(offset))
+    split = None if shard is None else (shard.dim, shard.index, shard.count)
+    return Region(*box_in_batch(shape, batch_dim, position, split))
 
 
 def _check_site_options(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from rng_tracker._layout import process_layout
@@ -131,6 +131,24 @@ def current_batch_position(local_batch: int) -> BatchPosition:
     local_batch = _checked(local_batch, "local_batch", 0)
     position = batch_context().position or BatchPosition(0, local_batch)
     return fitting(position, local_batch)
+
+
+def box_in_batch(
+    shape: Sequence[int],
+    batch_dim: int,
+    position: BatchPosition,
+    split: tuple[int, int, int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offset) of the box a local tensor of ``shape`` holds in its logical tensor
+    over the whole global batch: ``position``'s samples along ``batch_dim`` and, with ``split``
+    = (dim, index, count), chunk ``index`` of ``count`` even chunks along ``dim`` (a TP shard)."""
+    global_shape, offset = list(shape), [0] * len(shape)
+    if split is not None:
+        dim, index, count = split
+        global_shape[dim] *= count
+        offset[dim] = index * shape[dim]
+    global_shape[batch_dim], offset[batch_dim] = position.global_batch, position.sample_offset
+    return tuple(global_shape), tuple(offset)
 
 
 def required_position(local_batch: int, drawer: str, advice: str) -> BatchPosition:

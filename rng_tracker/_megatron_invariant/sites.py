@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import rng_tracker.kernels._keyed_fill as _init_kernel
-from rng_tracker._batch_position import BatchPosition, required_position
+from rng_tracker._batch_position import BatchPosition, box_in_batch, required_position
 from rng_tracker._collective import all_gather_json
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker.errors import MegatronInvariantInitError, MegatronInvariantUnsupportedError
@@ -41,13 +41,10 @@ class SiteLayout:
 
     def region(self, shape: torch.Size, position: BatchPosition) -> Region:
         """The box a local activation of ``shape`` holds in the site's logical tensor."""
-        global_shape, offset = list(shape), [0] * len(shape)
+        split = None
         if self.sharded_dim is not None and self.tp_size > 1:
-            global_shape[self.sharded_dim] *= self.tp_size
-            offset[self.sharded_dim] = self.tp_rank * shape[self.sharded_dim]
-        global_shape[self.batch_dim] = position.global_batch
-        offset[self.batch_dim] = position.sample_offset
-        return Region(tuple(global_shape), tuple(offset))
+            split = (self.sharded_dim, self.tp_rank, self.tp_size)
+        return Region(*box_in_batch(shape, self.batch_dim, position, split))
 
 
 def _layout(group: Any, batch_dim: int, sharded_dim: int | None) -> SiteLayout:
