@@ -23,6 +23,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from rng_tracker import (
     CheckpointWithoutOutput,
@@ -30,6 +31,7 @@ from rng_tracker import (
     checkpoint,
     get_keyed_rng,
     get_rng_tracker,
+    rng_context_fn,
 )
 from rng_tracker._keyed import KeyedRNG
 from rng_tracker.errors import (
@@ -234,6 +236,9 @@ def _scaled_site(how: str, weight: torch.Tensor) -> Callable[[torch.Tensor], tor
             scaled = out * weight  # weight's gradient reads out: refilled by the recompute
             manager.discard_output_and_register_recompute(scaled)
             return scaled
+        if how == "torch_with_rng_context_fn":
+            out = torch_checkpoint(block, x, use_reentrant=False, context_fn=rng_context_fn())
+            return out * weight
         reentrant, preserve = how.startswith("reentrant"), not how.endswith("_no_preserve")
         out = checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=preserve)
         return out * weight
@@ -249,6 +254,7 @@ def _scaled_site(how: str, weight: torch.Tensor) -> Callable[[torch.Tensor], tor
         "non_reentrant_no_preserve",
         "reentrant_no_preserve",
         "without_output",
+        "torch_with_rng_context_fn",
     ],
 )
 def test_a_recompute_draws_at_its_forwards_batch_position(keyed: KeyedRNG, how: str) -> None:
