@@ -28,7 +28,7 @@ from rng_tracker._collective import all_gather_json, state_digest
 from rng_tracker._deprecation import deprecated_names
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
-from rng_tracker._validate import checked_flag, checked_instance, checked_int
+from rng_tracker._validate import checked_dim, checked_flag, checked_instance
 from rng_tracker.errors import (
     BatchPositionError,
     BatchPositionTypeError,
@@ -175,14 +175,13 @@ def _batch_of(
     """(x's sample dim, where its samples sit in the global batch), checked; None: no position."""
     if position is None:
         return None
-    dim = checked_int(
-        batch_dim, "batch_dim", type_error=BatchPositionTypeError, value_error=BatchPositionError
+    dim = checked_dim(
+        batch_dim,
+        "batch_dim",
+        x.shape,
+        type_error=BatchPositionTypeError,
+        value_error=BatchPositionError,
     )
-    if not -x.ndim <= dim < x.ndim:
-        raise BatchPositionError(
-            f"batch_dim={batch_dim} is not a dim of x, which has shape {tuple(x.shape)}"
-        )
-    dim %= x.ndim
     return dim, fitting(position, x.shape[dim])
 
 

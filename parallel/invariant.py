@@ -34,16 +34,15 @@ from rng_tracker._batch_position import (
     box_in_batch,
     required_position,
 )
-from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint
+from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint, is_checkpointing
 from rng_tracker._torch_private import (
     correct_fan,
     is_innermost_function_mode,
     set_trunc_normal_impl,
-    torch_checkpoint_forward_active,
+    torch_reentrant_checkpoint_forward_active,
     trunc_normal_impl,
 )
 from rng_tracker._validate import checked_int
-from rng_tracker.activation_checkpoint import is_checkpointing
 from rng_tracker.errors import (
     BatchPositionError,
     BatchPositionTypeError,
@@ -354,9 +353,8 @@ def _refuse_in_torchs_checkpoint(func: Any) -> None:
     mode is not (autograd's engine drops function modes), so it would draw torch's masks there
     and the gradients would silently be another mask's. rng_tracker's checkpoints (and torch's
     with ``context_fn=rng_context_fn()``) enter the mode again around their recompute."""
-    if not in_unreplayed_torch_checkpoint() and (
-        is_checkpointing() or not torch_checkpoint_forward_active()
-    ):
+    reentrant = not is_checkpointing() and torch_reentrant_checkpoint_forward_active()
+    if not (reentrant or in_unreplayed_torch_checkpoint()):
         return
     raise InvariantRandomUnsupportedError(
         f"{getattr(func, '__name__', func)} under invariant_random() inside "

@@ -40,7 +40,7 @@ from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._tracker import get_rng_tracker
-from rng_tracker._validate import checked_flag, checked_int
+from rng_tracker._validate import checked_dim, checked_flag
 from rng_tracker.errors import (
     ArgumentTypeError,
     KernelInputTypeError,
@@ -180,12 +180,13 @@ def _check_site_options(
     dims = []
     for name, dim in (("sharded_dim", sharded_dim), ("batch_dim", batch_dim)):
         if dim is not None:
-            dim = checked_int(dim, name, type_error=ParallelConfigTypeError)
-            if not -x.dim() <= dim < x.dim():
-                raise ParallelConfigError(
-                    f"{name}={dim} is not a dim of x, which has shape {tuple(x.shape)}"
-                )
-            dim %= x.dim()
+            dim = checked_dim(
+                dim,
+                name,
+                x.shape,
+                type_error=ParallelConfigTypeError,
+                value_error=ParallelConfigError,
+            )
         dims.append(dim)
     if dims[0] == dims[1]:
         raise ParallelConfigError(

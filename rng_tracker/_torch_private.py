@@ -175,8 +175,15 @@ def torch_checkpoint_forward_active() -> bool:
     """Whether a forward of ``torch.utils.checkpoint`` is running here (False where torch
     cannot say): its non-reentrant hooks are the innermost, or, under no_grad, its reentrant
     ``CheckpointFunction.forward`` is on the stack."""
-    if is_torch_checkpoint_hook(innermost_pack_hook()):
-        return True
+    return (
+        is_torch_checkpoint_hook(innermost_pack_hook())
+        or torch_reentrant_checkpoint_forward_active()
+    )
+
+
+def torch_reentrant_checkpoint_forward_active() -> bool:
+    """Whether, under no_grad, torch's reentrant ``CheckpointFunction.forward`` is on the stack
+    (a stack walk: kept off paths that run where no_grad is common)."""
     if torch.is_grad_enabled() or _reentrant_forward_code is None:
         return False
     frame = sys._getframe(1)

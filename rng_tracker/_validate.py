@@ -5,7 +5,7 @@ takes as a bool, one type check, and the search for two names given one value.""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
@@ -80,6 +80,22 @@ def checked_int(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
         )
     return result
+
+
+def checked_dim(
+    value: object,
+    what: str,
+    shape: Sequence[int],
+    *,
+    type_error: type[Exception],
+    value_error: type[Exception],
+) -> int:
+    """``value`` as a dim of a tensor of ``shape``, negative ones counted from the end and
+    returned as their non-negative index."""
+    dim = checked_int(value, what, type_error=type_error)
+    if not -len(shape) <= dim < len(shape):
+        raise value_error(f"{what}={dim} is not a dim of x, which has shape {tuple(shape)}")
+    return dim % len(shape)
 
 
 def checked_size(value: object, what: str, *, minimum: int = 1, note: str = "") -> int:
