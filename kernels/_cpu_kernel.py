@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._torch_private import disable_current_dispatch_modes
 from rng_tracker.errors import CompiledKernelFallbackWarning, KernelUnavailableError
 from rng_tracker.kernels._c_build import (
     FLAGS,
@@ -88,9 +89,11 @@ def isa_paths() -> list[str]:
 
 def _bf16_nan_bits() -> int:
     # torch's fp32 -> bf16 cast of NaN differs across builds (0xFFFF from the x86 vector
-    # path, 0x7FC0 from the scalar one): the kernel writes this build's.
-    nan = torch.tensor([float("nan")] * 16, device="cpu")
-    return nan.to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
+    # path, 0x7FC0 from the scalar one): the kernel writes this build's. Measured on real
+    # tensors even when the first call runs under fake tensors or a tracer, which would trace it.
+    with disable_current_dispatch_modes():
+        nan = torch.tensor([float("nan")] * 16, device="cpu")
+        return nan.to(torch.bfloat16).view(torch.int16)[0].item() & 0xFFFF
 
 
 def available() -> bool:

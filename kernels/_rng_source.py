@@ -16,6 +16,7 @@ import torch
 
 from rng_tracker._bits import MASK64, signed64
 from rng_tracker._device_rng import default_generator
+from rng_tracker._torch_private import graph_tracing_active
 from rng_tracker._validate import checked_instance
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 
@@ -123,6 +124,31 @@ def refuse_capture(x: torch.Tensor) -> None:
         )
 
 
+def refuse_untraced_draw(source: torch.Tensor | torch.Generator) -> None:
+    """Refuse a drawn seed where a traced program would not draw it anew on every run: under
+    torch.export's strict mode (Dynamo cannot trace a draw from a generator), and from a CUDA
+    generator under an export or make_fx trace (its key and counter base are read on the host:
+    the graph would keep them as constants, one mask for every run). torch.compile draws
+    outside its graph (:func:`drawn_seed`), and fake tensors alone trace nothing."""
+    if torch.compiler.is_dynamo_compiling():
+        strict_export = torch.compiler.is_exporting()
+        if not strict_export:
+            return
+    else:
+        strict_export = False
+        if source.device.type != "cuda" or not (
+            torch.compiler.is_exporting() or graph_tracing_active()
+        ):
+            return
+    where = "torch.export with strict=True" if strict_export else "a trace of a CUDA generator"
+    raise KernelUnavailableError(
+        f"fused dropout cannot draw its seed inside {where}: the traced program would not draw "
+        "a fresh mask on each run. Pass seed= (an int64 tensor [key, base, c2, c3], as an input "
+        "of the traced function) or trace in eval mode (training=False)"
+        + ("; or export with strict=False, which records the draw" if strict_export else "")
+    )
+
+
 def draw_seed(
     x: torch.Tensor, p: float, logical_numel: int, generator: object, device: torch.device
 ) -> torch.Tensor:
@@ -130,6 +156,7 @@ def draw_seed(
     refuse_capture(x)
     if p == 1.0:
         return torch.zeros(4, dtype=torch.int64, device=device)
+    refuse_untraced_draw(generator if generator is not None else x)
     return drawn_seed(_generator(x, generator), logical_numel, device)
 
 
@@ -139,5 +166,15 @@ def drawn_seed(
 ) -> torch.Tensor:
     """The draw and its seed tensor as one step that torch.compile does not trace: the key never
     becomes a traced Python int (a 64-bit constant Inductor cannot print, and a value guard that
-    would recompile every step), the seed enters the graph as a tensor."""
-    return seed_tensor(_drawn(generator, logical_numel), device)
+    would recompile every step), the seed enters the graph as a tensor.
+
+    A non-CUDA generator's key stays a tensor, never read on the host: under fake tensors the
+    call is shape-only and leaves the generator as it was, and a trace (make_fx, torch.export)
+    records the draw itself, so each run of the traced program draws anew."""
+    if generator.device.type == "cuda":
+        return seed_tensor(_drawn(generator, logical_numel), device)
+    # the same draw as _host_draw's random_ (randint runs it), which FX can print
+    key = torch.randint(
+        -(2**63), 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=generator.device
+    )
+    return torch.cat((key.to(device), torch.zeros(3, dtype=torch.int64, device=device)))

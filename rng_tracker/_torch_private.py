@@ -83,6 +83,13 @@ def tracing_mode_active() -> bool:
     return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
 
 
+def graph_tracing_active() -> bool:
+    """Whether make_fx's proxy mode records ops into a graph (torch.export's non-strict trace
+    runs it too); True where torch cannot say."""
+    proxy = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    return _get_dispatch_mode is None or proxy is None or _get_dispatch_mode(proxy) is not None
+
+
 def functorch_transforms_active() -> bool | None:
     """Whether a functorch transform (vmap, grad, ...) is active, or None where torch cannot say."""
     return None if _functorch_active is None else bool(_functorch_active())
@@ -196,7 +203,8 @@ def torch_reentrant_checkpoint_forward_active() -> bool:
 
 def disable_current_dispatch_modes() -> Any:
     """torch.utils._python_dispatch._disable_current_modes: the checkpoint's recompute runs
-    with the caller's dispatch modes popped, as torch.utils.checkpoint's does. Required."""
+    with the caller's dispatch modes popped, as torch.utils.checkpoint's does, and the CPU
+    kernel's load measures torch on real tensors. Required."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()

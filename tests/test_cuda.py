@@ -291,3 +291,38 @@ def test_megatron_facade_on_cuda_seeds_forks_and_recomputes_like_megatron():
         out.sum().backward()
         grads.append(x.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_the_triton_op_passes_torch_library_opcheck():
+    """torch.library.opcheck on the Triton op with CUDA tensors (the CPU ops run it in
+    test_kernels_ops; Triton's interpreter cannot run its fake kernel on CPU)."""
+    from rng_tracker.kernels._index_map import index_map_of, to_op_args
+    from rng_tracker.kernels._ops import OPS
+
+    x = torch.randn(6, 8, device="cuda", requires_grad=True)
+    bias = torch.randn(8, device="cuda", requires_grad=True)
+    seed = torch.tensor([1234, 5, 0, 0], device="cuda")
+    for args in ((x, None, None), (x, bias, x.detach().clone().requires_grad_())):
+        full = (*args, seed, 0.3, *to_op_args(index_map_of(x.shape, None)))
+        result = torch.library.opcheck(OPS["triton"], full)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_a_trace_of_a_cuda_generator_draw_is_refused_and_a_seed_input_exports():
+    """make_fx and torch.export would keep a CUDA generator's key and counter base as
+    constants (one mask on every run): refused before drawing; a seed= input exports."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(6, 8, device="cuda")
+    before = torch.cuda.get_rng_state()
+    with pytest.raises(KernelUnavailableError, match="seed="):
+        make_fx(lambda t: dropout(t, 0.3))(x)
+    assert torch.equal(torch.cuda.get_rng_state(), before)
+
+    class Seeded(torch.nn.Module):
+        def forward(self, t, seed):
+            return dropout(t, 0.3, seed=seed)
+
+    seed = torch.tensor([7, 0, 0, 0], device="cuda")
+    program = torch.export.export(Seeded(), (x, seed)).module()
+    assert torch.equal(program(x, seed), dropout(x, 0.3, seed=seed))

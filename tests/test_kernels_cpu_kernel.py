@@ -440,6 +440,39 @@ def test_a_process_whose_first_kernel_calls_run_under_a_meta_device_loads_the_ke
     assert result.stdout.split() == ["True", "True", "True"]
 
 
+_FAKE_FIRST_SCRIPT = textwrap.dedent(
+    """
+    import warnings
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from rng_tracker.kernels import _cpu_kernel, dropout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference warns
+        with FakeTensorMode():
+            dropout(torch.empty(16, 8), 0.5, impl="cpu")
+        x = torch.randn(16, 8)
+        x[0, :4] = float("nan")
+        x = x.to(torch.bfloat16)
+        out, ref = (
+            dropout(x, 0.5, generator=torch.Generator().manual_seed(1), impl=impl)
+            for impl in ("cpu", "torch")
+        )
+    print(_cpu_kernel.available(), torch.equal(out.view(torch.int16), ref.view(torch.int16)))
+    """
+)
+
+
+def test_a_process_whose_first_kernel_call_runs_under_fake_tensors_loads_the_kernel():
+    """In a fresh process the first compiled dropout runs under FakeTensorMode (a memory
+    estimate, say): the kernel's load measures torch's bf16 NaN bits on real tensors, so it
+    loads (no fallback warning), and later real calls, NaNs in bf16 included, equal the
+    reference bitwise."""
+    result = _python(_FAKE_FIRST_SCRIPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True"]
+
+
 _FALLBACK_SCRIPT = textwrap.dedent(
     """
     import warnings

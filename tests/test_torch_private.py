@@ -87,3 +87,25 @@ def test_torch_checkpoint_forward_active_sees_both_of_torchs_checkpoints():
     torch_checkpoint(probe, x, use_reentrant=True).sum().backward()
     # [plain, non-reentrant forward, its recompute, reentrant forward, its recompute]
     assert seen == [False, True, False, True, False]
+
+
+def test_graph_tracing_active_is_true_under_make_fx_and_not_under_fake_tensors_alone():
+    """make_fx's proxy mode records a graph (a host value read there becomes a constant); fake
+    tensors alone record nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rng_tracker._torch_private import graph_tracing_active
+
+    seen = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(graph_tracing_active())
+        return x + 1
+
+    make_fx(probe)(torch.zeros(2))
+    make_fx(probe, tracing_mode="fake")(torch.zeros(2))
+    with FakeTensorMode():
+        probe(torch.zeros(2))
+    probe(torch.zeros(2))
+    assert seen == [True, True, False, False]
