@@ -128,7 +128,7 @@ def _warn_unreplayed(name: str) -> None:
         "(e.g. checkpoint_wrapper(module, checkpoint_fn=rng_tracker.checkpoint)), or pass "
         "context_fn=rng_tracker.rng_context_fn() to torch's checkpoint",
         ForkNotReplayedWarning,
-        stacklevel=3,
+        stacklevel=4,  # past _Fork._open and __enter__ (or the decorated wrapper)
     )
 
 
@@ -146,6 +146,26 @@ class _Fork:
         self._cpu_before: torch.Tensor | None = None
 
     def __enter__(self) -> None:
+        self._open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._close(inspect.currentframe())
+
+    def __call__(self, function: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(function)
+        def forked(*args: Any, **kwargs: Any) -> _T:
+            fork = _Fork(self._tracker, self._name)
+            fork._open()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                fork._close(inspect.currentframe())
+
+        return forked
+
+    def _open(self) -> None:
+        """Enter the fork; its warning names the frame that called ``__enter__`` or the
+        decorated function (both call this directly)."""
         tracker = self._tracker
         tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
@@ -154,24 +174,18 @@ class _Fork:
             try:
                 _warn_unreplayed(self._name)
             except BaseException:  # the warning as an error (-W error): the fork stays closed
-                self.__exit__(None, None, None)
+                self._close(None)
                 raise
 
-    def __exit__(self, *exc_info: object) -> None:
+    def _close(self, frame: Any) -> None:
+        """Leave the fork; ``frame`` is ``__exit__``'s or the decorated wrapper's, whose caller
+        a CPU-generator warning names."""
         self._tracker._exit(self._name)
         if self._cpu_before is not None:
             changed = not torch.equal(self._cpu_before, torch.default_generator.get_state())
             self._cpu_before = None
             if changed:
-                self._tracker._warn_cpu_changed(inspect.currentframe(), self._name)
-
-    def __call__(self, function: Callable[..., _T]) -> Callable[..., _T]:
-        @functools.wraps(function)
-        def forked(*args: Any, **kwargs: Any) -> _T:
-            with _Fork(self._tracker, self._name):
-                return function(*args, **kwargs)
-
-        return forked
+                self._tracker._warn_cpu_changed(frame, self._name)
 
 
 # What a snapshot keeps of a tracker besides its streams' states, for a checkpoint's replay to
@@ -366,7 +380,7 @@ class RNGStatesTracker:
             warnings.warn(
                 f"the CPU generator advanced inside fork({name!r})",
                 CPURNGChangedWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         site = (frame.f_code.co_filename, frame.f_lineno)

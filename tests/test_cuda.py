@@ -326,3 +326,25 @@ def test_a_trace_of_a_cuda_generator_draw_is_refused_and_a_seed_input_exports():
     seed = torch.tensor([7, 0, 0, 0], device="cuda")
     program = torch.export.export(Seeded(), (x, seed)).module()
     assert torch.equal(program(x, seed), dropout(x, 0.3, seed=seed))
+
+
+def test_cpu_draw_in_a_decorated_fork_warns_at_each_call_site():
+    """A function decorated with ``@tracker.fork()`` that draws on the CPU warns at the line
+    that called it (once per call site), not at a line of rng_tracker."""
+    import inspect
+
+    tracker = RNGStatesTracker("cuda")
+    tracker.add("a", 5)
+
+    @tracker.fork("a")
+    def draw() -> None:
+        torch.rand(2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = inspect.currentframe().f_lineno + 1
+        draw()
+        for _ in range(2):
+            draw()
+    sites = [(w.filename, w.lineno) for w in caught if issubclass(w.category, CPURNGChangedWarning)]
+    assert sites == [(__file__, first), (__file__, first + 2)]

@@ -874,3 +874,34 @@ def test_the_fork_warning_raised_as_an_error_leaves_no_fork_open() -> None:
             )
     assert tracker.open_forks() == () and torch.equal(torch.get_rng_state(), state)
     tracker.reset()
+
+
+def test_the_fork_warning_names_the_users_line_with_or_without_a_decorator() -> None:
+    """ForkNotReplayedWarning points at the line that forks: the ``with`` statement, or the call
+    of a function decorated with ``@tracker.fork()``, never a line of rng_tracker."""
+    import inspect
+    import warnings
+
+    import torch.utils.checkpoint as torch_checkpoint
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 5)
+
+    @tracker.fork()
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    lines = {}
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        lines["with"] = inspect.currentframe().f_lineno + 1
+        with tracker.fork():
+            x = x * 2
+        lines["decorated"] = inspect.currentframe().f_lineno + 1
+        return scaled(x)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch_checkpoint.checkpoint(block, torch.ones(2, requires_grad=True), use_reentrant=False)
+    sites = [(w.filename, w.lineno) for w in caught if w.category.__name__.startswith("ForkNot")]
+    assert sites == [(__file__, lines["with"]), (__file__, lines["decorated"])]
