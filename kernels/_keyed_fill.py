@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rng_tracker._bits import MASK64, mix_key
+from rng_tracker._torch_private import holds_no_data
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels._c_build import (
@@ -242,6 +243,8 @@ def _fill(
     (per dim, the global indices it holds; None: all) of a ``global_shape`` tensor (None:
     local's own shape). The public fills take these four keywords as ``**target``.
     """
+    if holds_no_data(local):  # no memory behind data_ptr() for the kernel to write
+        return local
     global_shape = tuple(local.shape) if global_shape is None else tuple(global_shape)
     lists = _index_lists(local.shape, global_shape, indices)
     library = _library()

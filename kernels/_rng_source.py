@@ -156,13 +156,14 @@ def draw_seed(
     refuse_capture(x)
     if p == 1.0:
         return torch.zeros(4, dtype=torch.int64, device=device)
-    refuse_untraced_draw(generator if generator is not None else x)
-    return drawn_seed(_generator(x, generator), logical_numel, device)
+    source = _generator(x, generator)
+    refuse_untraced_draw(source)
+    return drawn_seed(source, generator is None, logical_numel, device)
 
 
 @torch.compiler.disable
 def drawn_seed(
-    generator: torch.Generator, logical_numel: int, device: torch.device
+    generator: torch.Generator, is_default: bool, logical_numel: int, device: torch.device
 ) -> torch.Tensor:
     """The draw and its seed tensor as one step that torch.compile does not trace: the key never
     becomes a traced Python int (a 64-bit constant Inductor cannot print, and a value guard that
@@ -170,11 +171,19 @@ def drawn_seed(
 
     A non-CUDA generator's key stays a tensor, never read on the host: under fake tensors the
     call is shape-only and leaves the generator as it was, and a trace (make_fx, torch.export)
-    records the draw itself, so each run of the traced program draws anew."""
+    records the draw itself, so each run of the traced program draws anew: from the device's
+    default generator of the time it runs where ``is_default`` (none was passed; a trace that
+    named this object would keep a copy of it, which torch.manual_seed no longer reaches once
+    the program is saved and loaded), else from ``generator``."""
     if generator.device.type == "cuda":
         return seed_tensor(_drawn(generator, logical_numel), device)
     # the same draw as _host_draw's random_ (randint runs it), which FX can print
     key = torch.randint(
-        -(2**63), 2**63 - 1, (1,), generator=generator, dtype=torch.int64, device=generator.device
+        -(2**63),
+        2**63 - 1,
+        (1,),
+        generator=None if is_default else generator,
+        dtype=torch.int64,
+        device=generator.device,
     )
     return torch.cat((key.to(device), torch.zeros(3, dtype=torch.int64, device=device)))

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from rng_tracker._torch_private import storage_identity
+from rng_tracker._torch_private import holds_no_data, storage_identity
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import InvariantRandomConfigError, KernelInputTypeError
 from rng_tracker.kernels import _keyed_fill as _kernel
@@ -79,8 +79,8 @@ def _write(t: torch.Tensor, kind: FillKind, values: Sequence[float], name: str, 
         global_shape: Sequence[int] = tuple(t.shape)
     else:
         local, holds, indices, global_shape = t, True, None, tuple(t.shape)
-    if local.device.type == "meta":
-        return  # nothing to fill: values come when the tensor is materialised and initialised
+    if holds_no_data(local):
+        return  # meta or fake: values come when the tensor is materialised and initialised
     with torch.no_grad():
         if not holds:
             local.zero_()

@@ -15,6 +15,7 @@ from typing import TypeAlias, cast
 
 import torch
 
+from rng_tracker._torch_private import disable_current_dispatch_modes
 from rng_tracker._validate import checked_flag, checked_int
 from rng_tracker.errors import TrackerDeviceError, TrackerDeviceTypeError
 
@@ -116,14 +117,15 @@ def _cpu_seed_layout() -> tuple[int, int]:
     state hold only the stored seed). torch's mt19937 takes the low 32 bits and stores the whole
     seed in the state's first 8 bytes, which no draw reads; probed on two seeds that differ in
     their high 32 bits alone, so a torch that uses all 64 bits gives (64, 0)."""
-    low, high = (
-        torch.Generator().manual_seed(s).get_state()
-        for s in (_SEED_PROBE, _SEED_PROBE ^ _HIGH_HALF)
-    )
-    differ = (low != high).nonzero()
-    if differ.numel() and int(differ.max()) >= 8:  # the high half changed the mt19937 state
-        return 64, 0
-    return 32, (8 if differ.numel() else 0)  # 0: no seed stored
+    with disable_current_dispatch_modes():  # real tensors, even under fake tensors or a trace
+        low, high = (
+            torch.Generator().manual_seed(s).get_state()
+            for s in (_SEED_PROBE, _SEED_PROBE ^ _HIGH_HALF)
+        )
+        differ = (low != high).nonzero()
+        if differ.numel() and int(differ.max()) >= 8:  # the high half changed the mt19937 state
+            return 64, 0
+        return 32, (8 if differ.numel() else 0)  # 0: no seed stored
 
 
 def default_generator(device: torch.device | str | int | None = None) -> torch.Generator:

@@ -83,11 +83,54 @@ def tracing_mode_active() -> bool:
     return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
 
 
+def _proxy_mode() -> Any | None:
+    """torch.fx.experimental.proxy_tensor.get_proxy_mode: make_fx's proxy mode, also where it
+    records before dispatch (torch.export's non-strict trace), or None."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode()
+
+
 def graph_tracing_active() -> bool:
     """Whether make_fx's proxy mode records ops into a graph (torch.export's non-strict trace
-    runs it too); True where torch cannot say."""
-    proxy = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
-    return _get_dispatch_mode is None or proxy is None or _get_dispatch_mode(proxy) is not None
+    runs it too)."""
+    return _proxy_mode() is not None
+
+
+def recording_graph() -> Any | None:
+    """The graph that make_fx's proxy mode (torch.export's non-strict trace runs it) records
+    into, or None where none records."""
+    return getattr(getattr(_proxy_mode(), "tracer", None), "graph", None)
+
+
+def records_a_draw(graph: Any, skip: int) -> bool:
+    """Whether ``graph`` holds, past its first ``skip`` nodes, an op torch tags as drawing from a
+    generator (``torch.Tag.nondeterministic_seeded``: rand, dropout, randint, bernoulli_, ...)."""
+    for index, node in enumerate(graph.nodes):
+        tags = getattr(node.target, "tags", ()) if index >= skip else ()
+        if torch.Tag.nondeterministic_seeded in tags and not _in_eval(node):
+            return True
+    return False
+
+
+def _in_eval(node: Any) -> bool:
+    """Whether ``node`` is a dropout recorded with ``train=False`` (an eval trace's: no draw)."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    if "train" not in names:
+        return False
+    at = names.index("train")
+    train = node.args[at] if at < len(node.args) else node.kwargs.get("train", True)
+    return train is False
+
+
+def holds_no_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has no memory to read or write: on the meta device, or a fake tensor
+    (``torch._subclasses.fake_tensor.is_fake``, which sees through functional wrappers)."""
+    if tensor.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
 
 
 def functorch_transforms_active() -> bool | None:

@@ -21,12 +21,18 @@ from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint
 from rng_tracker._deprecation import warn_deprecated
 from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
+from rng_tracker._torch_private import (
+    disable_current_dispatch_modes,
+    recording_graph,
+    records_a_draw,
+)
 from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
     CPURNGChangedWarning,
     DuplicateStreamError,
     ForkNotReplayedWarning,
     ForkOrderError,
+    ForkTracedError,
     InvalidSeedError,
     InvalidSeedTypeError,
     SeedReuseError,
@@ -138,17 +144,21 @@ class _Fork:
     The name is checked at entry, as Megatron's is, so a function may be decorated before its
     stream is added."""
 
-    __slots__ = ("_cpu_before", "_name", "_tracker")
+    __slots__ = ("_cpu_before", "_name", "_traced", "_tracker")
 
     def __init__(self, tracker: RNGStatesTracker, name: str) -> None:
         self._tracker = tracker
         self._name = name
         self._cpu_before: torch.Tensor | None = None
+        # under a trace: the graph it records, its length, and the streams' states at entry
+        self._traced: tuple[Any, int, Any] | None = None
 
     def __enter__(self) -> None:
         self._open()
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is not None:  # the body's error, not a traced draw's, goes out
+            self._traced = None
         self._close(inspect.currentframe())
 
     def __call__(self, function: Callable[..., _T]) -> Callable[..., _T]:
@@ -167,6 +177,10 @@ class _Fork:
         """Enter the fork; its warning names the frame that called ``__enter__`` or the
         decorated function (both call this directly)."""
         tracker = self._tracker
+        graph = recording_graph()
+        if graph is not None:
+            with disable_current_dispatch_modes():  # the real states, not the trace's tensors
+                self._traced = (graph, len(graph.nodes), tracker.get_states())
         tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
             self._cpu_before = torch.default_generator.get_state()
@@ -181,6 +195,18 @@ class _Fork:
         """Leave the fork; ``frame`` is ``__exit__``'s or the decorated wrapper's, whose caller
         a CPU-generator warning names."""
         self._tracker._exit(self._name)
+        traced, self._traced = self._traced, None
+        if traced is not None and records_a_draw(*traced[:2]):
+            with disable_current_dispatch_modes():  # a real-tensor trace drew from the stream
+                self._tracker.set_states(traced[2])
+            raise ForkTracedError(
+                f"a random op drew inside fork({self._name!r}) under a graph trace "
+                "(torch.export with strict=False, or make_fx), which records the op but not the "
+                "fork's swap of generator states: the traced program would draw from the "
+                "default generator, not the stream. Trace in eval mode (a fork that draws "
+                "nothing traces), draw with a keyed seed (kernels.dropout(..., seed=) as an "
+                "input of the traced function), or run the traced program inside the fork"
+            )
         if self._cpu_before is not None:
             changed = not torch.equal(self._cpu_before, torch.default_generator.get_state())
             self._cpu_before = None

@@ -312,13 +312,24 @@ class ArgumentConflictError(RNGTrackerError, TypeError):
     ``state=``)."""
 
 
+class ForkTracedError(RNGTrackerError, RuntimeError):
+    """A fork entered under a graph trace (torch.export, make_fx), which records the ops inside
+    it but not the swap of generator states: the traced program would draw from the default
+    generator instead of the stream."""
+
+
 class ForkNotReplayedWarning(UserWarning):
     """A tracker fork entered in a forward of torch's own checkpoint, which replays the default
     generators but not the tracker's streams: its recompute would draw other values (use
     ``rng_tracker.checkpoint``, or ``context_fn=rng_tracker.rng_context_fn()``)."""
 
 
-__all__ += ["ArgumentConflictError", "CPURNGChangedWarning", "ForkNotReplayedWarning"]
+__all__ += [
+    "ArgumentConflictError",
+    "CPURNGChangedWarning",
+    "ForkNotReplayedWarning",
+    "ForkTracedError",
+]
 
 
 # The distributed test harness's (rng_tracker.parallel.testing exports them too).

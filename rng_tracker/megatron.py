@@ -55,6 +55,7 @@ from rng_tracker._streams import (
     GTP_REMAT_RNG,
     MODEL_PARALLEL_RNG,
 )
+from rng_tracker._torch_private import disable_current_dispatch_modes
 from rng_tracker._tracker import (
     RNGStatesTracker,
     check_stream_seeds,
@@ -294,7 +295,8 @@ def initialize_rng_tracker(
     if not (force_reset or inference_rng_tracker) and found is not None and found.names():
         # streams seeded through rng_tracker's own names (model_parallel_seed): one registry, so
         # Megatron's tracker takes them over rather than hiding them behind an empty one
-        tracker.load_state_dict(found.state_dict())
+        with disable_current_dispatch_modes():  # real state tensors, even under a trace
+            tracker.load_state_dict(found.state_dict())
     set_process_tracker(tracker)
 
 

@@ -424,3 +424,21 @@ def test_a_name_utf8_cannot_encode_is_a_typed_error() -> None:
         keyed_init.keyed_normal_(t, 0.0, 1.0, seed=1, name="w\ud800")
     assert isinstance(raised.value, ValueError) and isinstance(raised.value, RNGTrackerError)
     assert torch.equal(t, torch.full((3,), 5.0))
+
+
+def test_under_fake_tensors_keyed_init_is_shape_only_as_torchs_init():
+    """A memory estimate builds the model under FakeTensorMode: keyed init writes nothing there
+    (the C fill would write through a fake tensor's data pointer, a crash), as torch's init
+    writes nothing; then the same call on a real tensor fills its values."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from rng_tracker.parallel.invariant import invariant_random
+
+    with FakeTensorMode():
+        fake = keyed_init.keyed_normal_(torch.empty(4, 8), name="w", seed=1)
+        with invariant_random():
+            layer = torch.nn.Linear(8, 4)
+    assert isinstance(fake, FakeTensor) and isinstance(layer.weight, FakeTensor)
+    real = keyed_init.keyed_normal_(torch.empty(4, 8), name="w", seed=1)
+    assert torch.equal(real, keyed_init.keyed_normal_(torch.zeros(4, 8), name="w", seed=1))
+    assert real.std() > 0.5

@@ -431,3 +431,39 @@ def test_plan_seeds_refuses_a_bool_tensor_seed_and_non_bool_flags(bad):
     assert plan_seeds(1, data_parallel_random_init=np.True_) == plan_seeds(
         1, data_parallel_random_init=True
     )
+
+
+_FAKE_FIRST_SEEDING = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from rng_tracker import get_rng_tracker, megatron, model_parallel_seed
+
+with FakeTensorMode():  # a memory estimate that runs the training set-up under fake tensors
+    model_parallel_seed(1234, tp_rank=0)
+    get_rng_tracker("cpu").add("extra", 99)
+    megatron.get_cuda_rng_tracker()  # the facade takes the process's streams over
+with get_rng_tracker("cpu").fork("extra"):
+    got = torch.rand(3)
+with megatron.get_cuda_rng_tracker().fork():
+    megatron_draw = torch.rand(3)
+get_rng_tracker("cpu").reset()
+model_parallel_seed(1234, tp_rank=0)
+with get_rng_tracker("cpu").fork():
+    want = torch.rand(3)
+print(torch.equal(got, torch.rand(3, generator=torch.Generator().manual_seed(99))),
+      torch.equal(megatron_draw, want))
+"""
+
+
+def test_a_process_whose_first_seeding_runs_under_fake_tensors_seeds_the_streams():
+    """In a fresh process, the first seeding (whose one-time probe of torch's CPU seed layout
+    runs torch ops) and the Megatron facade's first tracker run under FakeTensorMode: they work,
+    and the streams then draw what the same seeds draw outside the mode."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _FAKE_FIRST_SEEDING], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True"]

@@ -905,3 +905,46 @@ def test_the_fork_warning_names_the_users_line_with_or_without_a_decorator() -> 
         torch_checkpoint.checkpoint(block, torch.ones(2, requires_grad=True), use_reentrant=False)
     sites = [(w.filename, w.lineno) for w in caught if w.category.__name__.startswith("ForkNot")]
     assert sites == [(__file__, lines["with"]), (__file__, lines["decorated"])]
+
+
+class _ForkedDropout(torch.nn.Module):
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.tracker.fork():
+            return torch.nn.functional.dropout(x, 0.5, training=self.training)
+
+
+def test_a_draw_inside_a_fork_under_a_graph_trace_is_refused_and_a_drawless_fork_traces() -> None:
+    """make_fx and torch.export (strict=False) record a fork's draws but not its swap of
+    generator states, so the traced program would draw from the default generator: a draw in
+    a fork there raises ForkTracedError (the fork closed, the stream where it was). An eval
+    export, whose fork draws nothing, traces; and a traced program run inside a fork draws the
+    stream, as eager does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rng_tracker.errors import ForkTracedError
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 5)
+    module, x = _ForkedDropout(tracker), torch.ones(4, 8)
+    before = tracker.get_states()
+    for trace in (
+        lambda: make_fx(module)(x),
+        lambda: torch.export.export(module, (x,), strict=False),
+    ):
+        with pytest.raises(ForkTracedError, match="keyed seed"):
+            trace()
+        assert tracker.open_forks() == ()
+        assert torch.equal(tracker.get_states()["model-parallel-rng"], before["model-parallel-rng"])
+    program = torch.export.export(module.eval(), (x,), strict=False).module()
+    assert torch.equal(program(x), x)
+    dropout = torch.export.export(torch.nn.Dropout(0.5).train(), (x,), strict=False).module()
+    with tracker.fork():
+        traced = dropout(x)
+    tracker.set_states(before)
+    with tracker.fork():
+        eager = torch.nn.functional.dropout(x, 0.5)
+    assert torch.equal(traced, eager)
