@@ -81,8 +81,12 @@ def _check_seed(
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
     words = None
-    # free to read on the CPU (no sync), but not as a traced value or a batched one (vmap)
-    readable = seed.device.type == "cpu" and not torch.compiler.is_compiling()
+    # free to read on the CPU (no sync), but not as a traced, fake or batched (vmap) value
+    readable = (
+        type(seed) is torch.Tensor  # not a fake tensor (shape-only) or another subclass
+        and seed.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
     if readable and functorch_transforms_active() is False:
         words = tuple(seed.tolist())
         if not all(0 <= w < 2**32 for w in words[2:]):

@@ -17,6 +17,7 @@ import torch
 
 from rng_tracker._bits import mix_key, signed64
 from rng_tracker._device_rng import normalize_device
+from rng_tracker._torch_private import active_fake_mode, disable_current_dispatch_modes
 from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
@@ -164,8 +165,9 @@ class KeyedRNG:
     def manual_seed(self, seed: int) -> None:
         """Set the seed and go back to step 0 (the state of a fresh run)."""
         seed = validate_seed(seed)
-        words = torch.tensor([signed64(_philox_key(seed)), 0, 0, 0], dtype=torch.int64)
-        self._words.copy_(words)
+        key = signed64(_philox_key(seed))
+        with disable_current_dispatch_modes():  # real words, under fake tensors or a trace too
+            self._words.copy_(torch.tensor([key, 0, 0, 0], dtype=torch.int64, device="cpu"))
         self._seed, self._host_step = seed, 0
 
     def register(self, name: str, *, site_id: int | None = None) -> int:
@@ -194,10 +196,12 @@ class KeyedRNG:
         return wanted
 
     def _add(self, name: str, site_id: int) -> None:
+        # the words first (real, on this device, whatever mode or default device is active),
+        # then the names: a failure registers nothing
+        with disable_current_dispatch_modes():
+            words = torch.tensor([0, 0, site_id, 0], dtype=torch.int64, device="cpu")
+            self._site_words[name] = words.to(self._device)
         self._ids[name], self._names[site_id] = site_id, name
-        self._site_words[name] = torch.tensor([0, 0, site_id, 0], dtype=torch.int64).to(
-            self._device
-        )
 
     def set_step(self, step: int) -> None:
         """Move to ``step`` (in [0, 2**32))."""
@@ -231,6 +235,9 @@ class KeyedRNG:
                 "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) "
                 "with the run's seed (the same on every rank) first"
             )
+        fake = active_fake_mode()
+        if fake is not None:  # shape-only: the words as fake tensors of the mode
+            return fake.from_tensor(self._words) + fake.from_tensor(site_words)
         return self._words + site_words  # (4,) int64 on the device
 
     # -- checkpoints --------------------------------------------------------------------

@@ -36,13 +36,14 @@ _TRACKERS = "RNGStatesTracker objects (e.g. get_rng_tracker('cuda'))"
 def accelerators(
     devices: Iterable[torch.device], trackers: Iterable[RNGStatesTracker]
 ) -> list[torch.device]:
-    """The devices other than CPU among ``devices`` and the trackers', each once, by name.
+    """The devices other than CPU among ``devices`` and the trackers', each once, by name
+    (not meta: it has no generator, and torch's checkpoint runs meta tensors without one).
 
     Runs at every checkpointed call: ``d != _CPU`` first, since reading ``d.type`` builds a
     string (most of a microsecond) and the devices are mostly the CPU."""
     found: list[torch.device] = []
     for device in (*devices, *(t.device for t in trackers)):
-        if device != _CPU and device.type != "cpu" and device not in found:
+        if device != _CPU and device.type not in ("cpu", "meta") and device not in found:
             found.append(device)
     return sorted(found, key=str) if len(found) > 1 else found
 

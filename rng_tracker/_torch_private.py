@@ -123,6 +123,12 @@ def _in_eval(node: Any) -> bool:
     return train is False
 
 
+def active_fake_mode() -> Any | None:
+    """The FakeTensorMode that is active, or None."""
+    fake = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+    return None if _get_dispatch_mode is None or fake is None else _get_dispatch_mode(fake)
+
+
 def holds_no_data(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` has no memory to read or write: on the meta device, or a fake tensor
     (``torch._subclasses.fake_tensor.is_fake``, which sees through functional wrappers)."""

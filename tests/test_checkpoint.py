@@ -710,3 +710,19 @@ def test_megatron_checkpoint_of_inputs_without_grad_gives_no_warning():
         warnings.simplefilter("error")
         out = mg.checkpoint(lambda a, b: a + b, None, torch.ones(16), torch.ones(16) * 2)
     assert torch.equal(out, torch.full((16,), 3.0))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoint_of_meta_tensors_runs_as_torchs_does(use_reentrant):
+    """Meta tensors (shape checks, deferred init) have no generator to snapshot: the checkpoint
+    runs forward and backward on them, as torch.utils.checkpoint does, where it refused meta as
+    an unavailable device."""
+    x = torch.empty(4, 4, device="meta", requires_grad=True)
+    weight = torch.empty(4, 4, device="meta")
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(t @ weight, 0.5)
+
+    out = checkpoint(block, x, use_reentrant=use_reentrant)
+    out.sum().backward()
+    assert out.is_meta and x.grad is not None and x.grad.shape == (4, 4)

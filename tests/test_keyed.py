@@ -14,7 +14,14 @@ from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rng_tracker._keyed as keyed_module
-from rng_tracker import KeyedRNG, RNGSnapshot, RNGStatesTracker, RNGTrackerError, get_keyed_rng
+from rng_tracker import (
+    KeyedRNG,
+    RNGSnapshot,
+    RNGStatesTracker,
+    RNGTrackerError,
+    get_keyed_rng,
+    kernels,
+)
 from rng_tracker._device_rng import DeviceRNG
 from rng_tracker._keyed import STEP_LIMIT, _philox_key, site_id_of
 from rng_tracker.errors import (
@@ -535,3 +542,32 @@ def test_a_site_name_utf8_cannot_encode_is_refused_typed_when_registered_and_loa
         rng.load_state_dict({"version": 1, "seed": 5, "step": 3, "sites": {"\ud800": 7}})
     assert rng.seed == 1 and rng.sites == {}
     assert rng.register("é-site") > 0  # any text UTF-8 encodes is a name
+
+
+def test_sites_met_first_on_the_meta_device_or_under_fake_tensors_register_real_words(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A model built under ``torch.device("meta")`` (deferred init) or FakeTensorMode (a memory
+    estimate) registers its keyed sites there: each site's words are real CPU tensors (a meta
+    build failed half-registered, a fake one stored fake words that broke every later real
+    call); under fake tensors a keyed dropout is shape-only; later real calls draw the keyed
+    masks."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from rng_tracker.parallel.sites import site_dropout
+
+    rng = KeyedRNG("cpu", seed=3)  # the process's, for this test alone
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    with torch.device("meta"):
+        rng.register("test.meta_site")
+    with FakeTensorMode():
+        rng.register("test.fake_site")
+        shaped = site_dropout("test.fake_site", torch.empty(2, 4, 8), 0.5, rng_mode="keyed")
+    assert isinstance(shaped, FakeTensor) and shaped.shape == (2, 4, 8)
+    x = torch.ones(2, 4, 8)
+    for name in ("test.meta_site", "test.fake_site"):
+        seed = rng.seed_tensor(name)
+        assert type(seed) is torch.Tensor and seed.device.type == "cpu"
+        assert seed.tolist() == [rng.seed_tensor(name).tolist()[0], 0, site_id_of(name), 0]
+        got = site_dropout(name, x, 0.5, rng_mode="keyed")
+        assert torch.equal(got, kernels.dropout(x, 0.5, seed=seed))
