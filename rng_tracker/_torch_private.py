@@ -83,12 +83,19 @@ def tracing_mode_active() -> bool:
     return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
 
 
-def _proxy_mode() -> Any | None:
-    """torch.fx.experimental.proxy_tensor.get_proxy_mode: make_fx's proxy mode, also where it
-    records before dispatch (torch.export's non-strict trace), or None."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+_PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+_pre_dispatch_mode = getattr(torch._ops, "_get_dispatch_mode_pre_dispatch", None)
 
-    return get_proxy_mode()
+
+def _proxy_mode() -> Any | None:
+    """make_fx's proxy mode, also where it records before dispatch (torch.export's non-strict
+    trace), or None: torch.fx.experimental.proxy_tensor.get_proxy_mode's two reads, without
+    importing it on every fork."""
+    if _PROXY is None or _get_dispatch_mode is None or _pre_dispatch_mode is None:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        return get_proxy_mode()
+    return _pre_dispatch_mode(_PROXY) or _get_dispatch_mode(_PROXY)
 
 
 def graph_tracing_active() -> bool:
