@@ -8,8 +8,10 @@ wrote none), and it must know whether it is saving (each rank writes its own ent
 
 This module finds the answer on the call stack: the frame of torch's ``load`` (its
 ``storage_reader`` is set up before it calls ``state_dict()``) or of ``_stateful_to_state_dict``
-(called by ``save`` and ``async_save``). It reads those frames' locals only, and reads the
-checkpoint's metadata through the reader DCP itself built. torch names:
+(called by ``save`` and ``async_save``). It reads those frames' locals, and reads the
+checkpoint's metadata through the reader DCP itself built. An ``RNGStateful`` nested in another
+``Stateful`` (whose ``state_dict()`` calls its own) is found through that outer one, whose
+method runs between the two on the stack. torch names:
 
 | relies on | public? | guard |
 | --- | --- | --- |
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,6 +40,8 @@ class DCPCall:
     storage_reader: Any  # the load's StorageReader (None for a save)
     process_group: Any  # the process group the DCP call coordinates over (None: the world)
     no_dist: bool
+    key: str  # the top-level key of the owner, or of the Stateful it is nested in
+    nested: bool  # the owner sits inside the Stateful under ``key``, not at the top level
 
 
 def _code(module: str, name: str) -> Any:
@@ -75,36 +80,60 @@ def _local(frame: Any, name: str, where: str) -> Any:
 
 
 def find_dcp_call(owner: object) -> DCPCall | None:
-    """The DCP save or load whose state dict holds ``owner`` at its top level, or None.
+    """The DCP save or load whose state dict holds ``owner``, or None.
 
-    Only a DCP call that has ``owner`` itself among its top-level values counts, so a
+    Only a DCP call that has ``owner`` among its top-level values, or a top-level ``Stateful``
+    whose method is running below it on the stack (``owner`` nested in it), counts, so a
     ``state_dict()`` that some other code calls while a DCP call is on the stack is not
     mistaken for part of it.
     """
     codes = _codes()
     if codes["load"] is None and codes["stateful"] is None:
         return None
-    frame = sys._getframe(1)
+    start = sys._getframe(1)
+    frame = start
     while frame is not None:
         code = frame.f_code
         if code is codes["load"] and codes["load"] is not None:
             state_dict = _local(frame, "state_dict", "dcp.load")
-            if _holds(state_dict, owner):
+            place = _place(state_dict, owner, start, frame)
+            if place is not None:
                 return DCPCall(
                     "load",
                     state_dict,
                     _local(frame, "storage_reader", "dcp.load"),
                     frame.f_locals.get("process_group"),
                     bool(frame.f_locals.get("no_dist", False)),
+                    *place,
                 )
         if code is codes["stateful"] and codes["stateful"] is not None:
             state_dict = _local(frame, "state_dict", "dcp's _stateful_to_state_dict")
-            if _holds(state_dict, owner):
+            place = _place(state_dict, owner, start, frame)
+            if place is not None:
                 caller = _caller(frame, (codes["save"], codes["async_save"]))
                 group = None if caller is None else caller.f_locals.get("process_group")
                 no_dist = caller is not None and bool(caller.f_locals.get("no_dist", False))
-                return DCPCall("save", state_dict, None, group, no_dist)
+                return DCPCall("save", state_dict, None, group, no_dist, *place)
         frame = frame.f_back
+    return None
+
+
+def _place(state_dict: Any, owner: object, start: Any, dcp_frame: Any) -> tuple[str, bool] | None:
+    """The top-level key that holds ``owner`` in ``state_dict`` and whether it holds it nested
+    (in a Stateful whose method runs between ``start`` and ``dcp_frame``), or None."""
+    if not isinstance(state_dict, dict):
+        return None
+    for key, value in state_dict.items():
+        if value is owner:
+            return str(key), False
+    running = set()
+    frame = start
+    while frame is not None and frame is not dcp_frame:
+        running.add(id(frame.f_locals.get("self")))
+        frame = frame.f_back
+    for key, value in state_dict.items():
+        if id(value) in running:
+            return str(key), True
     return None
 
 
@@ -118,25 +147,15 @@ def _caller(frame: Any, codes: tuple[Any, ...], depth: int = 8) -> Any:
     return None
 
 
-def _holds(state_dict: Any, owner: object) -> bool:
-    return isinstance(state_dict, dict) and any(value is owner for value in state_dict.values())
-
-
-def top_level_key(call: DCPCall, owner: object) -> str:
-    """The key under which ``owner`` sits in the DCP call's state dict."""
-    for key, value in call.state_dict.items():
-        if value is owner:
-            return str(key)
-    raise AssertionError("find_dcp_call returned a call that does not hold the owner")
-
-
-def saved_keys(call: DCPCall, owner: object) -> set[str]:
-    """The keys of ``owner``'s entries in the checkpoint being loaded (``rank3``, ``shared``, ...).
+def saved_keys(call: DCPCall, is_entry: Callable[[str], bool]) -> set[str]:
+    """The keys of the owner's entries in the checkpoint being loaded (``rank3``, ``shared``, ...).
 
     Reads the checkpoint's metadata through the load's own reader: DCP's metadata lists every
-    saved key, so this costs what DCP's own metadata read costs (once more).
+    saved key, so this costs what DCP's own metadata read costs (once more). Nested in a
+    Stateful, the owner's entries are the keys below ``call.key`` whose last part
+    ``is_entry``; they must all sit at one place there.
     """
-    prefix = top_level_key(call, owner) + "."
+    prefix = call.key + "."
     try:
         metadata = call.storage_reader.read_metadata()
         keys = metadata.state_dict_metadata
@@ -145,4 +164,19 @@ def saved_keys(call: DCPCall, owner: object) -> set[str]:
             f"the checkpoint's metadata could not be read ({type(exc).__name__}: {exc}); "
             "check the checkpoint path"
         ) from exc
-    return {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+    below = [key[len(prefix) :] for key in keys if key.startswith(prefix)]
+    if not call.nested:
+        return set(below)
+    places: dict[str, set[str]] = {}
+    for key in below:
+        place, _, last = key.rpartition(".")
+        if is_entry(last):
+            places.setdefault(place, set()).add(last)
+    if len(places) > 1:
+        raise StateDictError(
+            f"the checkpoint holds RNG state at {len(places)} places inside {call.key!r} "
+            f"({', '.join(sorted(f'{call.key}.{p}' for p in places))}), so an RNGStateful nested "
+            "there cannot tell which is its own; put each RNGStateful at the top level of the "
+            "state dict given to dcp.save and dcp.load, under its own key"
+        )
+    return next(iter(places.values()), set())

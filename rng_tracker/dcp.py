@@ -1,7 +1,8 @@
 """RNG state in any checkpoint, resumable on any layout, O(1) bytes per rank, checked end to end.
 
-Put an :class:`RNGStateful` in the state dict given to ``dcp.save``/``dcp.load`` (or torchtitan's
-``CheckpointManager`` states, or accelerate's ``register_for_checkpointing``): it saves this
+Put an :class:`RNGStateful` in the state dict given to ``dcp.save``/``dcp.load``, at its top level
+or inside a ``Stateful`` there (or in torchtitan's ``CheckpointManager`` states, or accelerate's
+``register_for_checkpointing``): it saves this
 process's default generators (CPU and accelerator), the rng_tracker streams and the keyed RNG
 state. docs/resume.md has the whole story; in short:
 
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from rng_tracker._accelerate_context import accelerate_saves_on_each_node
 from rng_tracker._collective import as_bytes, as_uint8, collective_device
-from rng_tracker._dcp_context import find_dcp_call, saved_keys, top_level_key
+from rng_tracker._dcp_context import find_dcp_call, saved_keys
 from rng_tracker._device_rng import default_device, default_generator, device_rng
 from rng_tracker._keyed import KeyedRNG, get_keyed_rng
 from rng_tracker._layout import ParallelLayout, process_layout
@@ -694,7 +695,7 @@ class RNGStateful:
     def _load_template(self, call: Any) -> dict[str, bytes]:
         """The entries this rank reads in ``call``: ``shared``, and its own one where the
         checkpoint has as many ranks as this run (another world re-derives per-rank parts)."""
-        keys = saved_keys(call, self)
+        keys = saved_keys(call, lambda key: key in ("shared", "blob") or is_rank_key(key))
         rank, world = (0, 1) if call.no_dist else _world(call.process_group)
         if "shared" in keys:
             saved_world = sum(1 for key in keys if is_rank_key(key))
@@ -703,11 +704,11 @@ class RNGStateful:
             return dict.fromkeys(wanted, b"")
         if keys == {"blob"}:
             return {"blob": b""}
-        name = top_level_key(call, self)
+        where = f"{'inside' if call.nested else 'under'} {call.key!r}"
         raise StateDictError(
-            f"the checkpoint holds no RNG state under {name!r} (it has {sorted(keys)[:8] or 'no'} "
+            f"the checkpoint holds no RNG state {where} (it has {sorted(keys)[:8] or 'no'} "
             f"entries there): it was saved without RNGStateful, or under another key; load it "
-            f"without {name!r}, or from a checkpoint that has it"
+            f"without {call.key!r}, or from a checkpoint that has it"
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

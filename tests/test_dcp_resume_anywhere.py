@@ -8,6 +8,8 @@ Claims (issues 23 and 26), each on real gloo ranks and real DCP checkpoints:
   axes it varied over): ranks that share those coordinates get equal states, the others distinct
   ones, never the state the run's seeding gave (which would replay the first steps), with one
   ``RNGStateRederivedWarning`` naming them; ``strict=True`` refuses, changing nothing.
+- An ``RNGStateful`` nested in another ``Stateful`` (torch's DCP tutorial's ``AppState``) saves
+  and loads as one at the top level, on a grown world too; two nested in one are refused at load.
 - Under DCP each rank holds two entries (``shared``, its own) of the same size at 2 and 4 ranks,
   sends the same bytes in our collectives, and reads ``shared`` plus its own entry (saved layout)
   or ``shared`` alone (another world size): never another rank's state.
@@ -75,6 +77,20 @@ class _Recorder(RNGStateful):
         return self.returned
 
 
+class _TrainState:
+    """The Stateful of torch's DCP tutorial: its state_dict() holds an RNGStateful's."""
+
+    def __init__(self, rng: RNGStateful) -> None:
+        self.rng, self.step = rng, 3
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.rng.load_state_dict(state_dict["rng"])
+        self.step = state_dict["step"]
+
+
 def _reader(path: str, read: list[str]):
     """DCP's own FileSystemReader, noting the keys of every item it reads."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -135,6 +151,9 @@ def _save_at_tp2(root: str) -> dict:
     out["sent"] = comm_bytes()["sent"] - sent
     out["held"] = {key: len(value) for key, value in recorder.returned.items()}
     out["saved"] = _states(tracker, keyed)
+    nested = _Recorder(tracker, keyed, layout={"tp": 2})
+    dcp.save({"train": _TrainState(nested)}, checkpoint_id=os.path.join(root, "tp2-nested"))
+    out["nested_held"] = sorted(nested.returned)
 
     # the saved layout: every state back bitwise, reading 'shared' and this rank's entry only
     with tracker.fork(_MP):
@@ -259,8 +278,9 @@ def _refused_save(root: str, name: str, stateful: RNGStateful):
 # --- 4 ranks: a grown world and another layout --------------------------------------------------
 
 
-def _load_at(root: str, tensor: int) -> dict:
-    """Load the tp=2 checkpoint of 2 ranks on this run's mesh (tp=tensor over the world)."""
+def _load_at(root: str, tensor: int, *, nested: bool = False) -> dict:
+    """Load the tp=2 checkpoint of 2 ranks on this run's mesh (tp=tensor over the world); nested:
+    the one whose RNGStateful sat inside a _TrainState, loaded the same way."""
     import torch.distributed.checkpoint as dcp
 
     from rng_tracker.dcp import comm_bytes
@@ -269,11 +289,12 @@ def _load_at(root: str, tensor: int) -> dict:
     tracker, keyed, state = _megatron_like(tensor, keyed_step=0)
     torch.manual_seed(77)  # elsewhere until the load
     read: list[str] = []
+    stateful = RNGStateful(tracker, keyed, layout={"tp": tensor})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.load(
-            {"rng": RNGStateful(tracker, keyed, layout={"tp": tensor})},
-            storage_reader=_reader(os.path.join(root, "tp2"), read),
+            {"train": _TrainState(stateful)} if nested else {"rng": stateful},
+            storage_reader=_reader(os.path.join(root, "tp2-nested" if nested else "tp2"), read),
         )
     out = {
         "restored": _states(tracker, keyed),
@@ -282,6 +303,9 @@ def _load_at(root: str, tensor: int) -> dict:
         "tp": state.rank("tp"),
         "fresh_mp": _fresh_model_parallel_state(tensor),
     }
+    if nested:
+        destroy_model_parallel()
+        return out
     # and a save here: the same bytes per rank as on 2 ranks
     recorder = _Recorder(tracker, keyed, layout={"tp": tensor})
     sent = comm_bytes()["sent"]
@@ -339,6 +363,7 @@ def _layout_given_as_a_parallel_state(root: str) -> dict:
 def _on_four_ranks(root: str) -> dict:
     return {
         "tp4": _load_at(root, 4),
+        "tp4_nested": _load_at(root, 4, nested=True),
         "tp2dp2": _load_at(root, 2),
         "mesh": _load_with_a_mesh(root),
         "no_layout_given": _layout_from_the_parallel_state(root),
@@ -434,6 +459,15 @@ def test_resume_on_the_saved_layout_a_grown_world_another_mesh_and_one_process(t
                 by_tp.setdefault(result["tp"], set()).add(result["restored"][f"stream/{stream}"])
             assert all(len(states) == 1 for states in by_tp.values()), layout  # equal within tp
             assert len(set().union(*by_tp.values())) == len(by_tp), layout  # distinct across tp
+
+    # an RNGStateful nested in another Stateful (torch's DCP tutorial's shape): each rank saved
+    # its own entry, and a grown world loads it as it loads one at the top level
+    assert all(r["nested_held"] == [f"rank{i}", "shared"] for i, r in enumerate(two))
+    for result in four:
+        nested = result["tp4_nested"]
+        assert nested["restored"] == result["tp4"]["restored"]
+        assert nested["read"] == ["train.rng.shared", "train.step"]
+        assert [len(nested["warnings"]), len(result["tp4"]["warnings"])] == [1, 1]
 
     # no layout= given: the parallel state's axis sizes tell tp=4 from tp=2 x dp=2 (same world)
     for result in four:
@@ -705,6 +739,34 @@ def test_the_default_tracker_and_keyed_rng_are_the_processs_at_each_call() -> No
     finally:
         _PROCESS_TRACKERS.clear()
         _PROCESS_TRACKERS.update(before)
+
+
+class _TwoRNGs:
+    """A Stateful holding two RNGStatefuls' entries: a nested one cannot tell which is its own."""
+
+    def __init__(self, first: RNGStateful, second: RNGStateful) -> None:
+        self.first, self.second = first, second
+
+    def state_dict(self) -> dict:
+        return {"a": self.first.state_dict(), "b": self.second.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.first.load_state_dict(state_dict["a"])
+        self.second.load_state_dict(state_dict["b"])
+
+
+def test_two_rngstatefuls_nested_in_one_stateful_are_refused_at_load(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tracker, keyed = _setup()
+    path = str(tmp_path / "two")
+    both = _TwoRNGs(RNGStateful(tracker, keyed), RNGStateful(tracker, keyed))
+    dcp.save({"app": both}, checkpoint_id=path, no_dist=True)
+    torch.manual_seed(5)
+    before = _live_states(tracker, keyed)
+    with pytest.raises(StateDictError, match=r"2 places inside 'app' \(app.a, app.b\)"):
+        dcp.load({"app": both}, checkpoint_id=path, no_dist=True)
+    _assert_unchanged(before, _live_states(tracker, keyed))
 
 
 def test_options_are_checked_when_built() -> None:
