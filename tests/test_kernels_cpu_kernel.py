@@ -14,9 +14,11 @@ import mmap
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -519,26 +521,24 @@ def test_without_a_c_compiler_the_reference_runs_after_one_warning(tmp_path):
     assert "C compiler" in message and "no-such-compiler" in message
 
 
+def _built_library() -> Path:
+    """The compiled dropout's library in this process's cache, built here if it was not."""
+    assert _cpu_kernel.available()
+    return _cpu_kernel._SOURCE.library_path()
+
+
 def test_a_warm_cache_needs_no_compiler(tmp_path):
-    """The library is keyed by source and platform, not by compiler: built once here, a fresh
-    process with no compiler loads it and runs the compiled kernel, with no warning."""
+    """The library is keyed by source and platform, not by compiler: built once (here, by this
+    process), a fresh process with no compiler loads it and runs the compiled kernel, with no
+    warning."""
+    library = _built_library()
     cache = tmp_path / "cache"
-    build = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from rng_tracker.kernels import _cpu_kernel as c; print(c.available())",
-        ],
-        env=dict(os.environ, RNG_TRACKER_CACHE_DIR=str(cache)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.stdout.strip() == "True", build.stderr[-3000:]
-    assert [p.suffix for p in cache.iterdir()] == [".so"]  # one library, no leftovers
+    cache.mkdir()
+    shutil.copyfile(library, cache / library.name)
     result = _run_without_compiler(cache, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["compiled", "0"]
+    assert [p.name for p in cache.iterdir()] == [library.name]  # loaded, nothing built beside it
 
 
 def _run_fallback_script(cache: os.PathLike, **env: str) -> subprocess.CompletedProcess:
@@ -554,20 +554,23 @@ def _run_fallback_script(cache: os.PathLike, **env: str) -> subprocess.Completed
 def test_a_broken_cached_library_is_built_anew(tmp_path):
     """A truncated library in the cache (a torn copy into a shared cache) crashed the process
     that loaded it (SIGBUS); one that is empty or not ELF fell back to the reference for every
-    process after. Each is now built anew in place, and the compiled kernel runs."""
-    good = tmp_path / "good"
-    assert _run_fallback_script(good).stdout.split() == ["compiled", "0"]
-    (library,) = good.iterdir()
+    process after. Each is now found broken before it is loaded, and built anew in place: a fresh
+    process given the truncated one runs the compiled kernel from a whole library."""
+    library = _built_library()
     whole = library.read_bytes()
+    assert _c_build._intact(library)
     broken = {"truncated": whole[: len(whole) // 2], "empty": b"", "not ELF": b"\0" * len(whole)}
     for name, content in broken.items():
         cache = tmp_path / name.replace(" ", "-")
         cache.mkdir()
         (cache / library.name).write_bytes(content)
-        result = _run_fallback_script(cache)
-        assert result.returncode == 0, (name, result.returncode, result.stderr[-2000:])
-        assert result.stdout.split() == ["compiled", "0"], name
-        assert (cache / library.name).read_bytes() == whole, name
+        assert not _c_build._intact(cache / library.name), name
+    cache = tmp_path / "truncated"
+    result = _run_fallback_script(cache)  # one build: the others take the same path to it
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == ["compiled", "0"]
+    assert (cache / library.name).read_bytes() == whole
+    assert [p.name for p in cache.iterdir()] == [library.name]  # no leftovers of the build
 
 
 _FOREIGN_LIBRARY = "long rt_abi_version(void) { return 0; }\n"
