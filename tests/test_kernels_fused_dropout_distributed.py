@@ -35,11 +35,18 @@ def _shard_masks(dim: int, impl: str) -> dict:
     return {"assembled": torch.cat(parts, dim=dim), "whole": whole}
 
 
+_CASES = ((0, "torch"), (-1, "torch"), (1, "triton"))
+
+
+def _each_case() -> list[dict]:
+    return [_shard_masks(dim, impl) for dim, impl in _CASES]  # one launch of 4 ranks for all
+
+
 def test_rank_shards_assemble_to_the_unsharded_mask():
     from rng_tracker.parallel.testing import run_distributed
 
-    for dim, impl in ((0, "torch"), (-1, "torch"), (1, "triton")):
-        for result in run_distributed(_shard_masks, world_size=4, args=(dim, impl)):
+    for results in run_distributed(_each_case, world_size=4):
+        for (dim, impl), result in zip(_CASES, results, strict=True):
             assert torch.equal(result["assembled"], result["whole"]), (dim, impl)
 
 
