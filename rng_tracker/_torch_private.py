@@ -14,6 +14,10 @@ import torch
 import torch.overrides
 import torch.utils.checkpoint
 
+# torch._subclasses.fake_tensor.is_fake: whether a tensor is fake, also inside functional and
+# functorch wrappers. Required (import torch loads the module itself).
+from torch._subclasses.fake_tensor import is_fake
+
 # torch.autograd.forward_ad._current_level: the innermost open dual_level, -1 where none is open.
 # The kernels look for forward-mode tangents only inside one. Without it, every call looks.
 _forward_ad = getattr(torch.autograd, "forward_ad", None)
@@ -71,9 +75,10 @@ def dispatch_mode_depth() -> int | None:
 # (fake tensors, make_fx's proxy, functionalization), which the dispatch stack counts with the
 # user's modes. Without them, every mode counts as torch's.
 _get_dispatch_mode = getattr(torch._C, "_get_dispatch_mode", None)
-_TRACING_MODE_KEYS = tuple(
-    getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "__members__", {}).values()
-)
+_MODE_KEY = getattr(torch._C, "_TorchDispatchModeKey", None)
+_TRACING_MODE_KEYS = tuple(getattr(_MODE_KEY, "__members__", {}).values())
+_PROXY = getattr(_MODE_KEY, "PROXY", None)
+_FAKE = getattr(_MODE_KEY, "FAKE", None)
 
 
 def tracing_mode_active() -> bool:
@@ -83,7 +88,6 @@ def tracing_mode_active() -> bool:
     return any(_get_dispatch_mode(key) is not None for key in _TRACING_MODE_KEYS)
 
 
-_PROXY = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
 _pre_dispatch_mode = getattr(torch._ops, "_get_dispatch_mode_pre_dispatch", None)
 
 
@@ -110,13 +114,21 @@ def recording_graph() -> Any | None:
     return getattr(getattr(_proxy_mode(), "tracer", None), "graph", None)
 
 
-def records_a_draw(graph: Any, skip: int) -> bool:
-    """Whether ``graph`` holds, past its first ``skip`` nodes, an op torch tags as drawing from a
-    generator (``torch.Tag.nondeterministic_seeded``: rand, dropout, randint, bernoulli_, ...)."""
-    for index, node in enumerate(graph.nodes):
-        tags = getattr(node.target, "tags", ()) if index >= skip else ()
+def last_node(graph: Any) -> Any | None:
+    """The node ``graph`` recorded last (None: none yet), to read what it records after."""
+    return next(iter(reversed(graph.nodes)), None)
+
+
+def records_a_draw(graph: Any, after: Any | None) -> bool:
+    """Whether ``graph`` holds, after node ``after`` (None: from its start), an op torch tags as
+    drawing from a generator (``torch.Tag.nondeterministic_seeded``: rand, dropout, randint,
+    bernoulli_, ...). Reads only the nodes recorded since."""
+    node = next(iter(graph.nodes), None) if after is None else after.next
+    while node is not None and node.op != "root":  # the node list is a ring through its root
+        tags = getattr(node.target, "tags", ())
         if torch.Tag.nondeterministic_seeded in tags and not _in_eval(node):
             return True
+        node = node.next
     return False
 
 
@@ -132,18 +144,13 @@ def _in_eval(node: Any) -> bool:
 
 def active_fake_mode() -> Any | None:
     """The FakeTensorMode that is active, or None."""
-    fake = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
-    return None if _get_dispatch_mode is None or fake is None else _get_dispatch_mode(fake)
+    return None if _get_dispatch_mode is None or _FAKE is None else _get_dispatch_mode(_FAKE)
 
 
 def holds_no_data(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` has no memory to read or write: on the meta device, or a fake tensor
-    (``torch._subclasses.fake_tensor.is_fake``, which sees through functional wrappers)."""
-    if tensor.device.type == "meta":
-        return True
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(tensor)
+    (``is_fake`` sees through functional and functorch wrappers)."""
+    return tensor.device.type == "meta" or is_fake(tensor)
 
 
 def functorch_transforms_active() -> bool | None:

@@ -23,6 +23,7 @@ from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._torch_private import (
     disable_current_dispatch_modes,
+    last_node,
     recording_graph,
     records_a_draw,
 )
@@ -180,7 +181,7 @@ class _Fork:
         graph = recording_graph()
         if graph is not None:
             with disable_current_dispatch_modes():  # the real states, not the trace's tensors
-                self._traced = (graph, len(graph.nodes), tracker.get_states())
+                self._traced = (graph, last_node(graph), tracker.get_states())
         tracker._enter(self._name)  # refuses an unknown name before anything changes
         if tracker._rng.device.type != "cpu":
             self._cpu_before = torch.default_generator.get_state()

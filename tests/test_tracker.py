@@ -917,6 +917,13 @@ class _ForkedDropout(torch.nn.Module):
             return torch.nn.functional.dropout(x, 0.5, training=self.training)
 
 
+class _DrawBeforeTheFork(_ForkedDropout):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.dropout(x, 0.5)  # the default generator's draw, traced as such
+        with self.tracker.fork():
+            return y + 1
+
+
 def test_a_draw_inside_a_fork_under_a_graph_trace_is_refused_and_a_drawless_fork_traces() -> None:
     """make_fx and torch.export (strict=False) record a fork's draws but not its swap of
     generator states, so the traced program would draw from the default generator: a draw in
@@ -948,3 +955,9 @@ def test_a_draw_inside_a_fork_under_a_graph_trace_is_refused_and_a_drawless_fork
     with tracker.fork():
         eager = torch.nn.functional.dropout(x, 0.5)
     assert torch.equal(traced, eager)
+    # only what the trace records inside the fork counts: a draw before it is not the fork's
+    from torch.fx.experimental.proxy_tensor import make_fx as trace
+
+    graph = trace(_DrawBeforeTheFork(tracker))(x).graph
+    seeded = torch.Tag.nondeterministic_seeded
+    assert any(seeded in getattr(node.target, "tags", ()) for node in graph.nodes)
