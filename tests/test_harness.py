@@ -301,3 +301,58 @@ def test_the_error_survives_pickle_and_copy(clone):
     assert type(again) is DistributedTestError and isinstance(again, RNGTrackerError)
     assert str(again) == str(error) and again.failures == {1: "raised"}
     assert again.extra == "kept"
+
+
+_PRELOAD_PROBE = '''
+import sys
+
+
+def imported():
+    """What this rank has imported before its function ran (the probe module imports neither)."""
+    return "colorsys" in sys.modules, "wave" in sys.modules
+'''
+
+_PRELOAD_SCRIPT = """
+import sys
+from rng_tracker.errors import HarnessUsageError
+from rng_tracker.parallel.testing import preload_modules, run_distributed
+import preload_probe
+
+for bad in ("no_such_module_here", "colorsys wave", 5):
+    try:
+        preload_modules(bad)
+    except HarnessUsageError as error:
+        print("refused", bad, "|", error)
+preload_modules("colorsys")
+print(run_distributed(preload_probe.imported, world_size=2, timeout=120))
+preload_modules("colorsys")  # preloaded already: nothing to add, nothing refused
+try:
+    preload_modules("wave")
+except HarnessUsageError as error:
+    print("late", "|", error)
+print("colorsys" in sys.modules)
+"""
+
+
+def test_preloaded_modules_are_imported_in_every_rank_before_it_starts(tmp_path):
+    """A rank imported what it used itself, each time (seconds per rank for a framework):
+    preload_modules imports them once in the process the ranks fork from. It refuses, changing
+    nothing, names that are no module, and a module added after the first run (whose forkserver
+    already runs); it imports nothing in the calling process."""
+    (tmp_path / "preload_probe.py").write_text(_PRELOAD_PROBE)
+    done = subprocess.run(
+        [sys.executable, "-c", _PRELOAD_SCRIPT],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused no_such_module_here | ") and "no module named" in lines[0]
+    assert lines[1].startswith("refused colorsys wave | ") and "takes module names" in lines[1]
+    assert lines[2].startswith("refused 5 | ") and "takes module names" in lines[2]
+    assert lines[3] == "[(True, False), (True, False)]"
+    assert lines[4].startswith("late | preload_modules('wave') came after")
+    assert lines[5] == "False"  # the caller itself imported nothing

@@ -8,10 +8,11 @@ from rng_tracker._deprecation import deprecated_names, moved_modules
 from rng_tracker.parallel.testing._harness import (
     DistributedTestError,
     HarnessUsageError,
+    preload_modules,
     run_distributed,
 )
 
-__all__ = ["DistributedTestError", "HarnessUsageError", "run_distributed"]
+__all__ = ["DistributedTestError", "HarnessUsageError", "preload_modules", "run_distributed"]
 
 # Modules renamed private in 0.2 (their public names are exported above); the old paths import,
 # with a warning, until 0.3.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import numbers
@@ -47,6 +48,8 @@ _MAX_TIMEOUT_S = 1_000_000.0
 
 
 _CONTEXT: multiprocessing.context.BaseContext | None = None
+# What the forkserver imports before it forks any rank (preload_modules adds to it).
+_PRELOAD = ["torch", "torch.distributed"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -54,11 +57,42 @@ def _context() -> multiprocessing.context.BaseContext:
     if _CONTEXT is None:
         if "forkserver" in multiprocessing.get_all_start_methods():
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "torch.distributed"])
+            ctx.set_forkserver_preload(list(_PRELOAD))
         else:
             ctx = multiprocessing.get_context("spawn")
         _CONTEXT = ctx
     return _CONTEXT
+
+
+def preload_modules(*modules: str) -> None:
+    """Import ``modules`` once in the process the ranks are forked from, so that every rank of
+    every later :func:`run_distributed` starts with them imported.
+
+    A rank otherwise imports what it uses itself, each time: seconds per rank for a framework
+    (megatron.core takes about 6 s), which dominates a suite of short distributed tests. Call it
+    before this process's first run (in ``conftest.py``, say); torch and torch.distributed are
+    always preloaded. Where there is no forkserver (not Linux) ranks are spawned and import
+    everything themselves.
+    """
+    for name in modules:
+        if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+            raise HarnessUsageError(f"preload_modules takes module names, got {name!r}")
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package that does not import
+            found = False
+        if not found:
+            raise HarnessUsageError(
+                f"preload_modules: no module named {name!r} is installed; check the name"
+            )
+    new = [name for name in modules if name not in _PRELOAD]
+    if new and _CONTEXT is not None:
+        raise HarnessUsageError(
+            f"preload_modules({', '.join(map(repr, new))}) came after this process's first "
+            "run_distributed, whose forkserver is already running with its imports; call it "
+            "before the first run (at the top of conftest.py, say)"
+        )
+    _PRELOAD.extend(new)
 
 
 def _default_backend(world_size: int) -> str:
