@@ -138,14 +138,17 @@ def bias_dropout_add(
     bias: torch.Tensor | None,
     residual: torch.Tensor,
     p: float,
-    *,
     training: bool = True,
+    *,
     shard: ShardArg | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """``residual + dropout(x + bias)`` in one pass; bias has shape (x.shape[-1],) or is None.
+
+    ``training`` may come fifth by position, as in Megatron-LM's and ColossalAI's
+    ``bias_dropout_add(x, bias, residual, prob, training)``, so their calls run unchanged.
 
     Dtypes as Megatron's: where x's is not the residual's, x and bias are taken in the
     residual's (an fp32 residual stream under bf16 activations); else x + bias promotes."""

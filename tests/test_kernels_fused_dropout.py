@@ -881,3 +881,28 @@ def test_vmap_over_a_table_of_seeds_gives_each_sample_its_own_keyed_mask(impl):
         torch.func.vmap(lambda t: dropout(t, 0.5, impl=impl))(ones)
     same = torch.func.vmap(lambda t: dropout(t, 0.5, impl=impl), randomness="same")(ones)
     assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+
+
+def test_bias_dropout_add_takes_training_fifth_by_position_as_megatron_lm_does():
+    """Megatron-LM's and ColossalAI's bias_dropout_add(x, bias, residual, prob, training) call
+    shape failed (training was keyword-only); it now runs and means what the keyword means, for
+    the kernel and its DTensor form alike."""
+    import inspect
+
+    from rng_tracker.parallel import dtensor
+
+    x, bias, residual = torch.randn(4, 8), torch.randn(8), torch.randn(4, 8)
+    assert torch.equal(bias_dropout_add(x, bias, residual, 0.5, False), residual + (x + bias))
+    drawn = [
+        bias_dropout_add(x, bias, residual, 0.5, *flag, generator=torch.Generator().manual_seed(3))
+        for flag in ((True,), ())
+    ]
+    keyword = bias_dropout_add(
+        x, bias, residual, 0.5, training=True, generator=torch.Generator().manual_seed(3)
+    )
+    assert all(torch.equal(d.view(torch.int32), keyword.view(torch.int32)) for d in drawn)
+    assert not torch.equal(keyword, residual + (x + bias))  # it dropped
+    for function in (bias_dropout_add, dtensor.bias_dropout_add):
+        training = inspect.signature(function).parameters["training"]
+        assert training.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and training.default is True
+        assert list(inspect.signature(function).parameters).index("training") == 4
