@@ -126,13 +126,15 @@ def _place(state_dict: Any, owner: object, start: Any, dcp_frame: Any) -> tuple[
     for key, value in state_dict.items():
         if value is owner:
             return str(key), False
-    running = set()
+    running = []  # the objects whose methods run between the owner's call and DCP's
     frame = start
     while frame is not None and frame is not dcp_frame:
-        running.add(id(frame.f_locals.get("self")))
+        this = frame.f_locals.get("self")
+        if this is not None:
+            running.append(this)
         frame = frame.f_back
     for key, value in state_dict.items():
-        if id(value) in running:
+        if any(value is this for this in running):
             return str(key), True
     return None
 
