@@ -108,6 +108,12 @@ def is_rank_key(key: object) -> bool:
     return isinstance(key, str) and _RANK_KEY.fullmatch(key) is not None
 
 
+def is_entry_key(key: object) -> bool:
+    """Whether ``key`` names an entry an RNGStateful writes: ``shared``, ``rank<r>``, or a
+    format-1 ``blob``."""
+    return key in ("shared", "blob") or is_rank_key(key)
+
+
 def format1_parts(saved: Mapping[str, Any]) -> dict[str, tuple[bytes, int | None]]:
     """One rank's states in a format-1 save, as format 2's parts: name -> (bytes, seed)."""
     parts = {"cpu": (as_bytes(saved["cpu"]), None)}

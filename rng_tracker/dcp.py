@@ -60,6 +60,7 @@ from rng_tracker._rng_entries import (
     decode_entry,
     encode_entry,
     format1_parts,
+    is_entry_key,
     is_rank_key,
     split_blob,
 )
@@ -695,7 +696,7 @@ class RNGStateful:
     def _load_template(self, call: Any) -> dict[str, bytes]:
         """The entries this rank reads in ``call``: ``shared``, and its own one where the
         checkpoint has as many ranks as this run (another world re-derives per-rank parts)."""
-        keys = saved_keys(call, lambda key: key in ("shared", "blob") or is_rank_key(key))
+        keys = saved_keys(call, is_entry_key)
         rank, world = (0, 1) if call.no_dist else _world(call.process_group)
         if "shared" in keys:
             saved_world = sum(1 for key in keys if is_rank_key(key))
