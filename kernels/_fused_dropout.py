@@ -12,7 +12,7 @@ import torch
 
 from rng_tracker._torch_private import functorch_transforms_active
 from rng_tracker._validate import checked_flag
-from rng_tracker.errors import KernelInputError, KernelInputTypeError
+from rng_tracker.errors import KernelInPlaceError, KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import dropout_call
 from rng_tracker.kernels._dispatch import IMPLS, Impl, run, unknown_impl
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
@@ -51,6 +51,28 @@ def _in_one_dtype(
 def _check_training(training: object) -> None:
     if type(training) is not bool:  # the usual case costs one type check
         checked_flag(training, "training", type_error=KernelInputTypeError)
+
+
+def check_writable_in_place(x: torch.Tensor) -> None:
+    """Refuse, before anything is drawn, a tensor torch would not let an in-place dropout write
+    (torch finds out after drawing the mask, its generator advanced). Under torch.compile the
+    compiler checks the write itself."""
+    if torch.compiler.is_compiling():
+        return
+    base = x._base if x._is_view() else None
+    if torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        problem = "x is a leaf tensor that requires grad: autograd needs its values"
+    elif torch.is_grad_enabled() and base is not None and base.requires_grad and base.is_leaf:
+        problem = "x is a view of a leaf tensor that requires grad: autograd needs its values"
+    elif x.is_inference() and not torch.is_inference_mode_enabled():
+        problem = "x is an inference tensor, written only inside torch.inference_mode()"
+    elif any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
+        problem = f"elements of x share memory (stride 0 in {tuple(x.stride())}: an expand)"
+    else:
+        return
+    raise KernelInPlaceError(
+        f"dropout(inplace=True) cannot overwrite x: {problem}; pass inplace=False, or a clone"
+    )
 
 
 def _check_skipped_call(generator: object, impl: object) -> None:
@@ -99,14 +121,21 @@ def _check_seed(
 def dropout(
     x: torch.Tensor,
     p: float,
-    *,
     training: bool = True,
+    inplace: bool = False,
+    *,
     shard: ShardArg | None = None,
     generator: torch.Generator | None = None,
     seed: torch.Tensor | None = None,
     impl: Impl = "auto",
 ) -> torch.Tensor:
     """Dropout whose mask is a pure function of (key, counter base, global index).
+
+    Called as ``torch.nn.functional.dropout(x, p, training, inplace)``: ``inplace=True``
+    writes the result into x and returns x (the kernel writes a new tensor that is copied in:
+    the result is the same, the memory at the peak is not less). A tensor torch will not
+    write in place (a leaf that requires grad, an expand, ...) raises ``KernelInPlaceError``
+    before anything is drawn.
 
     ``shard`` places x in the logical tensor (``Chunk``, ``Region`` or a general
     ``IndexMap``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
@@ -127,10 +156,15 @@ def dropout(
     index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
     seed, words = _check_seed(seed, generator, x)
     _check_training(training)
+    if type(inplace) is not bool:
+        inplace = checked_flag(inplace, "inplace", type_error=KernelInputTypeError)
     if not training or p == 0.0:
         _check_skipped_call(generator, impl)
         return x
-    return run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
+    if inplace:
+        check_writable_in_place(x)
+    out = run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
+    return x.copy_(out) if inplace else out
 
 
 def bias_dropout_add(

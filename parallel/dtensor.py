@@ -195,8 +195,8 @@ def _placed_index(x: DTensor, batch: tuple[int, BatchPosition] | None) -> LocalI
 def dropout(
     x: DTensor,
     p: float,
-    *,
     training: bool = True,
+    *,
     seed: torch.Tensor | None = None,
     site: str | None = None,
     position: BatchPosition | None = None,

@@ -54,7 +54,7 @@ from rng_tracker.errors import (
 )
 from rng_tracker.kernels import Region
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels._fused_dropout import KERNEL_DTYPES
+from rng_tracker.kernels._fused_dropout import KERNEL_DTYPES, check_writable_in_place
 from rng_tracker.kernels._keyed_fill import (
     check_normal,
     check_trunc_normal,
@@ -184,6 +184,8 @@ def _f_dropout(
     training: bool = True,
     inplace: bool = False,
 ) -> torch.Tensor:
+    if inplace and training and p != 0.0:
+        check_writable_in_place(input)  # before the draw (torch draws, then refuses)
     if input.dtype not in KERNEL_DTYPES:  # fp64: the kernel's mask, applied in input's dtype
         return _masked_dropout(ctx, input, p, training, inplace)
     return _inplace(input, _drop(ctx, input, p, training), inplace)
@@ -281,6 +283,8 @@ def _mask_route(
             return input
         if alpha and p == 1.0:
             return _inplace(input, input.mul(0.0), inplace)
+        if inplace:
+            check_writable_in_place(input)
         x = without_partial(input) if isinstance(input, DTensor) else input
         local = x.to_local() if isinstance(x, DTensor) else x  # (local shape of x)
         keep = keep_of(ctx, x, p)

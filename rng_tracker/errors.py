@@ -21,6 +21,7 @@ __all__ = [
     "InvariantRandomModeError",
     "KernelInputError",
     "KernelInputTypeError",
+    "KernelInPlaceError",
     "KernelUnavailableError",
     "KeyedTypeError",
     "KeyedUnseededError",
@@ -128,6 +129,10 @@ class KernelInputError(RNGTrackerError, ValueError):
 
 class KernelInputTypeError(RNGTrackerError, TypeError):
     """A dropout kernel argument of the wrong type."""
+
+
+class KernelInPlaceError(RNGTrackerError, RuntimeError):
+    """``dropout(inplace=True)`` on a tensor torch will not write in place (refused before a draw)."""
 
 
 class KernelUnavailableError(RNGTrackerError, RuntimeError):

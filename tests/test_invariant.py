@@ -34,6 +34,7 @@ from rng_tracker.errors import (
     BatchPositionTypeError,
     InvariantRandomConfigError,
     InvariantRandomUnsupportedError,
+    KernelInPlaceError,
     KernelInputError,
     KernelInputTypeError,
     MissingBatchPositionError,
@@ -1082,6 +1083,36 @@ def test_in_place_routes_on_a_partial_sum_dtensor_write_the_plain_tensors_values
         _in_place_routes_on_a_partial_sum_over_three_ranks, world_size=3
     ):
         assert differing == {"dropout": 0, "alpha_dropout": 0, "bernoulli_ int64": 0}
+
+
+_IN_PLACE_ROUTES = {
+    "F.dropout": lambda x: F.dropout(x, 0.3, True, inplace=True),
+    "torch.dropout_": lambda x: torch.dropout_(x, 0.3, True),
+    "F.alpha_dropout": lambda x: F.alpha_dropout(x, 0.3, True, inplace=True),
+    "F.dropout2d": lambda x: F.dropout2d(x, 0.3, True, inplace=True),
+    "torch.feature_alpha_dropout_": lambda x: torch.feature_alpha_dropout_(x, 0.3, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", sorted(_IN_PLACE_ROUTES))
+def test_in_place_routes_refuse_a_leaf_that_requires_grad_before_drawing(name, dtype):
+    """torch draws the mask of an in-place dropout and then refuses to write a leaf that requires
+    grad, its generator advanced (measured here, side by side); the routes drew and failed the
+    same way. They now refuse first, with a RuntimeError that is an RNGTrackerError, and draw
+    nothing."""
+    route = _IN_PLACE_ROUTES[name]
+    leaf = torch.ones(2, 3, 4, 4, dtype=dtype, requires_grad=True)
+    before = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        route(leaf)
+    assert not torch.equal(torch.get_rng_state(), before)  # torch alone: drawn, then refused
+    before = torch.get_rng_state()
+    with invariant_random(), pytest.raises(KernelInPlaceError, match="leaf tensor") as info:
+        route(leaf)
+    assert isinstance(info.value, RuntimeError)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(leaf, torch.ones_like(leaf))
 
 
 # --- torch's answers where nothing is drawn, torch's errors where torch refuses ----------------

@@ -906,3 +906,94 @@ def test_bias_dropout_add_takes_training_fifth_by_position_as_megatron_lm_does()
         training = inspect.signature(function).parameters["training"]
         assert training.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and training.default is True
         assert list(inspect.signature(function).parameters).index("training") == 4
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+def test_dropout_takes_torch_dropouts_call_shape_training_third_and_inplace_fourth(impl):
+    """``F.dropout(x, p, training, inplace)`` failed with the kernel (training was keyword-only,
+    inplace unknown). Now training means by position what it means by keyword, and inplace=True
+    writes the out-of-place result into x bit for bit and returns x, as torch's does."""
+    import inspect
+
+    from rng_tracker.parallel import dtensor
+
+    x = torch.randn(6, 10)
+    assert dropout(x, 0.5, False, impl=impl) is x and dropout(x, 0.5, False, True) is x
+    keyword = dropout(x, 0.5, training=True, generator=gen(), impl=impl)
+    assert torch.equal(dropout(x, 0.5, True, generator=gen(), impl=impl), keyword)
+    assert not torch.equal(keyword, x)  # it dropped
+
+    target = x.clone()
+    version = target._version
+    written = dropout(target, 0.5, True, True, generator=gen(), impl=impl)
+    assert written is target and target._version > version
+    assert torch.equal(target.view(torch.int32), keyword.view(torch.int32))
+
+    # through autograd as torch's in-place dropout: the gradient is the out-of-place one
+    grads = []
+    for inplace in (False, True):
+        leaf = x.clone().requires_grad_()
+        hidden = leaf * 2.0
+        out = dropout(hidden, 0.5, True, inplace, generator=gen(), impl=impl)
+        assert (out is hidden) is inplace
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+
+    for function, names in (
+        (dropout, ["x", "p", "training", "inplace"]),
+        (dtensor.dropout, ["x", "p", "training"]),
+    ):
+        parameters = inspect.signature(function).parameters
+        positional = [
+            name
+            for name, parameter in parameters.items()
+            if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        ]
+        assert positional == names and parameters["training"].default is True
+
+
+def _inference_tensor() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones(4, 4)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: torch.ones(4, 4, requires_grad=True), "leaf tensor that requires grad"),
+        (lambda: torch.ones(4, 4, requires_grad=True)[1:], "view of a leaf"),
+        (lambda: torch.ones(4, 1).expand(4, 4), "share memory"),
+        (_inference_tensor, "inference tensor"),
+    ],
+    ids=["leaf", "view_of_leaf", "expanded", "inference"],
+)
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_inplace_dropout_refuses_what_torch_cannot_write_before_drawing(make, words, impl):
+    """torch's F.dropout(inplace=True) draws its mask and only then fails on these tensors, its
+    generator advanced; ours refuses first, every generator as it was."""
+    from rng_tracker.errors import KernelInPlaceError
+
+    x = make()
+    before = torch.get_rng_state()
+    with pytest.raises(KernelInPlaceError, match=words) as info:
+        dropout(x, 0.5, True, True, impl=impl)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, RuntimeError)
+    assert "inplace=False" in str(info.value)
+    assert torch.equal(torch.get_rng_state(), before)
+    # what would draw nothing answers as torch's does: x itself, unchecked
+    assert dropout(x, 0.5, False, True, impl=impl) is x and dropout(x, 0.0, True, True) is x
+
+
+def test_inplace_dropout_writes_a_leaf_that_requires_grad_under_no_grad_as_torch_does():
+    leaf = torch.ones(4, 4, requires_grad=True)
+    with torch.no_grad():
+        out = dropout(leaf, 0.5, True, True, generator=gen())
+    assert out is leaf and torch.equal(leaf, dropout(torch.ones(4, 4), 0.5, generator=gen()))
+
+
+def test_inplace_flag_that_is_not_a_bool_is_typed_and_draws_nothing():
+    before = torch.get_rng_state()
+    with pytest.raises(KernelInputTypeError, match="inplace"):
+        dropout(torch.ones(4), 0.5, True, "yes")
+    assert torch.equal(torch.get_rng_state(), before)
