@@ -310,9 +310,14 @@ import sys
 def imported():
     """What this rank has imported before its function ran (the probe module imports neither)."""
     return "colorsys" in sys.modules, "wave" in sys.modules
+
+
+def import_broken():
+    import preload_broken  # noqa: F401
 '''
 
 _PRELOAD_SCRIPT = """
+import os
 import sys
 from rng_tracker.errors import HarnessUsageError
 from rng_tracker.parallel.testing import preload_modules, run_distributed
@@ -323,8 +328,14 @@ for bad in ("no_such_module_here", "colorsys wave", 5):
         preload_modules(bad)
     except HarnessUsageError as error:
         print("refused", bad, "|", error)
-preload_modules("colorsys")
+preload_modules("colorsys", "preload_broken")
 print(run_distributed(preload_probe.imported, world_size=2, timeout=120))
+try:
+    run_distributed(preload_probe.import_broken, world_size=2, timeout=120)
+except Exception as error:
+    print("broken", type(error).__name__, "|", str(error).splitlines()[-1])
+print(run_distributed(preload_probe.imported, world_size=2, timeout=120))
+print(os.environ.get("RNG_TRACKER_HARNESS_PRELOAD"))
 preload_modules("colorsys")  # preloaded already: nothing to add, nothing refused
 try:
     preload_modules("wave")
@@ -338,8 +349,11 @@ def test_preloaded_modules_are_imported_in_every_rank_before_it_starts(tmp_path)
     """A rank imported what it used itself, each time (seconds per rank for a framework):
     preload_modules imports them once in the process the ranks fork from. It refuses, changing
     nothing, names that are no module, and a module added after the first run (whose forkserver
-    already runs); it imports nothing in the calling process."""
+    already runs); it imports nothing in the calling process. A preloaded module that raised
+    (not ImportError) stopped the forkserver and every run failed with an opaque EOFError; now
+    only a rank that imports it fails, with the module's own error."""
     (tmp_path / "preload_probe.py").write_text(_PRELOAD_PROBE)
+    (tmp_path / "preload_broken.py").write_text('raise RuntimeError("broken at import")\n')
     done = subprocess.run(
         [sys.executable, "-c", _PRELOAD_SCRIPT],
         cwd=tmp_path,
@@ -354,5 +368,8 @@ def test_preloaded_modules_are_imported_in_every_rank_before_it_starts(tmp_path)
     assert lines[1].startswith("refused colorsys wave | ") and "takes module names" in lines[1]
     assert lines[2].startswith("refused 5 | ") and "takes module names" in lines[2]
     assert lines[3] == "[(True, False), (True, False)]"
-    assert lines[4].startswith("late | preload_modules('wave') came after")
-    assert lines[5] == "False"  # the caller itself imported nothing
+    assert lines[4] == "broken DistributedTestError | RuntimeError: broken at import"
+    assert lines[5] == "[(True, False), (True, False)]"  # the forkserver still serves
+    assert lines[6] == "None"  # the preload list was in the forkserver's environment only
+    assert lines[7].startswith("late | preload_modules('wave') came after")
+    assert lines[8] == "False"  # the caller itself imported nothing

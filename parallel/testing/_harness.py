@@ -16,6 +16,7 @@ import faulthandler
 import importlib.util
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import numbers
 import os
 import pickle
@@ -37,6 +38,7 @@ from rng_tracker.errors import (
     HarnessUsageError,
     ParallelConfigError,
 )
+from rng_tracker.parallel.testing import _preload
 
 # After one rank fails, the others usually block in a collective: wait this long for them.
 _GRACE_AFTER_FAILURE_S = 3.0
@@ -57,11 +59,26 @@ def _context() -> multiprocessing.context.BaseContext:
     if _CONTEXT is None:
         if "forkserver" in multiprocessing.get_all_start_methods():
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(list(_PRELOAD))
+            ctx.set_forkserver_preload([_preload.__name__])
+            _start_forkserver()
         else:
             ctx = multiprocessing.get_context("spawn")
         _CONTEXT = ctx
     return _CONTEXT
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver with the names it is to preload in its environment (only in its:
+    this process's environment is as it was). A forkserver already running keeps its imports."""
+    previous = os.environ.get(_preload.PRELOAD_ENV)
+    os.environ[_preload.PRELOAD_ENV] = ",".join(_PRELOAD)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ[_preload.PRELOAD_ENV]
+        else:
+            os.environ[_preload.PRELOAD_ENV] = previous
 
 
 def preload_modules(*modules: str) -> None:
@@ -71,8 +88,9 @@ def preload_modules(*modules: str) -> None:
     A rank otherwise imports what it uses itself, each time: seconds per rank for a framework
     (megatron.core takes about 6 s), which dominates a suite of short distributed tests. Call it
     before this process's first run (in ``conftest.py``, say); torch and torch.distributed are
-    always preloaded. Where there is no forkserver (not Linux) ranks are spawned and import
-    everything themselves.
+    always preloaded. A module whose import raises is left out (the runs go on; a rank that
+    imports it gets its error). Where there is no forkserver (not Linux) ranks are spawned and
+    import everything themselves.
     """
     for name in modules:
         if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
