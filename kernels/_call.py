@@ -13,6 +13,8 @@ import torch
 
 from rng_tracker.kernels._index_map import IndexMap
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels compute in
+
 
 class DropoutCall(NamedTuple):
     """The tensors, p and index map of one call (a tuple: made in well under a microsecond)."""

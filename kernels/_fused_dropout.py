@@ -13,13 +13,11 @@ import torch
 from rng_tracker._torch_private import functorch_transforms_active
 from rng_tracker._validate import checked_flag
 from rng_tracker.errors import KernelInPlaceError, KernelInputError, KernelInputTypeError
-from rng_tracker.kernels._call import dropout_call
+from rng_tracker.kernels._call import KERNEL_DTYPES, dropout_call
 from rng_tracker.kernels._dispatch import IMPLS, Impl, run, unknown_impl
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
 from rng_tracker.kernels._rng_source import Words, check_generator
 from rng_tracker.kernels.reference import check_p, check_seed_shape
-
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels compute in
 
 
 def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:

@@ -232,6 +232,23 @@ def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
     )
 
 
+def write_in_place(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` written into ``target`` in place, as into a plain tensor. ``value`` has target's
+    placements with Partial made Replicate (as the draws return it). DTensor's own copy_ would
+    divide it by the size of each Partial("sum") axis on every rank: v/3 summed three times is
+    not v in floating point, and an integer v/n truncates. So a Partial target's local tensor
+    takes the value where it holds one and zeros elsewhere, as an init of it does."""
+    if not partial_written_exactly(target) or (torch.is_grad_enabled() and target.requires_grad):
+        return target.copy_(value)  # (recording autograd: DTensor's copy_ does it)
+    with torch.no_grad():
+        local = target.to_local()
+        if holds_values(target):
+            local.copy_(value.to_local())
+        else:
+            local.zero_()
+    return target
+
+
 _EXACT_REDUCTIONS = ("sum", "max", "min")  # the Partial reductions an init writes exactly
 
 

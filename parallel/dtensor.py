@@ -40,6 +40,7 @@ from rng_tracker.errors import (
 from rng_tracker.kernels import IndexMap, Region
 from rng_tracker.kernels import bias_dropout_add as _kernel_bias_dropout_add
 from rng_tracker.kernels import dropout as _kernel_dropout
+from rng_tracker.kernels._fused_dropout import check_writable_in_place
 from rng_tracker.kernels._keyed_fill import check_normal, check_uniform
 from rng_tracker.kernels._rng_source import check_generator
 from rng_tracker.kernels.reference import check_p
@@ -52,6 +53,7 @@ from rng_tracker.parallel._placement import (
     require_dtensor,
     without_partial,
     wrap_local,
+    write_in_place,
 )
 
 __all__ = [
@@ -196,6 +198,7 @@ def dropout(
     x: DTensor,
     p: float,
     training: bool = True,
+    inplace: bool = False,
     *,
     seed: torch.Tensor | None = None,
     site: str | None = None,
@@ -212,14 +215,19 @@ def dropout(
     function of those words and the global index: nothing is drawn from any generator.
     ``position``: x holds those samples of a global batch along ``batch_dim`` (a data-parallel
     rank's, a microbatch's: its mesh does not shard the batch); the mask is then that part of
-    the mask of the logical tensor over the whole global batch.
+    the mask of the logical tensor over the whole global batch. ``inplace=True``: the result
+    is written into x (a Partial x as an init of it: the values where it holds them, zeros
+    elsewhere) and x is returned, as ``torch.nn.functional.dropout(x, p, training, inplace)``.
     """
     require_dtensor("x", x)
     seed = _keyed_seed(x, seed, site)
     batch = _batch_of(x, position, batch_dim)
+    inplace = checked_flag(inplace, "inplace")
     if not checked_flag(training, "training") or check_p(p) == 0.0:
         return x  # as torch and the kernel: nothing drawn, x itself
-    x = without_partial(x)
+    if inplace:
+        check_writable_in_place(x)
+    target, x = x, without_partial(x)
     index = _placed_index(x, batch)
     local = x.to_local()  # (local shape of x)
 
@@ -233,7 +241,8 @@ def dropout(
             return _kernel_dropout(local[part], p, training=training, shard=shard, seed=seed)
         return _kernel_dropout(local[part], p, training=training, shard=shard, generator=generator)
 
-    return wrap_local(_run_kernel(local, index, call), x)
+    out = wrap_local(_run_kernel(local, index, call), x)
+    return write_in_place(target, out) if inplace else out
 
 
 def _gathered_bias(bias: DTensor, x: DTensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ from rng_tracker.errors import (
 )
 from rng_tracker.kernels import Region
 from rng_tracker.kernels import dropout as _kernel_dropout
-from rng_tracker.kernels._fused_dropout import KERNEL_DTYPES, check_writable_in_place
+from rng_tracker.kernels._call import KERNEL_DTYPES
+from rng_tracker.kernels._fused_dropout import check_writable_in_place
 from rng_tracker.kernels._keyed_fill import (
     check_normal,
     check_trunc_normal,
@@ -64,12 +65,11 @@ from rng_tracker.kernels._keyed_fill import (
 from rng_tracker.kernels.reference import check_p, keep_scale_unchecked
 from rng_tracker.parallel._placement import (
     fill_from_full,
-    holds_values,
     local_index_of,
-    partial_written_exactly,
     record_in_place_draw,
     without_partial,
     wrap_local,
+    write_in_place,
 )
 from rng_tracker.parallel.dtensor import dropout
 from rng_tracker.parallel.keyed_init import KeyedInit, check_keyed_fill
@@ -154,26 +154,9 @@ def _keep(ctx: _InvariantRandomMode, x: torch.Tensor, p: float) -> torch.Tensor:
     return _drop(ctx, _ones(x.shape, x.device), p, True) != 0
 
 
-def _write(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` written into ``target`` in place, as into a plain tensor. ``value`` has target's
-    placements with Partial made Replicate (as the draws return it). DTensor's own copy_ would
-    divide it by the size of each Partial("sum") axis on every rank: v/3 summed three times is
-    not v in floating point, and an integer v/n truncates. So a Partial target's local tensor
-    takes the value where it holds one and zeros elsewhere, as an init of it does."""
-    if not partial_written_exactly(target) or (torch.is_grad_enabled() and target.requires_grad):
-        return target.copy_(value)  # (recording autograd: DTensor's copy_ does it)
-    with torch.no_grad():
-        local = target.to_local()
-        if holds_values(target):
-            local.copy_(value.to_local())
-        else:
-            local.zero_()
-    return target
-
-
 def _inplace(input: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
     if inplace and out is not input:
-        return _write(input, out)
+        return write_in_place(input, out)
     return out
 
 
@@ -324,7 +307,7 @@ def _bernoulli_(
     record_in_place_draw(self)
     keep = _keep(ctx, self, 1.0 - p)
     with torch.no_grad():
-        return _write(self, keep)
+        return write_in_place(self, keep)
 
 
 _REQUIRED = object()

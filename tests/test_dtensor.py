@@ -155,7 +155,7 @@ def _check_edges(mesh, rank: int) -> None:
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
     from rng_tracker import kernels
-    from rng_tracker.errors import RNGConsistencyError
+    from rng_tracker.errors import KernelInPlaceError, RNGConsistencyError
     from rng_tracker.parallel import dtensor as dt
 
     y = distribute_tensor(torch.ones(4, 8), mesh, [Shard(0)])
@@ -178,6 +178,23 @@ def _check_edges(mesh, rank: int) -> None:
     dt.normal_(peak)
     torch.manual_seed(15)
     assert torch.equal(peak.full_tensor(), torch.empty(3, 5).normal_())
+
+    # inplace=True: the result in x, x returned; a Partial("sum") x holds it as an init would
+    full = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    mine = full.clone() if rank == 0 else torch.zeros(4, 8)
+    for target in (
+        distribute_tensor(full.clone(), mesh, [Shard(0)]),
+        DTensor.from_local(mine, mesh, [Partial()], run_check=False),
+    ):
+        torch.manual_seed(16)
+        written = dt.dropout(target, _P, True, True)
+        torch.manual_seed(16)
+        assert written is target and torch.equal(target.full_tensor(), kernels.dropout(full, _P))
+    leaf = distribute_tensor(torch.ones(4, 8), mesh, [Shard(0)]).requires_grad_()
+    state = torch.get_rng_state()
+    with pytest.raises(KernelInPlaceError, match="leaf tensor that requires grad"):
+        dt.dropout(leaf, _P, True, True)
+    assert torch.equal(torch.get_rng_state(), state)
 
     dt.assert_same_generator_state(mesh)
     torch.manual_seed(rank)
@@ -357,6 +374,8 @@ def test_bad_arguments_are_typed_errors_that_draw_nothing(rank: int) -> None:
          "training must be a bool"),
         (lambda: dt.bias_dropout_add(d, None, d, _P, training=1), ArgumentTypeError, TypeError,
          "training must be a bool"),
+        (lambda: dt.dropout(d, _P, True, "no"), ArgumentTypeError, TypeError,
+         "inplace must be a bool"),
         (lambda: dt.assert_same_generator_state("mesh"), ArgumentTypeError, TypeError,
          "mesh must be a DeviceMesh"),
         (lambda: dt.assert_same_generator_state(mesh, generator="g"), ArgumentTypeError,

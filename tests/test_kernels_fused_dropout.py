@@ -942,7 +942,7 @@ def test_dropout_takes_torch_dropouts_call_shape_training_third_and_inplace_four
 
     for function, names in (
         (dropout, ["x", "p", "training", "inplace"]),
-        (dtensor.dropout, ["x", "p", "training"]),
+        (dtensor.dropout, ["x", "p", "training", "inplace"]),
     ):
         parameters = inspect.signature(function).parameters
         positional = [
