@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rng_tracker.kernels._call import DropoutCall
+from rng_tracker.errors import KernelInputError
+from rng_tracker.kernels._call import KERNEL_DTYPES, DropoutCall
 from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
 from rng_tracker.kernels._index_map import from_op_args, to_op_args
 from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
-from rng_tracker.kernels.reference import fused_dropout_reference_unchecked
+from rng_tracker.kernels.reference import (
+    check_p,
+    check_seed_shape,
+    fused_dropout_reference_unchecked,
+)
 
 
 def save_for_dropout_backward(
@@ -64,9 +70,61 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> N
     ctx.params = (p, offset, dims, logical_numel)
 
 
-def _fake(x: torch.Tensor, *_: object) -> torch.Tensor:
-    # Output metadata depends on x alone.
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@dataclass(frozen=True)
+class _Takes:
+    """What an op's kernel takes beyond the shared checks."""
+
+    any_dtype: bool = False  # x of any dtype (the reference computes in fp32); else fp32/16, bf16
+    seed_anywhere: bool = True  # else the seed on x's device (Triton loads it there)
+
+
+def _check_op_call(call: DropoutCall, seed: torch.Tensor, takes: _Takes) -> None:
+    """Refuse a call the op's kernel would read out of bounds or in the wrong type: the public
+    functions check their calls, but ``torch.ops.rng_tracker.*`` may be called directly. From
+    metadata alone (no value read, no sync), so fake tensors are checked at trace time too."""
+    x, bias, residual, _, index_map = call
+    for name, t, shape in (("bias", bias, x.shape[-1:]), ("residual", residual, x.shape)):
+        if t is None:
+            continue
+        if t.shape != shape or (name == "bias" and x.dim() == 0):
+            raise KernelInputError(
+                f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)} (x has shape "
+                f"{tuple(x.shape)})"
+            )
+        if t.dtype != x.dtype or t.device != x.device:
+            raise KernelInputError(
+                f"{name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}; the op "
+                "takes them in one dtype on one device (rng_tracker.kernels converts them)"
+            )
+    if not takes.any_dtype and x.dtype not in KERNEL_DTYPES:
+        raise KernelInputError(f"x has dtype {x.dtype}; the op computes in fp32, fp16 or bf16")
+    check_seed_shape(seed)
+    if not takes.seed_anywhere and seed.device != x.device:
+        raise KernelInputError(
+            f"seed is on {seed.device} but x is on {x.device}; the Triton op reads it there"
+        )
+    if index_map.numel != x.numel():
+        raise KernelInputError(
+            f"the index map covers {index_map.numel} local elements but x has {x.numel()} "
+            f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"
+        )
+
+
+def _call_of(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    offset: int,
+    dims: list[int],
+    logical_numel: int,
+    takes: _Takes,
+) -> DropoutCall:
+    """The op's arguments as the call its kernel runs, checked."""
+    call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
+    _check_op_call(call, seed, takes)
+    return call
 
 
 # The one signature of the three ops (torch.library infers their schema from it); the index map
@@ -93,18 +151,23 @@ def _register(
     name: str,
     kernel: Callable[[DropoutCall, torch.Tensor], torch.Tensor],
     register: Callable[..., Any] = torch.library.custom_op,
+    takes: _Takes = _Takes(),
     **options: Any,
 ) -> Any:
     """Register ``rng_tracker::<name>`` running ``kernel(call, seed)``, with its fake and autograd."""
 
     def body(x, bias, residual, seed, p, offset, dims, logical_numel):
-        index_map = from_op_args(offset, dims, logical_numel)
-        return kernel(DropoutCall(x, bias, residual, p, index_map), seed)
+        call = _call_of(x, bias, residual, seed, p, offset, dims, logical_numel, takes)
+        return kernel(call, seed)
 
-    body.__signature__ = _SIGNATURE
+    def fake(x, bias, residual, seed, p, offset, dims, logical_numel):
+        _call_of(x, bias, residual, seed, p, offset, dims, logical_numel, takes)
+        return torch.empty_like(x, memory_format=torch.contiguous_format)  # x's metadata alone
+
+    body.__signature__ = fake.__signature__ = _SIGNATURE
     op = register(f"rng_tracker::{name}", body, mutates_args=(), **options)
     if register is torch.library.custom_op:
-        op.register_fake(_fake)
+        op.register_fake(fake)
 
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         grads = dropout_backward(ctx, grad, lambda g, seed: op(g, None, None, seed, *ctx.params))
@@ -133,11 +196,13 @@ def _triton(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
 
 # route name (``_dispatch.route``) -> the op that runs it
 OPS = {
-    "reference": _register("fused_dropout", _reference),
+    "reference": _register("fused_dropout", _reference, takes=_Takes(any_dtype=True)),
     "cpu": _register("fused_dropout_cpu", _compiled, device_types="cpu"),
 }
 if HAS_TRITON:
-    OPS["triton"] = _register("fused_dropout_triton", _triton, torch.library.triton_op)
+    OPS["triton"] = _register(
+        "fused_dropout_triton", _triton, torch.library.triton_op, _Takes(seed_anywhere=False)
+    )
 
 
 def call_op(route: str, call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:

@@ -76,3 +76,54 @@ def test_each_op_passes_torch_library_opcheck(route, case):
     args = (x, bias, residual, seed, 0.3, *to_op_args(index_map_of(x.shape, shard)))
     result = torch.library.opcheck(_ops.OPS[route], args)
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _bad_op_calls() -> dict[str, list[str]]:
+    """Each op called straight with what a kernel would read out of bounds or misread: the
+    error's type and message per call (or what the op returned)."""
+    from rng_tracker.kernels import _ops
+
+    x, seed = torch.ones(4, 8), torch.tensor([1, 2, 0, 0])
+    whole = to_op_args(index_map_of(x.shape, None))
+    calls = {
+        "index map of more elements": (x, None, None, seed, 0.5, *to_op_args(index_map_of((400, 800), None))),
+        "short residual": (x, torch.ones(8), torch.ones(1), seed, 0.5, *whole),
+        "short bias": (x, torch.ones(2), torch.ones(4, 8), seed, 0.5, *whole),
+        "bias of another dtype": (x, torch.ones(8, dtype=torch.float16), x, seed, 0.5, *whole),
+        "residual of another dtype": (x, None, x.double(), seed, 0.5, *whole),
+        "seed of 2 words": (x, None, None, seed[:2], 0.5, *whole),
+        "p above 1": (x, None, None, seed, 1.5, *whole),
+    }  # fmt: skip
+    seen: dict[str, list[str]] = {}
+    for route, op in _ops.OPS.items():
+        for name, args in calls.items():
+            try:
+                out = op(*args)
+                seen.setdefault(name, []).append(f"{route}: returned {tuple(out.shape)}")
+            except Exception as error:
+                seen.setdefault(name, []).append(f"{route}: {type(error).__name__}: {error}")
+    return seen
+
+
+def test_the_ops_refuse_calls_their_kernels_would_read_out_of_bounds() -> None:
+    """torch.ops.rng_tracker.* are public, but only the public functions checked their calls:
+    the compiled CPU op read past a short residual (returning other memory's bytes) and, given an
+    index map of more elements than x, wrote past its output (the process died of SIGSEGV).
+    Every op now refuses such a call with a typed error. Run on a rank of the harness, so a
+    kernel that still crashes fails this test alone."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    (seen,) = run_distributed(_bad_op_calls, world_size=1, timeout=120)
+    expected_words = {
+        "index map of more elements": "the index map covers 320000 local elements but x has 32",
+        "short residual": "residual must have shape (4, 8), got (1,)",
+        "short bias": "bias must have shape (8,), got (2,)",
+        "bias of another dtype": "bias is torch.float16 on cpu but x is torch.float32",
+        "residual of another dtype": "residual is torch.float64 on cpu but x is torch.float32",
+        "seed of 2 words": "seed must be an int64 tensor of 4 words",
+        "p above 1": "dropout probability p must be in [0, 1], got 1.5",
+    }
+    for name, words in expected_words.items():
+        assert len(seen[name]) == len(_ops.OPS), seen[name]
+        for outcome in seen[name]:
+            assert "KernelInputError: " in outcome and words in outcome, (name, outcome)
