@@ -24,6 +24,7 @@ from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
 from rng_tracker.kernels._index_map import from_op_args, to_op_args
 from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
 from rng_tracker.kernels.reference import (
+    check_call_shapes,
     check_p,
     check_seed_shape,
     fused_dropout_reference_unchecked,
@@ -83,15 +84,9 @@ def _check_op_call(call: DropoutCall, seed: torch.Tensor, takes: _Takes) -> None
     functions check their calls, but ``torch.ops.rng_tracker.*`` may be called directly. From
     metadata alone (no value read, no sync), so fake tensors are checked at trace time too."""
     x, bias, residual, _, index_map = call
-    for name, t, shape in (("bias", bias, x.shape[-1:]), ("residual", residual, x.shape)):
-        if t is None:
-            continue
-        if t.shape != shape or (name == "bias" and x.dim() == 0):
-            raise KernelInputError(
-                f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)} (x has shape "
-                f"{tuple(x.shape)})"
-            )
-        if t.dtype != x.dtype or t.device != x.device:
+    check_call_shapes(x, bias, residual, index_map)
+    for name, t in (("bias", bias), ("residual", residual)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise KernelInputError(
                 f"{name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}; the op "
                 "takes them in one dtype on one device (rng_tracker.kernels converts them)"
@@ -103,28 +98,6 @@ def _check_op_call(call: DropoutCall, seed: torch.Tensor, takes: _Takes) -> None
         raise KernelInputError(
             f"seed is on {seed.device} but x is on {x.device}; the Triton op reads it there"
         )
-    if index_map.numel != x.numel():
-        raise KernelInputError(
-            f"the index map covers {index_map.numel} local elements but x has {x.numel()} "
-            f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"
-        )
-
-
-def _call_of(
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    seed: torch.Tensor,
-    p: float,
-    offset: int,
-    dims: list[int],
-    logical_numel: int,
-    takes: _Takes,
-) -> DropoutCall:
-    """The op's arguments as the call its kernel runs, checked."""
-    call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
-    _check_op_call(call, seed, takes)
-    return call
 
 
 # The one signature of the three ops (torch.library infers their schema from it); the index map
@@ -157,11 +130,13 @@ def _register(
     """Register ``rng_tracker::<name>`` running ``kernel(call, seed)``, with its fake and autograd."""
 
     def body(x, bias, residual, seed, p, offset, dims, logical_numel):
-        call = _call_of(x, bias, residual, seed, p, offset, dims, logical_numel, takes)
+        call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
+        _check_op_call(call, seed, takes)
         return kernel(call, seed)
 
     def fake(x, bias, residual, seed, p, offset, dims, logical_numel):
-        _call_of(x, bias, residual, seed, p, offset, dims, logical_numel, takes)
+        call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
+        _check_op_call(call, seed, takes)
         return torch.empty_like(x, memory_format=torch.contiguous_format)  # x's metadata alone
 
     body.__signature__ = fake.__signature__ = _SIGNATURE

@@ -169,21 +169,29 @@ def _check_reference_call(
     """Refuse what fused_dropout_reference cannot compute; ``p`` as checked."""
     if not isinstance(x, torch.Tensor):
         raise KernelInputTypeError(f"x must be a tensor, got {type(x).__name__}")
-    for name, t, shape in (("bias", bias, x.shape[-1:]), ("residual", residual, x.shape)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
+    for name, t in (("bias", bias), ("residual", residual)):
+        if t is not None and not isinstance(t, torch.Tensor):
             raise KernelInputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-        if t.shape != shape or (name == "bias" and x.dim() == 0):
+    _check_seed(seed)
+    p = check_p(p)
+    check_call_shapes(x, bias, residual, _checked_index_map(index_map))
+    return p
+
+
+def check_call_shapes(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, index_map: IndexMap
+) -> None:
+    """Refuse a bias that is not (x.shape[-1],), a residual that is not x.shape, or an index map
+    whose extents do not multiply to x.numel(): every kernel reads bias, residual and its output
+    by x's elements alone (the reference and, called straight, the registered ops check them)."""
+    for name, t, shape in (("bias", bias, x.shape[-1:]), ("residual", residual, x.shape)):
+        if t is not None and (t.shape != shape or (name == "bias" and x.dim() == 0)):
             raise KernelInputError(
                 f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)} (x has shape "
                 f"{tuple(x.shape)})"
             )
-    _check_seed(seed)
-    p = check_p(p)
-    if _checked_index_map(index_map).numel != x.numel():
+    if index_map.numel != x.numel():
         raise KernelInputError(
             f"the IndexMap covers {index_map.numel} local elements but x has {x.numel()} "
             f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"
         )
-    return p

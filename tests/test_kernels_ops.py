@@ -115,7 +115,7 @@ def test_the_ops_refuse_calls_their_kernels_would_read_out_of_bounds() -> None:
 
     (seen,) = run_distributed(_bad_op_calls, world_size=1, timeout=120)
     expected_words = {
-        "index map of more elements": "the index map covers 320000 local elements but x has 32",
+        "index map of more elements": "the IndexMap covers 320000 local elements but x has 32",
         "short residual": "residual must have shape (4, 8), got (1,)",
         "short bias": "bias must have shape (8,), got (2,)",
         "bias of another dtype": "bias is torch.float16 on cpu but x is torch.float32",
