@@ -286,12 +286,20 @@ def holds_values(t: DTensor) -> bool:
 
 
 def record_in_place_draw(t: torch.Tensor) -> None:
-    """What autograd makes of an in-place draw into ``t`` outside no_grad, before values are
-    written under no_grad: a leaf that requires grad (or its view) raises torch's error, anything
-    else records a write that gives its old value no gradient. Call once the arguments are
-    checked, before anything is drawn."""
+    """What torch makes of an in-place draw into ``t``, before values are written under no_grad:
+    a leaf that requires grad (or its view), an inference tensor outside inference mode and a
+    tensor whose elements share memory (an expand) raise torch's own error; outside no_grad,
+    anything else records a write that gives its old value no gradient. Call once the arguments
+    are checked, before anything is drawn (torch draws an inference tensor's values first)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
     if torch.is_grad_enabled() and t.requires_grad:
-        t.zero_()
+        t.zero_()  # (autograd refuses a leaf before the kernel writes)
+    elif local.is_inference() and not torch.is_inference_mode_enabled():
+        local.as_strided((0,), (1,)).zero_()  # torch's error, raised after a write: of nothing
+    if any(stride == 0 and size > 1 for size, stride in zip(local.shape, local.stride())):
+        # torch's overlap error, from a tensor of the same strides (storage: the few elements
+        # the strides reach)
+        torch.empty_strided(local.shape, local.stride(), dtype=local.dtype).add_(0)
 
 
 def fill_from_full(t: object, draw: Callable[[torch.Tensor], Any]) -> DTensor:

@@ -1115,6 +1115,45 @@ def test_in_place_routes_refuse_a_leaf_that_requires_grad_before_drawing(name, d
     assert torch.equal(leaf, torch.ones_like(leaf))
 
 
+def _inference_ones() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.ones(4, 4)
+
+
+@pytest.mark.parametrize("init", ["keyed", "full"])
+@pytest.mark.parametrize(
+    ("name", "fill"),
+    [
+        ("bernoulli_", lambda t: t.bernoulli_(0.5)),
+        ("uniform_", lambda t: t.uniform_()),
+        ("normal_", lambda t: t.normal_()),
+    ],
+)
+@pytest.mark.parametrize(
+    ("make", "torch_draws_first"),
+    [(_inference_ones, True), (lambda: torch.ones(4, 1).expand(4, 4), False)],
+    ids=["inference", "expanded"],
+)
+def test_fills_torch_cannot_write_raise_torchs_error_before_drawing(
+    make, torch_draws_first, name, fill, init
+):
+    """An inference tensor outside inference mode: torch draws the values (uniform_ and normal_
+    even write them), then raises (its generator moved, measured here side by side); the routed
+    fills did the same. An expand: torch refuses first, but the routed bernoulli_ drew before it
+    failed. Each now raises torch's own error with every generator and the tensor as they were."""
+    before = torch.get_rng_state()
+    with pytest.raises(RuntimeError) as torchs:
+        fill(make())
+    assert (not torch.equal(torch.get_rng_state(), before)) is torch_draws_first
+    t = make()
+    before = torch.get_rng_state()
+    with invariant_random(init=init), pytest.raises(RuntimeError) as ours:
+        fill(t)
+    assert str(ours.value) == str(torchs.value), name
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(t, torch.ones(4, 4))
+
+
 # --- torch's answers where nothing is drawn, torch's errors where torch refuses ----------------
 
 # each routed dropout as (name, call(x, p, training)); feature dropouts get 4-D inputs
