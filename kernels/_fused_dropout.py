@@ -137,8 +137,8 @@ def dropout(
 
     ``shard`` places x in the logical tensor (``Chunk``, ``Region`` or a general
     ``IndexMap``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
-    the generator advances by the logical element count on every rank. p == 0 or
-    ``training=False`` returns x and draws nothing.
+    the generator advances by the logical element count on every rank. p == 0,
+    ``training=False`` or a logical tensor of no elements returns x and draws nothing, as torch.
 
     ``seed`` (keyed randomness): an int64 tensor [key, base, c2, c3] on any device; then
     nothing is drawn from any generator (``generator`` must be None) and element g uses
@@ -156,7 +156,7 @@ def dropout(
     _check_training(training)
     if type(inplace) is not bool:
         inplace = checked_flag(inplace, "inplace", type_error=KernelInputTypeError)
-    if not training or p == 0.0:
+    if not training or p == 0.0 or index_map.logical_numel == 0:
         _check_skipped_call(generator, impl)
         return x
     if inplace:
@@ -201,7 +201,7 @@ def bias_dropout_add(
     seed, words = _check_seed(seed, generator, x)
     _check_training(training)
     x, bias, residual = _in_one_dtype(x, bias, residual)
-    if not training or p == 0.0:
+    if not training or p == 0.0 or index_map.logical_numel == 0:
         _check_skipped_call(generator, impl)
         return residual + (x if bias is None else x + bias)
     return run(dropout_call(x, bias, residual, p, index_map), impl, generator, seed, words)

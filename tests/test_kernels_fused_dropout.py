@@ -997,3 +997,23 @@ def test_inplace_flag_that_is_not_a_bool_is_typed_and_draws_nothing():
     with pytest.raises(KernelInputTypeError, match="inplace"):
         dropout(torch.ones(4), 0.5, True, "yes")
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_a_tensor_of_no_elements_draws_nothing_as_torchs_dropout_but_an_empty_shard_does(impl):
+    """torch's dropout returns a tensor of no elements itself and draws nothing (measured here);
+    ours drew a seed, so the generator moved. Now it does as torch. An empty shard of a logical
+    tensor that has elements still draws what every other rank draws: the ranks stay in step."""
+    empty, residual, bias = torch.empty(0, 4), torch.empty(0, 4), torch.ones(4)
+    before = torch.get_rng_state()
+    assert F.dropout(empty, 0.5) is empty and torch.equal(torch.get_rng_state(), before)
+    assert dropout(empty, 0.5, impl=impl) is empty
+    assert dropout(empty, 0.5, True, True, impl=impl) is empty
+    assert torch.equal(bias_dropout_add(empty, bias, residual, 0.5, impl=impl), residual)
+    assert torch.equal(torch.get_rng_state(), before)
+
+    g_empty, g_full = gen(), gen()
+    dropout(empty, 0.5, shard=Region(global_shape=(2, 4), offset=(2, 0)), generator=g_empty)
+    dropout(torch.ones(2, 4), 0.5, generator=g_full, impl=impl)
+    assert torch.equal(g_empty.get_state(), g_full.get_state())
+    assert not torch.equal(g_empty.get_state(), gen().get_state())
