@@ -127,17 +127,20 @@ def _in_batch(shape: Sequence[int], batch: tuple[int, BatchPosition] | None) -> 
     return Region(*box_in_batch(shape, *batch))
 
 
-def _drop(ctx: _InvariantRandomMode, x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+def _drop(
+    ctx: _InvariantRandomMode, x: torch.Tensor, p: float, training: bool, inplace: bool = False
+) -> torch.Tensor:
     """Dropout of a DTensor or a plain tensor: the same kernel, so one device equals any mesh,
-    placed in the global batch where the batch position says."""
+    placed in the global batch where the batch position says (``inplace``: written into x,
+    refused before the draw where torch would refuse the write)."""
     if not training or p == 0.0:
         return x
     batch = _samples(ctx, x)
     if isinstance(x, DTensor):
         if batch is None:
-            return dropout(x, p, training=training)
-        return dropout(x, p, training=training, position=batch[1], batch_dim=batch[0])
-    return _kernel_dropout(x, p, training=training, shard=_in_batch(x.shape, batch))
+            return dropout(x, p, training, inplace)
+        return dropout(x, p, training, inplace, position=batch[1], batch_dim=batch[0])
+    return _kernel_dropout(x, p, training, inplace, shard=_in_batch(x.shape, batch))
 
 
 def _ones(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -167,11 +170,9 @@ def _f_dropout(
     training: bool = True,
     inplace: bool = False,
 ) -> torch.Tensor:
-    if inplace and training and p != 0.0:
-        check_writable_in_place(input)  # before the draw (torch draws, then refuses)
     if input.dtype not in KERNEL_DTYPES:  # fp64: the kernel's mask, applied in input's dtype
         return _masked_dropout(ctx, input, p, training, inplace)
-    return _inplace(input, _drop(ctx, input, p, training), inplace)
+    return _drop(ctx, input, p, training, inplace)
 
 
 _ALPHA = 1.7580993408473766  # SELU's alpha: alpha dropout keeps mean 0 and variance 1
