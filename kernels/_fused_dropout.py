@@ -51,6 +51,12 @@ def _check_training(training: object) -> None:
         checked_flag(training, "training", type_error=KernelInputTypeError)
 
 
+def elements_share_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location (a dim of stride 0, an expand):
+    the overlap torch refuses to write in place."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
 def check_writable_in_place(x: torch.Tensor) -> None:
     """Refuse, before anything is drawn, a tensor torch would not let an in-place dropout write
     (torch finds out after drawing the mask, its generator advanced). Under torch.compile the
@@ -64,7 +70,7 @@ def check_writable_in_place(x: torch.Tensor) -> None:
         problem = "x is a view of a leaf tensor that requires grad: autograd needs its values"
     elif x.is_inference() and not torch.is_inference_mode_enabled():
         problem = "x is an inference tensor, written only inside torch.inference_mode()"
-    elif any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
+    elif elements_share_memory(x):
         problem = f"elements of x share memory (stride 0 in {tuple(x.stride())}: an expand)"
     else:
         return

@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from rng_tracker._batch_position import BatchPosition
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorInputTypeError, DTensorPlacementError
+from rng_tracker.kernels._fused_dropout import elements_share_memory
 from rng_tracker.kernels._index_map import Region, chunk_bounds
 
 _StridedShard = strided_shard_type()
@@ -296,7 +297,7 @@ def record_in_place_draw(t: torch.Tensor) -> None:
         t.zero_()  # (autograd refuses a leaf before the kernel writes)
     elif local.is_inference() and not torch.is_inference_mode_enabled():
         local.as_strided((0,), (1,)).zero_()  # torch's error, raised after a write: of nothing
-    if any(stride == 0 and size > 1 for size, stride in zip(local.shape, local.stride())):
+    if elements_share_memory(local):
         # torch's overlap error, from a tensor of the same strides (storage: the few elements
         # the strides reach)
         torch.empty_strided(local.shape, local.stride(), dtype=local.dtype).add_(0)
