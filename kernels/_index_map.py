@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rng_tracker._validate import checked_int
+from rng_tracker._validate import checked_int, known_true
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 
 MAX_LOGICAL_NUMEL = 2**63 - 1  # int64's largest value: global indices stay int64 on every path
 
 
 def _check_logical_numel(owner: str, what: str, value: int) -> None:
-    if value > MAX_LOGICAL_NUMEL:
+    if known_true(value > MAX_LOGICAL_NUMEL):
         raise KernelInputError(
             f"{owner} {what} is {value}, beyond the {MAX_LOGICAL_NUMEL} (2**63 - 1) elements a "
             "logical tensor may have: global indices must fit in int64 on every kernel path; "
@@ -330,9 +330,11 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
     shape = torch.Size(shape)
     if shard is None:
-        if torch.compiler.is_compiling():  # Dynamo traces through caches, with a warning
-            return IndexMap(offset=0, dims=((shape.numel(), 1),), logical_numel=shape.numel())
-        return _whole(shape.numel())
+        numel = math.prod(shape)  # torch.Size.numel() would specialise a symbolic size
+        # Dynamo traces through caches, with a warning; a symbolic size would be specialised
+        if torch.compiler.is_compiling() or isinstance(numel, torch.SymInt):
+            return IndexMap(offset=0, dims=((numel, 1),), logical_numel=numel)
+        return _whole(numel)
     if isinstance(shard, IndexMap):
         if shard.numel != shape.numel():
             raise KernelInputError(

@@ -15,7 +15,7 @@ import struct
 
 import torch
 
-from rng_tracker._validate import checked_instance, shown_value
+from rng_tracker._validate import checked_instance, known_true, shown_value
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels._call import DropoutCall
 from rng_tracker.kernels._index_map import IndexMap
@@ -190,7 +190,8 @@ def check_call_shapes(
                 f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)} (x has shape "
                 f"{tuple(x.shape)})"
             )
-    if index_map.numel != x.numel():
+    # after a graph break the map's sizes are new symbols, unrelated to x's (known_true)
+    if known_true(index_map.numel != x.numel()):
         raise KernelInputError(
             f"the IndexMap covers {index_map.numel} local elements but x has {x.numel()} "
             f"(shape {tuple(x.shape)}); its extents must multiply to x.numel()"

@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from rng_tracker.errors import (
     ArgumentTypeError,
@@ -51,6 +52,13 @@ def _wanted(minimum: int | None, maximum: int | None) -> str:
     return f"<= {maximum}"
 
 
+def known_true(condition: bool | torch.SymBool) -> bool:
+    """Whether ``condition`` holds; one on symbolic sizes (torch.compile, export, make_fx) only
+    where it is decided without a guard, so a check neither specialises a traced size nor narrows
+    an exported one's range. A registered op checks its real sizes again when it runs."""
+    return statically_known_true(condition)
+
+
 def checked_int(
     value: object,
     what: str,
@@ -72,10 +80,15 @@ def checked_int(
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise type_error(f"{what} must be an int, got the bool {value!r}")
     try:
-        result = operator.index(value)
+        # a symbolic size (torch.compile, export) stays symbolic: index() would specialise it
+        # (Dynamo shows a symbolic int to traced code as an int)
+        symbolic = type(value) is int or isinstance(value, torch.SymInt)
+        result = value if symbolic else operator.index(value)
     except TypeError:
         raise type_error(f"{what} must be an int, got {shown_value(value)}") from None
-    if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+    if (minimum is not None and known_true(result < minimum)) or (
+        maximum is not None and known_true(result > maximum)
+    ):
         raise (value_error or type_error)(
             f"{what} must be {_wanted(minimum, maximum)}, got {result}{note}"
         )

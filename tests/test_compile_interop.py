@@ -42,8 +42,11 @@ class _Block(torch.nn.Module):
 
 
 def _train(
-    compiled: bool, steps: int = 3, reentrant: bool = False
+    compiled: bool, steps: int = 3, reentrant: bool = False, rows: tuple[int, ...] = ()
 ) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
+    """``steps`` steps on one input (or one step per row count in ``rows``, each its own input)."""
+    torch._dynamo.reset()
+    counters.clear()
     torch.manual_seed(123)
     tracker = RNGStatesTracker("cpu")
     tracker.add("model-parallel-rng", 77)
@@ -53,7 +56,9 @@ def _train(
     # the same input and output gradient every step: only the masks can differ between steps
     x0, grad = torch.randn(24, 16, generator=data), torch.randn(24, 16, generator=data)
     results, graphs = [], []
-    for _ in range(steps):
+    for n in rows or [None] * steps:
+        if n is not None:
+            x0, grad = torch.randn(n, 16, generator=data), torch.randn(n, 16, generator=data)
         x = x0.clone().requires_grad_()
         out = run(x)
         out.backward(grad)
@@ -78,6 +83,21 @@ def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling(re
     for a, b in zip(compiled[0], compiled[1], strict=True):
         assert not torch.equal(a, b)
     assert graphs[1] == graphs[0] and graphs[2] == graphs[0]  # nothing compiled after step 1
+
+
+def test_a_compiled_model_takes_new_sizes_with_one_recompile_as_torchs_dropout():
+    """Token counts that change between steps (the last batch, packed sequences): after the
+    second size the compiler makes the size symbolic and compiles nothing more, as it does for
+    torch's F.dropout, and each step equals eager bitwise. The kernels' size checks did
+    specialise it: each new size compiled again, until Dynamo's recompile limit ran the rest
+    eagerly."""
+    rows = (24, 20, 28, 36, 12)
+    eager, _ = _train(compiled=False, rows=rows)
+    compiled, graphs = _train(compiled=True, rows=rows)
+    for step_eager, step_compiled in zip(eager, compiled, strict=True):
+        for a, b in zip(step_eager, step_compiled, strict=True):
+            assert torch.equal(a, b)
+    assert graphs[1] > graphs[0] and graphs[2:] == [graphs[1]] * (len(rows) - 2)
 
 
 def test_compiler_recompute_replays_the_forward_mask():

@@ -4,7 +4,9 @@ Claims: under fake tensors a fused dropout is shape-only and leaves the generato
 torch's F.dropout does); make_fx and torch.export (strict=False) record the draw, so the traced
 program reproduces the eager calls bit for bit, call after call, with a fresh mask each time;
 strict export, which cannot record a draw from a generator, is refused with the way out; a
-``seed=`` input traces under both export modes.
+``seed=`` input traces under both export modes. A trace with symbolic sizes (make_fx's
+"symbolic" mode, an export with a dynamic dim) is one program for every size, as torch's
+F.dropout's is: no size is specialised or narrowed by the kernels' checks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rng_tracker.kernels import bias_dropout_add, dropout
+from rng_tracker.kernels import Chunk, bias_dropout_add, dropout
 
 
 def _fused(x: torch.Tensor) -> torch.Tensor:
@@ -109,3 +111,39 @@ def test_an_export_with_a_seed_input_takes_each_run_s_seed(strict):
     for seed, out in zip(seeds, outs):
         assert torch.equal(out.view(torch.int32), dropout(x, 0.4, seed=seed).view(torch.int32))
     assert not torch.equal(outs[0], outs[1])
+
+
+def test_a_trace_with_symbolic_sizes_replays_eager_bits_at_every_size():
+    """make_fx's symbolic mode and an export with a dynamic row dim give one program for every
+    row count (the size checks did specialise it: the traced graph refused any other size, and
+    export reported the dim as constant)."""
+    rows = torch.export.Dim("rows", min=2)
+    x = torch.randn(6, 8)
+    programs = [
+        make_fx(_fused, tracing_mode="symbolic")(x),
+        torch.export.export(_Fused(), (x,), dynamic_shapes=({0: rows},), strict=False).module(),
+    ]
+    for program in programs:
+        for n in (3, 10):
+            _assert_replays_eager(program, torch.randn(n, 8))
+
+
+class _Sharded(torch.nn.Module):
+    """The second of two row chunks of a logical tensor, keyed: a shard placed by sizes."""
+
+    def forward(self, x: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return dropout(x, 0.4, seed=seed, shard=Chunk(0, 1, 2, extent=2 * x.shape[0]))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("module", [_Fused, _Sharded], ids=["whole", "chunk"])
+def test_an_export_with_dynamic_rows_and_a_seed_input_runs_every_size(strict, module):
+    rows = torch.export.Dim("rows", min=2)
+    seed = torch.tensor([7, 0, 3, 0])
+    program = torch.export.export(
+        module(), (torch.randn(6, 8), seed), dynamic_shapes=({0: rows}, None), strict=strict
+    ).module()
+    for n in (3, 10):
+        x = torch.randn(n, 8)
+        want = module()(x, seed)
+        assert torch.equal(program(x, seed).view(torch.int32), want.view(torch.int32))
