@@ -331,7 +331,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     shape = torch.Size(shape)
     if shard is None:
         numel = math.prod(shape)  # torch.Size.numel() would specialise a symbolic size
-        # Dynamo traces through caches, with a warning; a symbolic size would be specialised
+        # Dynamo traces through caches, with a warning; a cache would specialise a symbolic size
         if torch.compiler.is_compiling() or isinstance(numel, torch.SymInt):
             return IndexMap(offset=0, dims=((numel, 1),), logical_numel=numel)
         return _whole(numel)

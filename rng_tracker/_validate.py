@@ -82,8 +82,8 @@ def checked_int(
     try:
         # a symbolic size (torch.compile, export) stays symbolic: index() would specialise it
         # (Dynamo shows a symbolic int to traced code as an int)
-        symbolic = type(value) is int or isinstance(value, torch.SymInt)
-        result = value if symbolic else operator.index(value)
+        as_is = type(value) is int or isinstance(value, torch.SymInt)
+        result = value if as_is else operator.index(value)
     except TypeError:
         raise type_error(f"{what} must be an int, got {shown_value(value)}") from None
     if (minimum is not None and known_true(result < minimum)) or (
