@@ -124,7 +124,7 @@ def _check_seed(
 
 def dropout(
     x: torch.Tensor,
-    p: float,
+    p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
     *,

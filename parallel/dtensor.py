@@ -196,7 +196,7 @@ def _placed_index(x: DTensor, batch: tuple[int, BatchPosition] | None) -> LocalI
 
 def dropout(
     x: DTensor,
-    p: float,
+    p: float = 0.5,
     training: bool = True,
     inplace: bool = False,
     *,

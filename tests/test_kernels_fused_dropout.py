@@ -953,6 +953,23 @@ def test_dropout_takes_torch_dropouts_call_shape_training_third_and_inplace_four
         assert positional == names and parameters["training"].default is True
 
 
+def test_dropout_defaults_are_torch_dropouts():
+    """``F.dropout(x)`` drops with p = 0.5; the kernel and its DTensor form refused a call without
+    p. Every argument they share with torch's now has torch's default, and ``dropout(x)`` is
+    ``dropout(x, 0.5)`` bit for bit."""
+    import inspect
+
+    from rng_tracker.parallel import dtensor
+
+    _, *shared = inspect.signature(F.dropout).parameters.values()  # after the tensor
+    assert [p.name for p in shared] == ["p", "training", "inplace"]
+    for function in (dropout, dtensor.dropout):
+        ours = inspect.signature(function).parameters
+        assert [ours[p.name].default for p in shared] == [p.default for p in shared]
+    x = torch.randn(6, 10)
+    assert torch.equal(dropout(x, generator=gen()), dropout(x, 0.5, generator=gen()))
+
+
 def _inference_tensor() -> torch.Tensor:
     with torch.inference_mode():
         return torch.ones(4, 4)
