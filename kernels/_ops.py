@@ -129,14 +129,16 @@ def _register(
 ) -> Any:
     """Register ``rng_tracker::<name>`` running ``kernel(call, seed)``, with its fake and autograd."""
 
-    def body(x, bias, residual, seed, p, offset, dims, logical_numel):
+    def checked_call(x, bias, residual, seed, p, offset, dims, logical_numel) -> DropoutCall:
         call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
         _check_op_call(call, seed, takes)
-        return kernel(call, seed)
+        return call
+
+    def body(x, bias, residual, seed, p, offset, dims, logical_numel):
+        return kernel(checked_call(x, bias, residual, seed, p, offset, dims, logical_numel), seed)
 
     def fake(x, bias, residual, seed, p, offset, dims, logical_numel):
-        call = DropoutCall(x, bias, residual, check_p(p), from_op_args(offset, dims, logical_numel))
-        _check_op_call(call, seed, takes)
+        checked_call(x, bias, residual, seed, p, offset, dims, logical_numel)
         return torch.empty_like(x, memory_format=torch.contiguous_format)  # x's metadata alone
 
     body.__signature__ = fake.__signature__ = _SIGNATURE
