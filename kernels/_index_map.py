@@ -45,8 +45,8 @@ def chunk_bounds(extent: int, index: int, count: int) -> tuple[int, int]:
     """[start, stop) of chunk ``index`` of ``count`` along a dim of ``extent``, by torch.chunk's
     rule (DTensor's too): chunks of ceil(extent / count), so the last ones may be short or empty."""
     size = -(-extent // count)
-    start = min(index * size, extent)
-    return start, min(start + size, extent)
+    start = torch.sym_min(index * size, extent)  # (min of symbolic sizes without a guard)
+    return start, torch.sym_min(start + size, extent)
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:

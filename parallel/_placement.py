@@ -1,7 +1,8 @@
 """Which elements of a DTensor's logical tensor this rank holds: placements + mesh → index lists.
 
 DTensor shards act on one tensor dim each, so the local tensor is always the logical
-tensor indexed by one list of global indices per dim (in local order). ``Shard`` splits
+tensor indexed by one list of global indices per dim (in local order), kept as spans of
+consecutive indices. ``Shard`` splits
 the current piece of a dim by torch.chunk's rule (the last chunks may be short or
 empty); ``_StridedShard(dim, split_factor=s)`` (FSDP2 + TP) first chunks the piece into
 ``s`` parts, chunks each part over the mesh axis and concatenates this rank's chunk of
@@ -36,35 +37,54 @@ _StridedShard = strided_shard_type()
 _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
 
 
-def split_by_chunk(items: Sequence[int], count: int, index: int) -> list[int]:
-    """Chunk ``index`` of ``items`` split into ``count`` parts by torch.chunk's rule."""
-    start, stop = chunk_bounds(len(items), index, count)
-    return list(items[start:stop])
+# (global start, length): consecutive global indices of a dim, as a rank holds them
+Span = tuple[int, int]
+
+
+def split_spans(spans: Sequence[Span], count: int, index: int) -> tuple[Span, ...]:
+    """Chunk ``index`` of the indices ``spans`` hold (in order), split into ``count`` parts by
+    torch.chunk's rule. Sizes may be symbolic (a trace): nothing is expanded to a list."""
+    start, stop = chunk_bounds(sum(length for _, length in spans), index, count)
+    part, position = [], 0
+    for first, length in spans:
+        lo, hi = torch.sym_max(start - position, 0), torch.sym_min(stop - position, length)
+        if lo < hi:
+            part.append((first + lo, hi - lo))
+        position += length
+    return tuple(part)
 
 
 @dataclass(frozen=True, slots=True)
 class LocalIndex:
-    """The global indices this rank holds along each dim of a logical tensor of ``global_shape``."""
+    """The global indices this rank holds along each dim of a logical tensor of ``global_shape``,
+    as spans of consecutive indices in local order (sizes stay symbolic under a trace)."""
 
     global_shape: tuple[int, ...]
-    indices: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[Span, ...], ...]
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return tuple(len(idx) for idx in self.indices)
+        return tuple(sum(length for _, length in spans) for spans in self.spans)
+
+    @property
+    def indices(self) -> tuple[tuple[int, ...], ...]:
+        """The global indices along each dim, listed (real sizes only)."""
+        return tuple(
+            tuple(g for first, length in spans for g in range(first, first + length))
+            for spans in self.spans
+        )
 
     def runs(self, dim: int) -> list[tuple[int, int, int]]:
         """Maximal runs (local start, length, global start) of consecutive global indices along ``dim``."""
-        idx = self.indices[dim]
-        if not idx:
-            return [(0, 0, 0)]
-        runs = [[0, 1, idx[0]]]
-        for pos in range(1, len(idx)):
-            if idx[pos] == idx[pos - 1] + 1:
-                runs[-1][1] += 1
+        runs: list[list[int]] = []
+        position = 0
+        for first, length in self.spans[dim]:
+            if runs and runs[-1][2] + runs[-1][1] == first:
+                runs[-1][1] += length
             else:
-                runs.append([pos, 1, idx[pos]])
-        return [tuple(run) for run in runs]
+                runs.append([position, length, first])
+            position += length
+        return [tuple(run) for run in runs] if runs else [(0, 0, 0)]
 
     def affine(self) -> tuple[int, tuple[tuple[int, int], ...]] | None:
         """The map local flat -> global flat as (offset, ((extent, stride), ...)), or None.
@@ -88,6 +108,20 @@ class LocalIndex:
             dims.append((runs[0][1], stride))
         return offset, tuple(dims)
 
+    def box(self) -> Region | None:
+        """The local tensor as one box of the logical tensor, or None where it is several (no
+        slice object is made: a trace keeps the sizes symbolic)."""
+        per_dim = [self.runs(d) for d in range(len(self.global_shape))]
+        if any(len(runs) != 1 for runs in per_dim):
+            return None
+        return Region(self.global_shape, tuple(runs[0][2] for runs in per_dim))
+
+    def last_dim_spans(self) -> tuple[Span, ...]:
+        """The global indices along the last dim, as maximal spans ((0, 1) for a 0-d tensor)."""
+        if not self.global_shape:
+            return ((0, 1),)
+        return tuple((first, length) for _, length, first in self.runs(len(self.global_shape) - 1))
+
     def boxes(self) -> list[tuple[tuple[slice, ...], Region]]:
         """The local tensor as boxes of the logical tensor, in row-major order of the runs:
         each the local slices that hold it and its :class:`~rng_tracker.kernels.Region`."""
@@ -105,10 +139,10 @@ def in_global_batch(index: LocalIndex, batch_dim: int, position: BatchPosition) 
     """``index`` of a tensor whose logical tensor holds samples [sample_offset, sample_offset +
     b) of a global batch along ``batch_dim``: the same elements, placed in the logical tensor
     over the whole global batch."""
-    global_shape, indices = list(index.global_shape), list(index.indices)
+    global_shape, spans = list(index.global_shape), list(index.spans)
     global_shape[batch_dim] = position.global_batch
-    indices[batch_dim] = tuple(i + position.sample_offset for i in indices[batch_dim])
-    return LocalIndex(tuple(global_shape), tuple(indices))
+    spans[batch_dim] = tuple((first + position.sample_offset, n) for first, n in spans[batch_dim])
+    return LocalIndex(tuple(global_shape), tuple(spans))
 
 
 def _shard_steps(placements: Sequence[object], shard_order: object) -> list[tuple[int, int]]:
@@ -158,20 +192,18 @@ def local_index(
             raise DTensorPlacementError(
                 f"{placement!r} shards dim {placement.dim} of a {ndim}-dim tensor"
             )
-    indices = [list(range(size)) for size in global_shape]
+    spans: list[tuple[Span, ...]] = [((0, size),) for size in global_shape]
     for axis, dim in _shard_steps(placements, shard_order):
         placement = placements[axis]
         dim %= ndim
         count, index = mesh_shape[axis], coordinate[axis]
         if isinstance(placement, _StridedShard):
             split = _split_factor(placement)
-            parts = [split_by_chunk(indices[dim], split, j) for j in range(split)]
-            indices[dim] = [g for part in parts for g in split_by_chunk(part, count, index)]
+            parts = [split_spans(spans[dim], split, j) for j in range(split)]
+            spans[dim] = tuple(span for part in parts for span in split_spans(part, count, index))
         else:
-            indices[dim] = split_by_chunk(indices[dim], count, index)
-    return LocalIndex(
-        global_shape=tuple(global_shape), indices=tuple(tuple(idx) for idx in indices)
-    )
+            spans[dim] = split_spans(spans[dim], count, index)
+    return LocalIndex(global_shape=tuple(global_shape), spans=tuple(spans))
 
 
 def local_index_of(x: DTensor) -> LocalIndex:

@@ -16,7 +16,7 @@ the details and the torch internals this relies on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,6 +46,7 @@ from rng_tracker.kernels._rng_source import check_generator
 from rng_tracker.kernels.reference import check_p
 from rng_tracker.parallel._placement import (
     LocalIndex,
+    Span,
     fill_from_full,
     in_global_batch,
     local_index_of,
@@ -79,12 +80,12 @@ def _clone(generator: torch.Generator) -> torch.Generator:
     return clone
 
 
-def _last_dim_indices(slices: tuple[slice, ...], region: Region) -> range:
+def _last_dim_spans(slices: tuple[slice, ...], region: Region) -> tuple[Span, ...]:
     """Global indices along the last dim of the box that ``slices`` cut from the local tensor
     (a 0-d tensor has no last dim, and no bias: its one element)."""
     if not slices:
-        return range(1)
-    return range(region.offset[-1], region.offset[-1] + slices[-1].stop - slices[-1].start)
+        return ((0, 1),)
+    return ((region.offset[-1], slices[-1].stop - slices[-1].start),)
 
 
 def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> torch.Tensor:
@@ -100,7 +101,7 @@ def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> to
 
 # op(part of the local tensor, global last-dim indices of that part, shard=, generator=)
 _KernelCall = Callable[
-    [tuple[slice, ...], Sequence[int], Region | IndexMap, torch.Generator | None], torch.Tensor
+    [tuple[slice, ...], tuple[Span, ...], Region | IndexMap, torch.Generator | None], torch.Tensor
 ]
 
 
@@ -112,20 +113,20 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     each from a clone of the generator, which then takes the state the clones end in:
     what one call over the logical tensor leaves.
     """
-    boxes = index.boxes()
     shape = index.global_shape
     whole = (slice(None),) * local.dim()
-    if len(boxes) == 1:
-        return op(whole, _last_dim_indices(*boxes[0]), boxes[0][1], None)
+    box = index.box()
+    if box is not None:
+        return op(whole, index.last_dim_spans(), box, None)
     affine = index.affine()
     if affine is not None:
         index_map = IndexMap(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
-        return op(whole, index.indices[-1], index_map, None)
+        return op(whole, index.last_dim_spans(), index_map, None)
     generator = default_generator(local.device)
     pieces, end = [], None
-    for slices, region in boxes:
+    for slices, region in index.boxes():
         clone = _clone(generator)
-        pieces.append(op(slices, _last_dim_indices(slices, region), region, clone))
+        pieces.append(op(slices, _last_dim_spans(slices, region), region, clone))
         end = clone.get_state()
     generator.set_state(end)
     return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])
@@ -145,14 +146,16 @@ def region_of(x: DTensor) -> Region:
             f"x has placements {x.placements}: its local tensor is a partial sum, not its values; "
             "redistribute the Partial axes to Replicate() first (dtensor.dropout does that)"
         )
-    boxes = local_index_of(x).boxes()
-    if len(boxes) != 1:
+    index = local_index_of(x)
+    box = index.box()
+    if box is None:
         raise DTensorPlacementError(
-            f"this rank's local tensor of x (placements {x.placements}) is {len(boxes)} boxes of "
-            "the logical tensor, not one Region; call rng_tracker.parallel.dtensor.dropout(x, p, "
-            "seed=...) instead, which handles strided shards"
+            f"this rank's local tensor of x (placements {x.placements}) is "
+            f"{len(index.boxes())} boxes of the logical tensor, not one Region; call "
+            "rng_tracker.parallel.dtensor.dropout(x, p, seed=...) instead, which handles strided "
+            "shards"
         )
-    return boxes[0][1]
+    return box
 
 
 def _keyed_seed(x: DTensor, seed: torch.Tensor | None, site: str | None) -> torch.Tensor | None:
@@ -233,7 +236,7 @@ def dropout(
 
     def call(
         part: tuple[slice, ...],
-        last: Sequence[int],
+        last: tuple[Span, ...],
         shard: Region | IndexMap,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
@@ -299,17 +302,15 @@ def bias_dropout_add(
 
     def call(
         part: tuple[slice, ...],
-        last: Sequence[int],
+        last: tuple[Span, ...],
         shard: Region | IndexMap,
         generator: torch.Generator | None,
     ) -> torch.Tensor:
         part_bias = full_bias
         if full_bias is not None and x.ndim > 0 and full_bias.shape == x.shape[-1:]:
-            if isinstance(last, range):  # (else the kernel names the shape mismatch)
-                part_bias = full_bias.narrow(0, last.start, len(last))
-            else:
-                keep = torch.tensor(last, dtype=torch.int64, device=full_bias.device)
-                part_bias = full_bias.index_select(0, keep)
+            # (else the kernel names the shape mismatch)
+            pieces = [full_bias.narrow(0, first, n) for first, n in last]
+            part_bias = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return _kernel_bias_dropout_add(
             local[part],
             part_bias,

@@ -164,3 +164,45 @@ def test_dtensor_dropout_compiles_on_an_fsdp_tp_strided_shard():
         run_distributed(_compiled_dropout_on_a_strided_shard, world_size=4, timeout=300)
         == [True] * 4
     )
+
+
+def _compiled_dtensor_ops_over_new_sizes() -> list[int]:
+    """Keyed and drawn DTensor dropout and bias-dropout-add, compiled, over row counts that
+    split evenly and unevenly between the two ranks: eager's bits at each; the graph count
+    after each size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from rng_tracker.parallel import dtensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    seed = torch.tensor([1, 0, 2, 0])
+    bias = distribute_tensor(torch.linspace(-1, 1, 4), mesh, [Replicate()])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        keyed = dtensor.dropout(x, 0.5, seed=seed)
+        return dtensor.bias_dropout_add(keyed, bias, x, 0.25)  # drawn
+
+    compiled = torch.compile(step, backend="aot_eager")
+    graphs = []
+    for rows in (6, 10, 7, 13, 14, 9, 18):
+        x = distribute_tensor(
+            torch.randn(rows, 4, generator=torch.Generator().manual_seed(rows)), mesh, [Shard(0)]
+        )
+        state = torch.get_rng_state()
+        want = step(x).full_tensor()
+        torch.set_rng_state(state)
+        assert torch.equal(compiled(x).full_tensor(), want)
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+def test_dtensor_ops_take_new_sizes_with_one_recompile():
+    """DTensor ops placed a shard by index lists, which pinned the local size: each new row
+    count compiled again. Placed by spans of symbolic sizes, the second size compiles again
+    (Dynamo makes the size symbolic; the third once more, for a guard of Dynamo's on placement
+    objects), and later sizes compile nothing, even and uneven splits alike."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    for graphs in run_distributed(_compiled_dtensor_ops_over_new_sizes, world_size=2, timeout=300):
+        assert graphs[1] > graphs[0] and graphs[3:] == [graphs[2]] * 4

@@ -268,7 +268,7 @@ def test_chunk_bounds_and_the_dtensor_split_follow_torch_chunk() -> None:
     """One split rule for kernels' Chunk and the DTensor placements: torch.chunk's, where the
     chunks torch.chunk leaves out (10 rows in 4, 3 rows in 4) are empty."""
     from rng_tracker.kernels._index_map import chunk_bounds
-    from rng_tracker.parallel._placement import split_by_chunk
+    from rng_tracker.parallel._placement import split_spans
 
     for extent in range(13):
         for count in range(1, 6):
@@ -277,4 +277,5 @@ def test_chunk_bounds_and_the_dtensor_split_follow_torch_chunk() -> None:
                 want = chunks[index].tolist() if index < len(chunks) else []
                 start, stop = chunk_bounds(extent, index, count)
                 assert list(range(start, stop)) == want, (extent, index, count)
-                assert split_by_chunk(list(range(extent)), count, index) == want
+                spans = split_spans(((0, extent),), count, index)
+                assert [g for first, n in spans for g in range(first, first + n)] == want
