@@ -9,7 +9,6 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from rng_tracker.errors import (
     ArgumentTypeError,
@@ -56,7 +55,11 @@ def known_true(condition: bool | torch.SymBool) -> bool:
     """Whether ``condition`` holds; one on symbolic sizes (torch.compile, export, make_fx) only
     where it is decided without a guard, so a check neither specialises a traced size nor narrows
     an exported one's range. A registered op checks its real sizes again when it runs."""
-    return statically_known_true(condition)
+    if type(condition) is bool and not torch.compiler.is_compiling():
+        return condition
+    # (Dynamo shows a symbolic bool to traced code as a bool.) Whatever made a symbolic value
+    # loaded torch's shape machinery; importing it here would load sympy with rng_tracker.
+    return torch.fx.experimental.symbolic_shapes.statically_known_true(condition)
 
 
 def checked_int(

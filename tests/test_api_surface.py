@@ -7,6 +7,8 @@
   warning (the docs never teach a name on its way out).
 - Only the public modules carry an ``__all__``; no module imports another's ``_private`` name; the
   modules import each other without a cycle.
+- ``import rng_tracker`` (and the test harness) loads no sympy: torch's shape machinery costs
+  every process, each rank included, over half a second to import.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import importlib
 import importlib.util
 import pkgutil
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -271,3 +275,19 @@ def test_the_library_has_no_import_cycle() -> None:
             visit(module)
     assert sum(map(len, graph.values())) > 100, "the import graph came out nearly empty"
     assert not cycles, "\n".join(cycles)
+
+
+def test_importing_the_library_loads_no_sympy() -> None:
+    """A size check made ``import rng_tracker`` import torch.fx.experimental.symbolic_shapes and
+    so sympy (0.6 s here, in every process and rank); the check now finds it where a symbolic
+    size exists, and only there."""
+    probe = (
+        "import sys, rng_tracker, rng_tracker.parallel.testing\n"
+        "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
