@@ -45,8 +45,9 @@ def chunk_bounds(extent: int, index: int, count: int) -> tuple[int, int]:
     """[start, stop) of chunk ``index`` of ``count`` along a dim of ``extent``, by torch.chunk's
     rule (DTensor's too): chunks of ceil(extent / count), so the last ones may be short or empty."""
     size = -(-extent // count)
-    start = torch.sym_min(index * size, extent)  # (min of symbolic sizes without a guard)
-    return start, torch.sym_min(start + size, extent)
+    # builtin min: Dynamo keeps it symbolic (torch.sym_min costs 8 us per call on plain ints)
+    start = min(index * size, extent)
+    return start, min(start + size, extent)
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int | None = 0) -> int:

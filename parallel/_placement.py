@@ -47,7 +47,7 @@ def split_spans(spans: Sequence[Span], count: int, index: int) -> tuple[Span, ..
     start, stop = chunk_bounds(sum(length for _, length in spans), index, count)
     part, position = [], 0
     for first, length in spans:
-        lo, hi = torch.sym_max(start - position, 0), torch.sym_min(stop - position, length)
+        lo, hi = max(start - position, 0), min(stop - position, length)
         if lo < hi:
             part.append((first + lo, hi - lo))
         position += length
