@@ -313,6 +313,26 @@ def _row_major_strides(shape: Sequence[int]) -> list[int]:
 
 
 def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> IndexMap:
+    """The map of the box at ``offset`` of ``global_shape``, of x's ``shape``. A layout repeats
+    every step, so its map is built and checked once (not while Dynamo traces, which would warn)."""
+    key = (shape, tuple(global_shape), tuple(offset))
+    if torch.compiler.is_compiling():
+        return _built_box(*key)
+    try:
+        hash(key)
+    except TypeError:  # a symbolic size (make_fx, export) is unhashable
+        return _built_box(*key)
+    return _cached_box(*key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_box(
+    shape: torch.Size, global_shape: tuple[int, ...], offset: tuple[int, ...]
+) -> IndexMap:
+    return _built_box(shape, global_shape, offset)
+
+
+def _built_box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> IndexMap:
     strides = _row_major_strides(global_shape)
     return IndexMap(
         offset=sum(o * s for o, s in zip(offset, strides, strict=True)),
