@@ -23,6 +23,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -312,27 +313,21 @@ def _row_major_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def _box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> IndexMap:
-    """The map of the box at ``offset`` of ``global_shape``, of x's ``shape``. A layout repeats
-    every step, so its map is built and checked once (not while Dynamo traces, which would warn)."""
-    key = (shape, tuple(global_shape), tuple(offset))
+def _from_cache(maps: Any, *key: Any) -> IndexMap:
+    """``maps(*key)`` (an ``lru_cache``d builder: a layout repeats every step, so its map is built
+    and checked once), built anew where no cache can serve: while Dynamo traces (it warns when
+    tracing through a cache) and for a symbolic size (unhashable: make_fx, export)."""
     if torch.compiler.is_compiling():
-        return _built_box(*key)
+        return maps.__wrapped__(*key)
     try:
         hash(key)
-    except TypeError:  # a symbolic size (make_fx, export) is unhashable
-        return _built_box(*key)
-    return _cached_box(*key)
+    except TypeError:
+        return maps.__wrapped__(*key)
+    return maps(*key)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_box(
-    shape: torch.Size, global_shape: tuple[int, ...], offset: tuple[int, ...]
-) -> IndexMap:
-    return _built_box(shape, global_shape, offset)
-
-
-def _built_box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[int]) -> IndexMap:
+def _box(shape: torch.Size, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> IndexMap:
     strides = _row_major_strides(global_shape)
     return IndexMap(
         offset=sum(o * s for o, s in zip(offset, strides, strict=True)),
@@ -343,7 +338,6 @@ def _built_box(shape: torch.Size, global_shape: Sequence[int], offset: Sequence[
 
 @functools.lru_cache(maxsize=256)
 def _whole(numel: int) -> IndexMap:
-    # Cached: the index map of an unsharded tensor is built on every dropout call.
     return IndexMap(offset=0, dims=((numel, 1),), logical_numel=numel)
 
 
@@ -351,11 +345,8 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     """The index map of a local tensor of ``shape`` placed by ``shard`` (None: the whole tensor)."""
     shape = torch.Size(shape)
     if shard is None:
-        numel = math.prod(shape)  # torch.Size.numel() would specialise a symbolic size
-        # Dynamo traces through caches, with a warning; a cache would specialise a symbolic size
-        if torch.compiler.is_compiling() or isinstance(numel, torch.SymInt):
-            return IndexMap(offset=0, dims=((numel, 1),), logical_numel=numel)
-        return _whole(numel)
+        # (torch.Size.numel() would specialise a symbolic size)
+        return _from_cache(_whole, math.prod(shape))
     if isinstance(shard, IndexMap):
         if shard.numel != shape.numel():
             raise KernelInputError(
@@ -377,7 +368,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
                     f"the box does not fit in dim {d}: offset {start} + local size {size} > "
                     f"global extent {extent} (x {tuple(shape)}, {shard})"
                 )
-        return _box(shape, shard.global_shape, shard.offset)
+        return _from_cache(_box, shape, shard.global_shape, shard.offset)
     if not isinstance(shard, Chunk):
         raise KernelInputTypeError(
             f"shard must be a Chunk, Region, IndexMap or None, got {type(shard).__name__}"
@@ -401,4 +392,4 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     global_shape[dim] = extent
     offset = [0] * len(shape)
     offset[dim] = start
-    return _box(shape, global_shape, offset)
+    return _from_cache(_box, shape, tuple(global_shape), tuple(offset))

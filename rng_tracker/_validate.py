@@ -82,13 +82,15 @@ def checked_int(
     """
     if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise type_error(f"{what} must be an int, got the bool {value!r}")
-    try:
-        # a symbolic size (torch.compile, export) stays symbolic: index() would specialise it
-        # (Dynamo shows a symbolic int to traced code as an int)
-        as_is = type(value) is int or isinstance(value, torch.SymInt)
-        result = value if as_is else operator.index(value)
-    except TypeError:
-        raise type_error(f"{what} must be an int, got {shown_value(value)}") from None
+    # a symbolic size (torch.compile, export) stays symbolic: index() would specialise it
+    # (Dynamo shows a symbolic int to traced code as an int)
+    if type(value) is int or isinstance(value, torch.SymInt):
+        result = value
+    else:
+        try:
+            result = operator.index(value)
+        except TypeError:
+            raise type_error(f"{what} must be an int, got {shown_value(value)}") from None
     if (minimum is not None and known_true(result < minimum)) or (
         maximum is not None and known_true(result > maximum)
     ):
