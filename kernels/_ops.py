@@ -1,5 +1,6 @@
-"""Every torch.library registration of fused dropout: the reference, Triton and compiled CPU
-ops, their fake kernels and their autograd.
+"""Every torch.library registration: the fused dropout ops (reference, Triton and compiled
+CPU) with their fake kernels and autograd, and ``keyed_seed``, the keyed words an exported
+program reads when it runs.
 
 The three ops share one schema (one function's annotations) and compute ``residual + keep * (x + bias) / (1 - p)`` (bias and
 residual optional) with the mask of the seed tensor [key, base, c2, c3] and the index map as
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rng_tracker._keyed import current_site_words
 from rng_tracker.errors import KernelInputError
 from rng_tracker.kernels._call import KERNEL_DTYPES, DropoutCall
 from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
@@ -186,3 +188,21 @@ def call_op(route: str, call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
     """``call`` through the op of ``route`` (the index map goes in as the op's int arguments)."""
     x, bias, residual, p, index_map = call
     return OPS[route](x, bias, residual, seed, p, *to_op_args(index_map))
+
+
+@torch.library.custom_op(
+    "rng_tracker::keyed_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def keyed_seed(device: torch.device, site_id: int) -> torch.Tensor:
+    """The words [key, 0, site_id, step] of ``get_keyed_rng(device)`` when the op runs.
+
+    What ``KeyedRNG.seed_tensor`` becomes under torch.export: the seed and step are read from
+    the running process (a loaded program follows its ``set_step``), the site id is the
+    program's. Tagged ``nondeterministic_seeded`` so no pass folds it into a constant.
+    """
+    return current_site_words(device, site_id)
+
+
+@keyed_seed.register_fake
+def _keyed_seed_fake(device: torch.device, site_id: int) -> torch.Tensor:
+    return torch.empty(4, dtype=torch.int64, device=device)

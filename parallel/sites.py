@@ -307,8 +307,7 @@ def _keyed_site(
                 "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "
                 "the run's seed (the same on every rank) first"
             )
-        with torch.no_grad():
-            draw(training=False)  # the kernel checks its inputs, and draws nothing
+        draw(training=False)  # the kernel checks its inputs, and draws nothing
     rng.register(site)
     seed = rng.seed_tensor(site)  # (4,) [key, 0, site id, step]
     if _PROBE is not None:

@@ -21,6 +21,7 @@ from rng_tracker._torch_private import active_fake_mode, disable_current_dispatc
 from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
+    KeyedExportError,
     KeyedTypeError,
     KeyedUnseededError,
     SiteCollisionError,
@@ -180,6 +181,13 @@ class KeyedRNG:
         if known is not None and (site_id is None or _check_site_id(site_id) == known):
             return known
         _check_name(name)
+        if torch.compiler.is_dynamo_compiling() and torch.compiler.is_exporting():
+            raise KeyedExportError(
+                f"torch.export(strict=True) cannot trace the registration of keyed site {name!r} "
+                "(it hashes the name and makes device tensors); register every site before the "
+                "export (get_keyed_rng(device).register(name), or run the model once), or export "
+                "with strict=False"
+            )
         wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
         if known is not None:
             raise SiteCollisionError(
@@ -226,6 +234,10 @@ class KeyedRNG:
 
         A fresh tensor (one device add, no host sync): a later :meth:`advance` does not
         change it, so the backward of this step's call still regenerates this step's mask.
+        Under ``torch.export`` the words come from the op ``rng_tracker::keyed_seed``, which
+        reads the seed and step of ``get_keyed_rng(device)`` each time the program runs (a
+        saved program follows the running process's :meth:`set_step`, as torch's dropout
+        follows its generator), with the site's id fixed in the program.
         """
         site_words = self._site_words.get(name) if isinstance(name, str) else None
         if site_words is None:
@@ -235,10 +247,28 @@ class KeyedRNG:
                 "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) "
                 "with the run's seed (the same on every rank) first"
             )
+        if torch.compiler.is_exporting():
+            return self._words_read_when_run(name)
         fake = active_fake_mode()
         if fake is not None:  # shape-only: the words as fake tensors of the mode
             return fake.from_tensor(self._words) + fake.from_tensor(site_words)
         return self._words + site_words  # (4,) int64 on the device
+
+    def _words_read_when_run(self, name: str) -> torch.Tensor:
+        if _KEYED_RNGS.get(self._device) is not self:
+            raise KeyedExportError(
+                f"torch.export met the seed words of site {name!r} of a KeyedRNG made by hand; an "
+                "exported program reads get_keyed_rng(device) when it runs, so seed and use that "
+                "one (or pass kernels.dropout a seed= tensor that is an input of the program)"
+            )
+        # rng_tracker.kernels registers the op with every other one; the words feed its kernels,
+        # so whoever exports them has imported it (the core never imports the kernels)
+        if not hasattr(torch.ops.rng_tracker, "keyed_seed"):
+            raise KeyedExportError(
+                "exporting keyed words needs the op rng_tracker::keyed_seed: import "
+                "rng_tracker.kernels, which registers it, before torch.export"
+            )
+        return torch.ops.rng_tracker.keyed_seed(self._device, self._ids[name])
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -322,6 +352,20 @@ class KeyedRNG:
 # Process-wide, not per thread: the keyed state is the run's (seed, step, sites), the same for
 # every thread (an autograd worker's recompute draws the forward's masks from it).
 _KEYED_RNGS: dict[torch.device, KeyedRNG] = {}
+
+
+def current_site_words(device: torch.device, site_id: int) -> torch.Tensor:
+    """[key, 0, site_id, step] of ``get_keyed_rng(device)`` now (what ``rng_tracker::keyed_seed``
+    returns when an exported program runs): a new tensor on the device."""
+    rng = get_keyed_rng(device)
+    if rng.seed is None:
+        raise KeyedUnseededError(
+            f"this program's keyed site {site_id} reads get_keyed_rng({str(rng.device)!r}), which "
+            "has no seed; call get_keyed_rng(device).manual_seed(seed) with the run's seed first"
+        )
+    words = rng._words.clone()
+    words[2].fill_(_check_site_id(site_id))
+    return words
 
 
 def get_keyed_rng(device: torch.device | str | int | None = None) -> KeyedRNG:

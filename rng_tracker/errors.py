@@ -23,6 +23,7 @@ __all__ = [
     "KernelInputTypeError",
     "KernelInPlaceError",
     "KernelUnavailableError",
+    "KeyedExportError",
     "KeyedTypeError",
     "KeyedUnseededError",
     "ParallelConfigError",
@@ -172,6 +173,11 @@ class KeyedTypeError(RNGTrackerError, TypeError):
 
 class KeyedUnseededError(RNGTrackerError, RuntimeError):
     """Keyed randomness was used before a seed was set."""
+
+
+class KeyedExportError(RNGTrackerError, RuntimeError):
+    """torch.export met the seed words of a :class:`KeyedRNG` that is not the process's
+    ``get_keyed_rng(device)``, the one an exported program reads when it runs."""
 
 
 class DTensorPlacementError(RNGTrackerError, ValueError):

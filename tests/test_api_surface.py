@@ -17,13 +17,12 @@ import importlib
 import importlib.util
 import pkgutil
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from _python_probe import run_python
 
 import rng_tracker
 
@@ -286,8 +285,4 @@ def test_importing_the_library_loads_no_sympy() -> None:
         "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') "
         "if m in sys.modules))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
+    assert run_python(probe).strip() == "[]"

@@ -2,7 +2,7 @@
 
 Invariants: no other library module registers an op, a fake kernel or an autograd formula; the
 three fused dropout ops (reference, compiled CPU, Triton where it imports) take one schema, so
-the dispatcher can send one call to any of them.
+the dispatcher can send one call to any of them; ``keyed_seed`` reads the process's keyed words.
 """
 
 from __future__ import annotations
@@ -127,3 +127,22 @@ def test_the_ops_refuse_calls_their_kernels_would_read_out_of_bounds() -> None:
         assert len(seen[name]) == len(_ops.OPS), seen[name]
         for outcome in seen[name]:
             assert "KernelInputError: " in outcome and words in outcome, (name, outcome)
+
+
+def test_the_keyed_seed_op_passes_opcheck_and_reads_the_process_keyed_rng(monkeypatch):
+    """``keyed_seed`` (what an exported keyed site calls) passes torch.library.opcheck and
+    returns the words seed_tensor gives, read from get_keyed_rng(device) at each call."""
+    import rng_tracker._keyed as keyed_module
+    from rng_tracker import KeyedRNG
+
+    rng = KeyedRNG("cpu", seed=5)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    site = rng.register("test.ops.site")
+    op = torch.ops.rng_tracker.keyed_seed.default
+    assert torch.Tag.nondeterministic_seeded in op.tags  # never folded into a constant
+    result = torch.library.opcheck(op, (torch.device("cpu"), site))
+    assert set(result.values()) == {"SUCCESS"}, result
+    for step in (0, 3):
+        rng.set_step(step)
+        assert torch.equal(op(torch.device("cpu"), site), rng.seed_tensor("test.ops.site"))
+    assert op(torch.device("cpu"), site).tolist()[2:] == [site, 3]

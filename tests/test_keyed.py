@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from _python_probe import run_python
 from gpt_training.corpus import Corpus
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -571,3 +572,108 @@ def test_sites_met_first_on_the_meta_device_or_under_fake_tensors_register_real_
         assert seed.tolist() == [rng.seed_tensor(name).tolist()[0], 0, site_id_of(name), 0]
         got = site_dropout(name, x, 0.5, rng_mode="keyed")
         assert torch.equal(got, kernels.dropout(x, 0.5, seed=seed))
+
+
+class _KeyedBlock(torch.nn.Module):
+    """Two keyed sites: a dropout and a fused bias-dropout-add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rng_tracker.parallel.sites import site_dropout
+
+        h = site_dropout("test.export.a", self.linear(x), 0.5, rng_mode="keyed", batch_dim=0)
+        return site_dropout(
+            "test.export.b", h, 0.25, rng_mode="keyed", batch_dim=0,
+            bias=self.linear.bias, residual=x,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_saved_and_loaded_export_reads_the_keyed_step_and_seed_when_it_runs(
+    strict: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """An exported keyed site reads (seed, step) from get_keyed_rng(device) each time the
+    program runs (the op ``rng_tracker::keyed_seed``), as torch's exported dropout reads its
+    generator: saved and loaded, it equals eager bitwise at every step and after a reseed (the
+    export failed; baked words would give the export's step forever). strict=False meets the
+    sites first in the export; strict=True needs them registered before."""
+    rng = KeyedRNG("cpu", seed=7)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    torch.manual_seed(0)
+    model, x = _KeyedBlock(), torch.randn(4, 8)
+    if strict:
+        model(x)  # registers both sites
+    program = torch.export.export(model, (x,), strict=strict)
+    assert "test.export.a" in rng and "test.export.b" in rng
+    ops = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    assert ops.count(torch.ops.rng_tracker.keyed_seed.default) == 2
+    torch.export.save(program, tmp_path / "keyed.pt2")
+    loaded = torch.export.load(tmp_path / "keyed.pt2").module()
+    outs = []
+    for seed, step in ((7, 0), (7, 1), (7, 5), (9, 1)):
+        rng.manual_seed(seed)
+        rng.set_step(step)
+        want = model(x)
+        got = loaded(x)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (seed, step)
+        outs.append(got)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[3])
+
+
+def test_a_strict_export_that_meets_a_new_site_is_refused_with_the_way_out(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    rng = KeyedRNG("cpu", seed=7)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="register every site") as caught:
+        torch.export.export(_KeyedBlock(), (torch.randn(4, 8),), strict=True)
+    # Dynamo wraps the refusal (a KeyedExportError) in its own error; the message is ours
+    assert "KeyedExportError" in str(caught.value) and "strict=False" in str(caught.value)
+    assert rng.sites == {} and rng.step == 0
+
+
+def test_exported_keyed_words_refuse_a_hand_made_rng_and_an_unseeded_process(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+):
+    """The program reads get_keyed_rng(device), so words of another KeyedRNG are refused at
+    export (the program would read another state), and a run with no seed is a typed error."""
+    from rng_tracker.errors import KeyedExportError
+
+    own = KeyedRNG("cpu", seed=7)
+    own.register("test.export.own")
+
+    class Own(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return kernels.dropout(x, 0.5, seed=own.seed_tensor("test.export.own"))
+
+    with pytest.raises(KeyedExportError, match="get_keyed_rng") as caught:
+        torch.export.export(Own(), (torch.randn(4, 8),), strict=False)
+    assert isinstance(caught.value, RuntimeError)
+
+    rng = KeyedRNG("cpu", seed=7)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    x = torch.randn(4, 8)
+    program = torch.export.export(_KeyedBlock(), (x,), strict=False).module()
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), KeyedRNG("cpu"))
+    with pytest.raises(KeyedUnseededError, match="manual_seed"):
+        program(x)
+
+
+def test_exporting_keyed_words_before_the_kernels_are_imported_says_to_import_them():
+    """The op is registered with the kernels' ones; the core never imports the kernels."""
+    probe = (
+        "import torch, rng_tracker\n"
+        "from rng_tracker.errors import KeyedExportError\n"
+        "rng = rng_tracker.get_keyed_rng('cpu'); rng.manual_seed(1); rng.register('s')\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x): return x + rng.seed_tensor('s')\n"
+        "try:\n"
+        "    torch.export.export(M(), (torch.zeros(4, dtype=torch.int64),), strict=False)\n"
+        "except KeyedExportError as error:\n"
+        "    print('refused:', error)\n"
+    )
+    out = run_python(probe)
+    assert "refused:" in out and "import rng_tracker.kernels" in out
