@@ -178,6 +178,13 @@ class _Fork:
         """Enter the fork; its warning names the frame that called ``__enter__`` or the
         decorated function (both call this directly)."""
         tracker = self._tracker
+        if torch.compiler.is_dynamo_compiling() and torch.compiler.is_exporting():
+            raise ForkTracedError(
+                f"torch.export(strict=True) cannot trace fork({self._name!r}): Dynamo cannot "
+                "trace the swap of generator states and export allows no graph break. Export "
+                "with strict=False (a fork that draws nothing traces there), or draw with a keyed "
+                "seed (kernels.dropout(..., seed=) as an input of the exported function)"
+            )
         graph = recording_graph()
         if graph is not None:
             with disable_current_dispatch_modes():  # the real states, not the trace's tensors

@@ -324,9 +324,9 @@ class ArgumentConflictError(RNGTrackerError, TypeError):
 
 
 class ForkTracedError(RNGTrackerError, RuntimeError):
-    """A fork entered under a graph trace (torch.export, make_fx), which records the ops inside
-    it but not the swap of generator states: the traced program would draw from the default
-    generator instead of the stream."""
+    """A fork drew under a graph trace (torch.export, make_fx), which records the ops inside it
+    but not the swap of generator states: the traced program would draw from the default
+    generator instead of the stream. Under strict export any fork is refused on entry."""
 
 
 class ForkNotReplayedWarning(UserWarning):

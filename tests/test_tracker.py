@@ -917,6 +917,22 @@ class _ForkedDropout(torch.nn.Module):
             return torch.nn.functional.dropout(x, 0.5, training=self.training)
 
 
+def test_a_fork_under_strict_export_is_refused_on_entry_with_the_way_out() -> None:
+    """Dynamo cannot trace a fork's swap of generator states and export allows no graph break:
+    a fork under strict export failed with "Failed to convert args/kwargs to proxy" (drawing or
+    not); it is refused on entry, nothing changed, naming strict=False and the keyed seed."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 5)
+    before = tracker.get_states()
+    for module in (_ForkedDropout(tracker), _ForkedDropout(tracker).eval()):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="strict=False") as caught:
+            torch.export.export(module, (torch.ones(4, 8),), strict=True)
+        # Dynamo wraps the refusal (a ForkTracedError) in its own error; the message is ours
+        assert "ForkTracedError" in str(caught.value) and "keyed" in str(caught.value)
+        assert tracker.open_forks() == ()
+        assert torch.equal(tracker.get_states()["model-parallel-rng"], before["model-parallel-rng"])
+
+
 class _DrawBeforeTheFork(_ForkedDropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.nn.functional.dropout(x, 0.5)  # the default generator's draw, traced as such
