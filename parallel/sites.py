@@ -301,7 +301,9 @@ def _keyed_site(
             return dropout(x, p, shard=region, **randomness)
         return bias_dropout_add(x, bias, residual, p, shard=region, **randomness)
 
-    if site not in rng:  # a new site registers only once its call has passed every check
+    # a new site registers only once its call has passed every check; under Dynamo the checks
+    # run while tracing, where the table is not read (registration is done in the trace)
+    if torch.compiler.is_dynamo_compiling() or site not in rng:
         if rng.seed is None:
             raise KeyedUnseededError(
                 "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) with "

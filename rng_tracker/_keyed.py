@@ -17,7 +17,11 @@ import torch
 
 from rng_tracker._bits import mix_key, signed64
 from rng_tracker._device_rng import normalize_device
-from rng_tracker._torch_private import active_fake_mode, disable_current_dispatch_modes
+from rng_tracker._torch_private import (
+    active_fake_mode,
+    disable_current_dispatch_modes,
+    run_while_tracing,
+)
 from rng_tracker._tracker import validate_seed
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import (
@@ -177,31 +181,7 @@ class KeyedRNG:
         Re-registering a name is a no-op. The id defaults to :func:`site_id_of` (name);
         pass ``site_id=`` to resolve a hash collision. Two names never share an id.
         """
-        known = self._ids.get(name) if isinstance(name, str) else None
-        if known is not None and (site_id is None or _check_site_id(site_id) == known):
-            return known
-        _check_name(name)
-        if torch.compiler.is_dynamo_compiling() and torch.compiler.is_exporting():
-            raise KeyedExportError(
-                f"torch.export(strict=True) cannot trace the registration of keyed site {name!r} "
-                "(it hashes the name and makes device tensors); register every site before the "
-                "export (get_keyed_rng(device).register(name), or run the model once), or export "
-                "with strict=False"
-            )
-        wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
-        if known is not None:
-            raise SiteCollisionError(
-                f"keyed site {name!r} already has id {known}; it cannot change to {wanted} "
-                "(its masks would change)"
-            )
-        other = self._names.get(wanted)
-        if other is not None:
-            raise SiteCollisionError(
-                f"keyed sites {other!r} and {name!r} both map to id {wanted}, so they would "
-                "draw the same masks; rename one or pass an unused site_id="
-            )
-        self._add(name, wanted)
-        return wanted
+        return _register(self, name, site_id)
 
     def _add(self, name: str, site_id: int) -> None:
         # the words first (real, on this device, whatever mode or default device is active),
@@ -239,22 +219,37 @@ class KeyedRNG:
         saved program follows the running process's :meth:`set_step`, as torch's dropout
         follows its generator), with the site's id fixed in the program.
         """
+        if torch.compiler.is_dynamo_compiling():
+            return self._traced_words(name)
         site_words = self._site_words.get(name) if isinstance(name, str) else None
         if site_words is None:
             raise self._unknown(name)
-        if self._seed is None:
-            raise KeyedUnseededError(
-                "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) "
-                "with the run's seed (the same on every rank) first"
-            )
-        if torch.compiler.is_exporting():
-            return self._words_read_when_run(name)
+        self._check_seeded()
+        if torch.compiler.is_exporting():  # torch.export(strict=False)
+            return self._words_read_when_run(name, self._ids[name])
         fake = active_fake_mode()
         if fake is not None:  # shape-only: the words as fake tensors of the mode
             return fake.from_tensor(self._words) + fake.from_tensor(site_words)
         return self._words + site_words  # (4,) int64 on the device
 
-    def _words_read_when_run(self, name: str) -> torch.Tensor:
+    def _traced_words(self, name: str) -> torch.Tensor:
+        """The words under Dynamo (torch.compile, strict export): the step tensor is a graph
+        input and the site id a constant, read from the table itself (a site registered while
+        tracing is in it; Dynamo's copy of the table is not)."""
+        site = _current_site_id(self, name)
+        self._check_seeded()
+        if torch.compiler.is_exporting():
+            return self._words_read_when_run(name, site)
+        return self._words + torch.tensor([0, 0, site, 0], dtype=torch.int64, device=self._device)
+
+    def _check_seeded(self) -> None:
+        if self._seed is None:
+            raise KeyedUnseededError(
+                "keyed randomness has no seed; call get_keyed_rng(device).manual_seed(seed) "
+                "with the run's seed (the same on every rank) first"
+            )
+
+    def _words_read_when_run(self, name: str, site: int) -> torch.Tensor:
         if _KEYED_RNGS.get(self._device) is not self:
             raise KeyedExportError(
                 f"torch.export met the seed words of site {name!r} of a KeyedRNG made by hand; an "
@@ -268,7 +263,7 @@ class KeyedRNG:
                 "exporting keyed words needs the op rng_tracker::keyed_seed: import "
                 "rng_tracker.kernels, which registers it, before torch.export"
             )
-        return torch.ops.rng_tracker.keyed_seed(self._device, self._ids[name])
+        return torch.ops.rng_tracker.keyed_seed(self._device, site)
 
     # -- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -347,6 +342,37 @@ class KeyedRNG:
             f"no keyed site named {name!r}; register it first with register(name) "
             f"(registered: {sorted(self._ids)})"
         )
+
+
+# The table is host state that Dynamo must not trace (a BLAKE2b hash, device tensors) nor guard
+# (a site registered in the trace would fail the guards of its own frame): under torch.compile
+# and strict export these two run while tracing, on the table itself, and their results, ids,
+# are constants of the graph, valid for good because a name never loses or changes its id.
+@run_while_tracing
+def _current_site_id(rng: KeyedRNG, name: str) -> int:
+    return rng.site_id(name)
+
+
+@run_while_tracing
+def _register(rng: KeyedRNG, name: str, site_id: int | None) -> int:
+    known = rng._ids.get(name) if isinstance(name, str) else None
+    if known is not None and (site_id is None or _check_site_id(site_id) == known):
+        return known
+    _check_name(name)
+    wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
+    if known is not None:
+        raise SiteCollisionError(
+            f"keyed site {name!r} already has id {known}; it cannot change to {wanted} "
+            "(its masks would change)"
+        )
+    other = rng._names.get(wanted)
+    if other is not None:
+        raise SiteCollisionError(
+            f"keyed sites {other!r} and {name!r} both map to id {wanted}, so they would "
+            "draw the same masks; rename one or pass an unused site_id="
+        )
+    rng._add(name, wanted)
+    return wanted
 
 
 # Process-wide, not per thread: the keyed state is the run's (seed, step, sites), the same for

@@ -8,7 +8,8 @@ library does when the name is gone.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.overrides
@@ -17,6 +18,8 @@ import torch.utils.checkpoint
 # torch._subclasses.fake_tensor.is_fake: whether a tensor is fake, also inside functional and
 # functorch wrappers. Required (import torch loads the module itself).
 from torch._subclasses.fake_tensor import is_fake
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # torch.autograd.forward_ad._current_level: the innermost open dual_level, -1 where none is open.
 # The kernels look for forward-mode tangents only inside one. Without it, every call looks.
@@ -262,6 +265,16 @@ def torch_reentrant_checkpoint_forward_active() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def run_while_tracing(function: _F) -> _F:
+    """Mark ``function`` as ``torch.compiler.assume_constant_result`` does, without importing
+    Dynamo with the core: Dynamo calls it eagerly while it traces (real arguments, its side
+    effects done once) and keeps its result as a constant of the graph. The public function
+    sets this attribute and nothing else (``tests/test_torch_private.py`` checks it). Without
+    the attribute Dynamo would trace the function (a graph break where it cannot)."""
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
 
 
 def disable_current_dispatch_modes() -> Any:

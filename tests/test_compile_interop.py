@@ -206,3 +206,61 @@ def test_dtensor_ops_take_new_sizes_with_one_recompile():
 
     for graphs in run_distributed(_compiled_dtensor_ops_over_new_sizes, world_size=2, timeout=300):
         assert graphs[1] > graphs[0] and graphs[3:] == [graphs[2]] * 4
+
+
+class _KeyedSites(torch.nn.Module):
+    """Two keyed sites, as a torchtitan block would hold them: a dropout, then bias-dropout-add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from rng_tracker.parallel.sites import site_dropout
+
+        h = site_dropout("test.compile.a", x * 2, 0.5, rng_mode="keyed", batch_dim=0)
+        return site_dropout(
+            "test.compile.b", h, 0.25, rng_mode="keyed", batch_dim=0, bias=self.bias, residual=x
+        )
+
+
+def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatch):
+    """torchtitan compiles each block with fullgraph=True. A keyed site there failed: reading
+    the fake mode and registering a new site (a BLAKE2b hash, device tensors) cannot be traced,
+    so the first step raised (without fullgraph, these two sites split the forward into five
+    graphs). Now
+    a model whose sites are met first inside the compiled call is one graph: no graph break,
+    nothing compiled again as the step moves (set_step, advance), outputs and input gradients
+    bitwise eager's, a new mask at each step. A new seed compiles once more (a guard on it)."""
+    import rng_tracker._keyed as keyed_module
+    from rng_tracker import KeyedRNG
+
+    rng = KeyedRNG("cpu", seed=7)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    torch._dynamo.reset()
+    counters.clear()
+    model = _KeyedSites()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
+    outs, graphs = [], []
+    for step in (0, 1, None, 5):
+        if step is None:
+            rng.advance()
+        else:
+            rng.set_step(step)
+        results = []
+        for run in (compiled, model):
+            leaf = x.clone().requires_grad_()
+            out = run(leaf)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), leaf.grad))
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), rng.step
+        outs.append(results[0][0])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 1, 1] and not counters["graph_break"]
+    assert "test.compile.a" in rng and "test.compile.b" in rng
+    assert all(not torch.equal(outs[i], outs[i + 1]) for i in range(3))
+    rng.manual_seed(8)
+    assert torch.equal(compiled(x), model(x))
+    assert counters["stats"]["unique_graphs"] == 2

@@ -598,14 +598,12 @@ def test_a_saved_and_loaded_export_reads_the_keyed_step_and_seed_when_it_runs(
     """An exported keyed site reads (seed, step) from get_keyed_rng(device) each time the
     program runs (the op ``rng_tracker::keyed_seed``), as torch's exported dropout reads its
     generator: saved and loaded, it equals eager bitwise at every step and after a reseed (the
-    export failed; baked words would give the export's step forever). strict=False meets the
-    sites first in the export; strict=True needs them registered before."""
+    export failed; baked words would give the export's step forever). Both modes meet the sites
+    first in the export and register them there."""
     rng = KeyedRNG("cpu", seed=7)
     monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
     torch.manual_seed(0)
     model, x = _KeyedBlock(), torch.randn(4, 8)
-    if strict:
-        model(x)  # registers both sites
     program = torch.export.export(model, (x,), strict=strict)
     assert "test.export.a" in rng and "test.export.b" in rng
     ops = [node.target for node in program.graph.nodes if node.op == "call_function"]
@@ -621,18 +619,6 @@ def test_a_saved_and_loaded_export_reads_the_keyed_step_and_seed_when_it_runs(
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (seed, step)
         outs.append(got)
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[3])
-
-
-def test_a_strict_export_that_meets_a_new_site_is_refused_with_the_way_out(
-    monkeypatch: pytest.MonkeyPatch,
-):
-    rng = KeyedRNG("cpu", seed=7)
-    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="register every site") as caught:
-        torch.export.export(_KeyedBlock(), (torch.randn(4, 8),), strict=True)
-    # Dynamo wraps the refusal (a KeyedExportError) in its own error; the message is ours
-    assert "KeyedExportError" in str(caught.value) and "strict=False" in str(caught.value)
-    assert rng.sites == {} and rng.step == 0
 
 
 def test_exported_keyed_words_refuse_a_hand_made_rng_and_an_unseeded_process(

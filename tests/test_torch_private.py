@@ -109,3 +109,36 @@ def test_graph_tracing_active_is_true_under_make_fx_and_not_under_fake_tensors_a
         probe(torch.zeros(2))
     probe(torch.zeros(2))
     assert seen == [True, True, False, False]
+
+
+def test_run_while_tracing_marks_what_assume_constant_result_marks_and_dynamo_runs_it_once():
+    """run_while_tracing sets exactly the attribute torch.compiler.assume_constant_result sets
+    (a torch that marks otherwise fails here), and Dynamo then calls the function eagerly while
+    tracing, with the real object, once: not in the compiled graph's later runs."""
+    from rng_tracker._torch_private import run_while_tracing
+
+    def public(x):
+        return x
+
+    def ours(x):
+        return x
+
+    before = set(vars(public))
+    torch.compiler.assume_constant_result(public)
+    assert {name: vars(public)[name] for name in set(vars(public)) - before} == vars(
+        run_while_tracing(ours)
+    )
+
+    @run_while_tracing
+    def host_work(log: list) -> int:
+        log.append(len(log))
+        return 3
+
+    class Log(list):  # a user object: Dynamo passes the real one (guarded by identity)
+        pass
+
+    log = Log()
+    compiled = torch.compile(lambda x: x * host_work(log), fullgraph=True, backend="eager")
+    outs = [compiled(torch.ones(2)) for _ in range(3)]
+    assert all(torch.equal(out, torch.full((2,), 3.0)) for out in outs)
+    assert log == [0]
