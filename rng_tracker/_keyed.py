@@ -50,9 +50,7 @@ def _philox_key(seed: int) -> int:
 
 def site_id_of(name: str) -> int:
     """The default 32-bit id of a site name: BLAKE2b of its UTF-8 bytes, mapped into [1, 2**32)."""
-    _check_name(name)
-    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=4, person=b"rng_tracker.site")
-    return int.from_bytes(digest.digest(), "little") % (_SITE_LIMIT - 1) + 1
+    return _hashed_id(_check_name(name))
 
 
 def _check_name(name: object) -> str:
@@ -181,7 +179,16 @@ class KeyedRNG:
         Re-registering a name is a no-op. The id defaults to :func:`site_id_of` (name);
         pass ``site_id=`` to resolve a hash collision. Two names never share an id.
         """
-        return _register(self, name, site_id)
+        known = _current_site_id(self, name)
+        if known is not None and (site_id is None or _check_site_id(site_id) == known):
+            return known
+        _check_name(name)
+        wanted = _hashed_id(name) if site_id is None else _check_site_id(site_id)
+        collision = _collision(self, name, known, wanted)
+        if collision is not None:
+            raise SiteCollisionError(collision)
+        _add_site(self, name, wanted)
+        return wanted
 
     def _add(self, name: str, site_id: int) -> None:
         # the words first (real, on this device, whatever mode or default device is active),
@@ -237,6 +244,8 @@ class KeyedRNG:
         input and the site id a constant, read from the table itself (a site registered while
         tracing is in it; Dynamo's copy of the table is not)."""
         site = _current_site_id(self, name)
+        if site is None:
+            raise self._unknown(name)
         self._check_seeded()
         if torch.compiler.is_exporting():
             return self._words_read_when_run(name, site)
@@ -346,33 +355,41 @@ class KeyedRNG:
 
 # The table is host state that Dynamo must not trace (a BLAKE2b hash, device tensors) nor guard
 # (a site registered in the trace would fail the guards of its own frame): under torch.compile
-# and strict export these two run while tracing, on the table itself, and their results, ids,
-# are constants of the graph, valid for good because a name never loses or changes its id.
+# and strict export these run while tracing, on the table itself, and their results are
+# constants of the graph. That holds for good: the table only grows, and a name never changes
+# its id. They return what is wrong rather than raise, so the traced caller raises the typed
+# error (Dynamo would report an error raised here as its own).
 @run_while_tracing
-def _current_site_id(rng: KeyedRNG, name: str) -> int:
-    return rng.site_id(name)
+def _current_site_id(rng: KeyedRNG, name: object) -> int | None:
+    return rng._ids.get(name) if isinstance(name, str) else None
 
 
 @run_while_tracing
-def _register(rng: KeyedRNG, name: str, site_id: int | None) -> int:
-    known = rng._ids.get(name) if isinstance(name, str) else None
-    if known is not None and (site_id is None or _check_site_id(site_id) == known):
-        return known
-    _check_name(name)
-    wanted = site_id_of(name) if site_id is None else _check_site_id(site_id)
+def _hashed_id(name: str) -> int:
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=4, person=b"rng_tracker.site")
+    return int.from_bytes(digest.digest(), "little") % (_SITE_LIMIT - 1) + 1
+
+
+@run_while_tracing
+def _collision(rng: KeyedRNG, name: str, known: int | None, wanted: int) -> str | None:
     if known is not None:
-        raise SiteCollisionError(
+        return (
             f"keyed site {name!r} already has id {known}; it cannot change to {wanted} "
             "(its masks would change)"
         )
     other = rng._names.get(wanted)
-    if other is not None:
-        raise SiteCollisionError(
+    if other is not None and other != name:
+        return (
             f"keyed sites {other!r} and {name!r} both map to id {wanted}, so they would "
             "draw the same masks; rename one or pass an unused site_id="
         )
-    rng._add(name, wanted)
-    return wanted
+    return None
+
+
+@run_while_tracing
+def _add_site(rng: KeyedRNG, name: str, site_id: int) -> None:
+    if rng._ids.get(name) != site_id:  # once, though a frame may be traced again
+        rng._add(name, site_id)
 
 
 # Process-wide, not per thread: the keyed state is the run's (seed, step, sites), the same for

@@ -264,3 +264,32 @@ def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatc
     rng.manual_seed(8)
     assert torch.equal(compiled(x), model(x))
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_keyed_table_errors_stay_typed_under_compile(monkeypatch):
+    """The table's lookups run while Dynamo traces and hand their verdict back to traced code,
+    which raises: an unknown site, a colliding id and an unseeded table reach the caller of a
+    compiled function as rng_tracker's own errors (an error raised inside the traced-time
+    lookup would reach it as Dynamo's InternalTorchDynamoError), and nothing is registered."""
+    import rng_tracker._keyed as keyed_module
+    from rng_tracker import KeyedRNG
+    from rng_tracker.errors import KeyedUnseededError, SiteCollisionError, UnknownSiteError
+
+    rng = KeyedRNG("cpu", seed=7)
+    rng.register("test.compile.taken", site_id=5)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    x = torch.zeros(4, dtype=torch.int64)
+    calls = {
+        UnknownSiteError: lambda t: t + rng.seed_tensor("test.compile.unknown"),
+        SiteCollisionError: lambda t: t + rng.register("test.compile.other", site_id=5),
+    }
+    for error, call in calls.items():
+        torch._dynamo.reset()
+        with pytest.raises(error):
+            torch.compile(call, backend="eager")(x)
+    assert rng.sites == {"test.compile.taken": 5}
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), KeyedRNG("cpu"))
+    torch._dynamo.reset()
+    with pytest.raises(KeyedUnseededError):
+        torch.compile(_KeyedSites(), backend="eager")(torch.ones(6, 16))
+    assert keyed_module._KEYED_RNGS[torch.device("cpu")].sites == {}
