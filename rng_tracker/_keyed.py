@@ -378,7 +378,7 @@ def _collision(rng: KeyedRNG, name: str, known: int | None, wanted: int) -> str 
             "(its masks would change)"
         )
     other = rng._names.get(wanted)
-    if other is not None and other != name:
+    if other is not None:
         return (
             f"keyed sites {other!r} and {name!r} both map to id {wanted}, so they would "
             "draw the same masks; rename one or pass an unused site_id="
@@ -388,8 +388,7 @@ def _collision(rng: KeyedRNG, name: str, known: int | None, wanted: int) -> str 
 
 @run_while_tracing
 def _add_site(rng: KeyedRNG, name: str, site_id: int) -> None:
-    if rng._ids.get(name) != site_id:  # once, though a frame may be traced again
-        rng._add(name, site_id)
+    rng._add(name, site_id)
 
 
 # Process-wide, not per thread: the keyed state is the run's (seed, step, sites), the same for
