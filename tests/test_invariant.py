@@ -772,6 +772,52 @@ class _Block(torch.nn.Module):
         torch.nn.init.normal_(self.norm.bias, 0.0, 0.5)
 
 
+@pytest.mark.distributed(world_size=2, timeout=300)
+def test_a_compiled_parallelized_module_under_invariant_random_draws_eager_masks(rank: int):
+    """torch.compile of a parallelize_module TP+SP block (DTensors) under invariant_random():
+    each step's output equals the eager block's bitwise, and nothing compiles after the first
+    step. The index map's overlap check sorted symbolic strides, a graph break on every site
+    once the second step made the sizes symbolic (20 graphs, then 21; now 18 at every step:
+    the mode's drawn dropout stays a graph break per call, docs/compile.md)."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(3)
+    model = _Block(8)
+    plan = {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    parallelize_module(model, mesh, plan)
+    x_full = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(5))
+    x = distribute_tensor(x_full, mesh, [Shard(1)])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    graphs, outs = [], []
+    for step in range(3):
+        results = []
+        for run in (model, compiled):
+            torch.manual_seed(100 + step)
+            with invariant_random():
+                results.append(run(x).full_tensor())
+        assert torch.equal(results[0], results[1]), step
+        outs.append(results[1])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 2, graphs
+    assert not any("sort" in reason for reason in counters["graph_break"])
+    assert not torch.equal(outs[0], outs[1])
+
+
 class _KernelDropout(torch.nn.Module):
     def __init__(self, p: float) -> None:
         super().__init__()
