@@ -293,3 +293,40 @@ def test_keyed_table_errors_stay_typed_under_compile(monkeypatch):
     with pytest.raises(KeyedUnseededError):
         torch.compile(_KeyedSites(), backend="eager")(torch.ones(6, 16))
     assert keyed_module._KEYED_RNGS[torch.device("cpu")].sites == {}
+
+
+def test_a_keyed_site_in_torchs_checkpoint_compiles_whole_and_recomputes_its_mask(monkeypatch):
+    """The compiled-body recipe of docs/compile.md with a keyed site rather than a seed input:
+    torch.utils.checkpoint around site_dropout under fullgraph=True is one graph, and outputs
+    and gradients equal eager's bitwise at each step (the recompute draws the forward's mask)."""
+    import rng_tracker._keyed as keyed_module
+    from rng_tracker import KeyedRNG
+    from rng_tracker.parallel.sites import site_dropout
+
+    rng = KeyedRNG("cpu", seed=4)
+    monkeypatch.setitem(keyed_module._KEYED_RNGS, torch.device("cpu"), rng)
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(
+            site_dropout("test.compile.ckpt", h @ w, 0.5, rng_mode="keyed", batch_dim=0)
+        )
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint(block, x, use_reentrant=False, preserve_rng_state=False)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for s in (0, 1):
+        rng.set_step(s)
+        results = []
+        for run in (step, compiled):
+            out = run(x)
+            out.sum().backward()
+            results.append((out.detach(), w.grad))
+            w.grad = None
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), s
+    assert counters["stats"]["unique_graphs"] == 1
