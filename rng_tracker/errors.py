@@ -176,8 +176,9 @@ class KeyedUnseededError(RNGTrackerError, RuntimeError):
 
 
 class KeyedExportError(RNGTrackerError, RuntimeError):
-    """torch.export met the seed words of a :class:`KeyedRNG` that is not the process's
-    ``get_keyed_rng(device)``, the one an exported program reads when it runs."""
+    """torch.export met keyed seed words it cannot make an exported program read when it runs:
+    those of a :class:`KeyedRNG` that is not the process's ``get_keyed_rng(device)``, or any
+    before ``rng_tracker.kernels`` (which registers the op that reads them) is imported."""
 
 
 class DTensorPlacementError(RNGTrackerError, ValueError):
