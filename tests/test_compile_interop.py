@@ -208,6 +208,44 @@ def test_dtensor_ops_take_new_sizes_with_one_recompile():
         assert graphs[1] > graphs[0] and graphs[3:] == [graphs[2]] * 4
 
 
+def _compiled_dtensor_keyed_site() -> list[tuple[bool, int, int]]:
+    """(compiled == eager, graphs, graph breaks) per step of a keyed DTensor dropout by site."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rng_tracker import get_keyed_rng
+    from rng_tracker.parallel import dtensor
+
+    rng = get_keyed_rng("cpu")
+    rng.manual_seed(3)
+    rng.register("test.compile.dtensor")
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    x = distribute_tensor(full, mesh, [Shard(0)])
+
+    def drop(t):
+        return dtensor.dropout(t, 0.5, site="test.compile.dtensor")
+
+    compiled = torch.compile(drop, fullgraph=True, backend="aot_eager")
+    steps = []
+    for step in range(3):
+        rng.set_step(step)
+        same = torch.equal(compiled(x).full_tensor(), drop(x).full_tensor())
+        breaks = sum(counters["graph_break"].values())
+        steps.append((same, counters["stats"]["unique_graphs"], breaks))
+    return steps
+
+
+def test_a_keyed_dtensor_dropout_by_site_compiles_whole():
+    """``dtensor.dropout(x, p, site=...)`` reads the site's words through seed_tensor, which
+    Dynamo could not trace (fullgraph raised): now one graph on each rank, eager's mask at each
+    step, nothing compiled again as the step moves."""
+    from rng_tracker.parallel.testing import run_distributed
+
+    for steps in run_distributed(_compiled_dtensor_keyed_site, world_size=2, timeout=300):
+        assert steps == [(True, 1, 0)] * 3
+
+
 class _KeyedSites(torch.nn.Module):
     """Two keyed sites, as a torchtitan block would hold them: a dropout, then bias-dropout-add."""
 
@@ -228,10 +266,10 @@ def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatc
     """torchtitan compiles each block with fullgraph=True. A keyed site there failed: reading
     the fake mode and registering a new site (a BLAKE2b hash, device tensors) cannot be traced,
     so the first step raised (without fullgraph, these two sites split the forward into five
-    graphs). Now
-    a model whose sites are met first inside the compiled call is one graph: no graph break,
-    nothing compiled again as the step moves (set_step, advance), outputs and input gradients
-    bitwise eager's, a new mask at each step. A new seed compiles once more (a guard on it)."""
+    graphs). Now a model whose sites are met first inside the compiled call is one graph: no
+    graph break, nothing compiled again as the step moves (set_step, advance), outputs and input
+    gradients bitwise eager's, a new mask at each step. A new seed compiles once more (a guard
+    on it)."""
     import rng_tracker._keyed as keyed_module
     from rng_tracker import KeyedRNG
 
