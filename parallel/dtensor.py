@@ -80,12 +80,12 @@ def _clone(generator: torch.Generator) -> torch.Generator:
     return clone
 
 
-def _last_dim_spans(slices: tuple[slice, ...], region: Region) -> tuple[Span, ...]:
-    """Global indices along the last dim of the box that ``slices`` cut from the local tensor
+def _last_dim_spans(region: Region, length: int) -> tuple[Span, ...]:
+    """Global indices along the last dim of a box at ``region`` that is ``length`` long there
     (a 0-d tensor has no last dim, and no bias: its one element)."""
-    if not slices:
+    if not region.offset:
         return ((0, 1),)
-    return ((region.offset[-1], slices[-1].stop - slices[-1].start),)
+    return ((region.offset[-1], length),)
 
 
 def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     whole = (slice(None),) * local.dim()
     box = index.box()
     if box is not None:
-        return op(whole, index.last_dim_spans(), box, None)
+        return op(whole, _last_dim_spans(box, local.shape[-1] if local.dim() else 1), box, None)
     affine = index.affine()
     if affine is not None:
         index_map = IndexMap(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
@@ -126,7 +126,8 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     pieces, end = [], None
     for slices, region in index.boxes():
         clone = _clone(generator)
-        pieces.append(op(slices, _last_dim_spans(slices, region), region, clone))
+        length = slices[-1].stop - slices[-1].start if slices else 1
+        pieces.append(op(slices, _last_dim_spans(region, length), region, clone))
         end = clone.get_state()
     generator.set_state(end)
     return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])
