@@ -80,12 +80,12 @@ def _clone(generator: torch.Generator) -> torch.Generator:
     return clone
 
 
-def _last_dim_spans(region: Region, length: int) -> tuple[Span, ...]:
-    """Global indices along the last dim of a box at ``region`` that is ``length`` long there
-    (a 0-d tensor has no last dim, and no bias: its one element)."""
-    if not region.offset:
+def _last_dim_spans(region: Region, shape: tuple[int, ...]) -> tuple[Span, ...]:
+    """Global indices along the last dim of a box of ``shape`` at ``region`` (a 0-d tensor has
+    no last dim, and no bias: its one element)."""
+    if not shape:
         return ((0, 1),)
-    return ((region.offset[-1], length),)
+    return ((region.offset[-1], shape[-1]),)
 
 
 def _assemble(pieces: list[torch.Tensor], counts: list[int], dim: int = 0) -> torch.Tensor:
@@ -117,7 +117,7 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     whole = (slice(None),) * local.dim()
     box = index.box()
     if box is not None:
-        return op(whole, _last_dim_spans(box, local.shape[-1] if local.dim() else 1), box, None)
+        return op(whole, _last_dim_spans(box, local.shape), box, None)
     affine = index.affine()
     if affine is not None:
         index_map = IndexMap(offset=affine[0], dims=affine[1], logical_numel=math.prod(shape))
@@ -126,8 +126,8 @@ def _run_kernel(local: torch.Tensor, index: LocalIndex, op: _KernelCall) -> torc
     pieces, end = [], None
     for slices, region in index.boxes():
         clone = _clone(generator)
-        length = slices[-1].stop - slices[-1].start if slices else 1
-        pieces.append(op(slices, _last_dim_spans(region, length), region, clone))
+        part_shape = tuple(s.stop - s.start for s in slices)
+        pieces.append(op(slices, _last_dim_spans(region, part_shape), region, clone))
         end = clone.get_state()
     generator.set_state(end)
     return _assemble(pieces, [len(index.runs(d)) for d in range(len(shape))])

@@ -226,30 +226,22 @@ class KeyedRNG:
         saved program follows the running process's :meth:`set_step`, as torch's dropout
         follows its generator), with the site's id fixed in the program.
         """
-        if torch.compiler.is_dynamo_compiling():
-            return self._traced_words(name)
-        site_words = self._site_words.get(name) if isinstance(name, str) else None
-        if site_words is None:
-            raise self._unknown(name)
-        self._check_seeded()
-        if torch.compiler.is_exporting():  # torch.export(strict=False)
-            return self._words_read_when_run(name, self._ids[name])
-        fake = active_fake_mode()
-        if fake is not None:  # shape-only: the words as fake tensors of the mode
-            return fake.from_tensor(self._words) + fake.from_tensor(site_words)
-        return self._words + site_words  # (4,) int64 on the device
-
-    def _traced_words(self, name: str) -> torch.Tensor:
-        """The words under Dynamo (torch.compile, strict export): the step tensor is a graph
-        input and the site id a constant, read from the table itself (a site registered while
-        tracing is in it; Dynamo's copy of the table is not)."""
+        # the table itself, not Dynamo's copy: a site registered while tracing is in it
         site = _current_site_id(self, name)
         if site is None:
             raise self._unknown(name)
         self._check_seeded()
         if torch.compiler.is_exporting():
             return self._words_read_when_run(name, site)
-        return self._words + torch.tensor([0, 0, site, 0], dtype=torch.int64, device=self._device)
+        if torch.compiler.is_dynamo_compiling():  # the step tensor a graph input, the id a constant
+            return self._words + torch.tensor(
+                [0, 0, site, 0], dtype=torch.int64, device=self._device
+            )
+        site_words = self._site_words[name]
+        fake = active_fake_mode()
+        if fake is not None:  # shape-only: the words as fake tensors of the mode
+            return fake.from_tensor(self._words) + fake.from_tensor(site_words)
+        return self._words + site_words  # (4,) int64 on the device
 
     def _check_seeded(self) -> None:
         if self._seed is None:
@@ -400,11 +392,7 @@ def current_site_words(device: torch.device, site_id: int) -> torch.Tensor:
     """[key, 0, site_id, step] of ``get_keyed_rng(device)`` now (what ``rng_tracker::keyed_seed``
     returns when an exported program runs): a new tensor on the device."""
     rng = get_keyed_rng(device)
-    if rng.seed is None:
-        raise KeyedUnseededError(
-            f"this program's keyed site {site_id} reads get_keyed_rng({str(rng.device)!r}), which "
-            "has no seed; call get_keyed_rng(device).manual_seed(seed) with the run's seed first"
-        )
+    rng._check_seeded()
     words = rng._words.clone()
     words[2].fill_(_check_site_id(site_id))
     return words

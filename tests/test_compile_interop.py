@@ -216,6 +216,8 @@ def _compiled_dtensor_keyed_site() -> list[tuple[bool, int, int]]:
     from rng_tracker import get_keyed_rng
     from rng_tracker.parallel import dtensor
 
+    torch._dynamo.reset()
+    counters.clear()
     rng = get_keyed_rng("cpu")
     rng.manual_seed(3)
     rng.register("test.compile.dtensor")
