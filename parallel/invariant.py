@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -51,6 +52,7 @@ from rng_tracker.errors import (
     InvariantRandomUnsupportedError,
     KernelInputError,
     RNGTrackerError,
+    UnroutedCheckpointWarning,
 )
 from rng_tracker.kernels import Region
 from rng_tracker.kernels import dropout as _kernel_dropout
@@ -76,6 +78,7 @@ from rng_tracker.parallel.keyed_init import KeyedInit, check_keyed_fill
 
 __all__ = [
     "InitMode",
+    "UnroutedCheckpointWarning",
     "disable_invariant_random",
     "enable_invariant_random",
     "invariant_random",
@@ -351,6 +354,38 @@ def _refuse_in_torchs_checkpoint(func: Any) -> None:
         "rng_tracker.checkpoint (e.g. checkpoint_wrapper(module, checkpoint_fn="
         "rng_tracker.checkpoint)), or pass context_fn=rng_tracker.rng_context_fn() to torch's"
     )
+
+
+# torch.utils.checkpoint as Dynamo traces it: a higher-order op, which reaches the mode as one
+# call, so its body is traced with the mode popped (torch 2.13). None where torch has none.
+_TORCH_CHECKPOINT_UNDER_COMPILE = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+
+@torch.compiler.assume_constant_result
+def _warn_unrouted_checkpoint() -> bool:
+    """Warn (run while Dynamo traces, so no graph break) that the checkpoint's body is not routed."""
+    warnings.warn(
+        "torch.compile traced torch.utils.checkpoint under invariant_random(): Dynamo traces the "
+        "checkpoint's body without the mode (torch 2.13), so a dropout or init inside it draws "
+        "torch's values, not the layout-invariant ones, and is not refused as in eager. "
+        "Checkpoint with rng_tracker.checkpoint (checkpoint_wrapper(module, checkpoint_fn="
+        "rng_tracker.checkpoint)), which keeps the mode; a body that draws nothing is unaffected",
+        UnroutedCheckpointWarning,
+        stacklevel=1,  # no line of the caller's is on the stack while Dynamo traces
+    )
+    return True
+
+
+@torch.compiler.disable
+def _draw_untraced(
+    mode: _InvariantRandomMode, route: Callable[..., Any], func: Any, args: tuple, kwargs: dict
+) -> Any:
+    """A routed mask draw under torch.compile, as one untraced step: the check for torch's
+    checkpoint reads saved-tensor hooks and the draw reads a generator, neither traceable, so
+    together they are one graph break per call, not two (and Dynamo's warning on the hooks is
+    not raised). The check runs each time the compiled code runs, as it must."""
+    _refuse_in_torchs_checkpoint(func)
+    return route(mode, *args, **kwargs)
 
 
 def _torchs_answer(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -748,6 +783,10 @@ class _InvariantRandomMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(_TORCHS_OWN, "depth", 0):  # torch's own init, run by a route
             return func(*args, **kwargs)
+        if func is _TORCH_CHECKPOINT_UNDER_COMPILE:  # said once Dynamo has traced it so
+            out = func(*args, **kwargs)
+            _warn_unrouted_checkpoint()
+            return out
         route = _ROUTES.get(func)
         if route is not None and isinstance(_first_tensor(args, kwargs), torch.Tensor):
             if func in _DROPOUT_ARGUMENTS:
@@ -755,6 +794,8 @@ class _InvariantRandomMode(TorchFunctionMode):
                 if answer is not _DRAW:
                     return answer
             if func in _MASK_DRAWS:
+                if torch.compiler.is_compiling():
+                    return _draw_untraced(self, route, func, args, kwargs)
                 _refuse_in_torchs_checkpoint(func)
             return route(self, *args, **kwargs)
         whole = len(args) == 1 and not kwargs  # any() of the whole tensor, no dim

@@ -377,6 +377,16 @@ class CompiledKernelFallbackWarning(UserWarning):
 __all__ += ["CompiledKernelFallbackWarning"]
 
 
+class UnroutedCheckpointWarning(UserWarning):
+    """``torch.compile`` traced ``torch.utils.checkpoint`` under ``invariant_random()``: Dynamo
+    traces its body with no function mode (torch 2.13), so a dropout or init there draws torch's
+    values, not the layout-invariant ones, and is not refused as in eager. Exported by
+    ``rng_tracker.parallel``."""
+
+
+__all__ += ["UnroutedCheckpointWarning"]
+
+
 # Wrong types where no narrower error of the area fits.
 class ArgumentTypeError(RNGTrackerError, TypeError):
     """An argument of the wrong type: a flag that is not a bool, a tracker that is not an

@@ -777,8 +777,8 @@ def test_a_compiled_parallelized_module_under_invariant_random_draws_eager_masks
     """torch.compile of a parallelize_module TP+SP block (DTensors) under invariant_random():
     each step's output equals the eager block's bitwise, and nothing compiles after the first
     step. The index map's overlap check sorted symbolic strides, a graph break on every site
-    once the second step made the sizes symbolic (20 graphs, then 21; now 18 at every step:
-    the mode's drawn dropout stays a graph break per call, docs/compile.md)."""
+    once the second step made the sizes symbolic (20 graphs, then 21; then 18 at every step;
+    4 since a routed draw and its check are one untraced step, docs/compile.md)."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -1473,3 +1473,77 @@ def test_a_compiled_checkpoint_recomputes_the_forwards_masks_under_the_mode(reen
         return [*results, w.grad]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+def test_a_compiled_routed_dropout_is_one_graph_break_and_warns_nothing() -> None:
+    """Under torch.compile each drawn dropout the mode routes is one untraced step (its check
+    for torch's checkpoint and its draw together): eager's masks and gradients bitwise, a fresh
+    mask each step, every graph break that one step. The check was a break of its own (with
+    Dynamo's warning that it cannot trace ``_top_saved_tensors_default_hooks``), the draw
+    another."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8), torch.nn.Dropout(0.25)
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    steps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            results = []
+            for run in (model, compiled):
+                torch.manual_seed(10 + step)
+                x = torch.ones(4, 8, requires_grad=True)
+                with invariant_random():
+                    y = run(x)
+                y.sum().backward()
+                results.append((y.detach(), x.grad))
+            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), step
+            steps.append(results[1][0])
+    assert not torch.equal(steps[0], steps[1])
+    reasons = list(counters["graph_break"])
+    assert reasons and all("_draw_untraced" in reason for reason in reasons), reasons
+    assert not [w for w in caught if "saved_tensors" in str(w.message)]
+
+
+def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_torchs() -> None:
+    """Dynamo traces torch.utils.checkpoint as one higher-order op, which reaches the mode as a
+    single call: its body is traced with the mode popped, so its dropout is torch's own (not the
+    layout-invariant mask) and eager's refusal does not happen. That is said once, at the trace,
+    with ``UnroutedCheckpointWarning``; rng_tracker.checkpoint, compiled the same way, routes
+    the body and warns nothing."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    import rng_tracker
+    from rng_tracker.parallel.invariant import UnroutedCheckpointWarning
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        return F.dropout(h * 2, 0.5)
+
+    def run(checkpoint_fn: Callable[..., torch.Tensor], mode: bool) -> tuple[torch.Tensor, list]:
+        torch._dynamo.reset()
+        step = torch.compile(
+            lambda x: checkpoint_fn(block, x, use_reentrant=False), backend="aot_eager"
+        )
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with invariant_random() if mode else nullcontext():
+                out = step(torch.ones(4, 8, requires_grad=True)).detach()
+        return out, [w for w in caught if w.category is UnroutedCheckpointWarning]
+
+    torch.manual_seed(0)
+    with invariant_random():
+        invariant = block(torch.ones(4, 8))
+    torch.manual_seed(0)
+    torchs = block(torch.ones(4, 8))
+    out, warned = run(torch_checkpoint.checkpoint, mode=True)
+    assert torch.equal(out, torchs) and not torch.equal(out, invariant)
+    assert len(warned) == 1 and "rng_tracker.checkpoint" in str(warned[0].message)
+    out, warned = run(rng_tracker.checkpoint, mode=True)
+    assert torch.equal(out, invariant) and not warned
+    assert not run(torch_checkpoint.checkpoint, mode=False)[1]
