@@ -10,6 +10,10 @@ Each is a pair (forward op, backward op) that keeps gradients exact:
 | ``scatter_to_tp`` | keep own chunk | all-gather |
 | ``gather_from_sp`` | all-gather along ``dim`` | reduce-scatter |
 | ``reduce_scatter_to_sp`` | reduce-scatter | all-gather |
+
+``group=None`` means no tensor parallelism (a group of one: each returns x), as the layers and
+``tp_rank_and_size`` read it; not torch.distributed's "the default group", which would reduce
+over the data-parallel ranks too.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._collective import all_gather_cat
-from rng_tracker.errors import ParallelConfigError, ParallelConfigTypeError
+from rng_tracker._validate import checked_dim, shown_value
+from rng_tracker.errors import ArgumentTypeError, ParallelConfigError, ParallelConfigTypeError
 
 
 def checked_group(group: object) -> dist.ProcessGroup | None:
@@ -102,31 +107,55 @@ class _Conjugate(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _mapped(
+    x: object,
+    group: object,
+    dim: object,
+    forward_op: Collective,
+    backward_op: Collective,
+) -> torch.Tensor:
+    """``forward_op`` on x (``backward_op`` on its gradient) after every argument is checked, so
+    a bad one raises on every rank before any collective; ``group=None`` (no TP) returns x.
+    ``dim`` None: the mapping has none."""
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"x must be a torch.Tensor, got {shown_value(x)}")
+    group = checked_group(group)
+    if dim is not None:
+        dim = checked_dim(
+            dim, "dim", x.shape, type_error=ParallelConfigTypeError, value_error=ParallelConfigError
+        )
+    if group is None:
+        return x
+    return _Conjugate.apply(x, group, dim or 0, forward_op, backward_op)
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Enter a TP region with a replicated input: identity; backward all-reduces the grad."""
-    return _Conjugate.apply(x, checked_group(group), 0, _identity, _all_reduce)
+    return _mapped(x, group, None, _identity, _all_reduce)
 
 
-def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Leave a TP region by summing partial results over the group."""
-    return _Conjugate.apply(x, checked_group(group), 0, _all_reduce, _identity)
+    return _mapped(x, group, None, _all_reduce, _identity)
 
 
-def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' shards along ``dim``."""
-    return _Conjugate.apply(x, checked_group(group), dim, _all_gather, _own_chunk)
+    return _mapped(x, group, dim, _all_gather, _own_chunk)
 
 
-def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = -1) -> torch.Tensor:
+def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Keep this rank's shard of a replicated tensor along ``dim``."""
-    return _Conjugate.apply(x, checked_group(group), dim, _own_chunk, _all_gather)
+    return _mapped(x, group, dim, _own_chunk, _all_gather)
 
 
-def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+def gather_from_sp(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
     """Sequence-parallel all-gather (backward: reduce-scatter)."""
-    return _Conjugate.apply(x, checked_group(group), dim, _all_gather, _reduce_scatter)
+    return _mapped(x, group, dim, _all_gather, _reduce_scatter)
 
 
-def reduce_scatter_to_sp(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+def reduce_scatter_to_sp(
+    x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0
+) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence chunk (backward: all-gather)."""
-    return _Conjugate.apply(x, checked_group(group), dim, _reduce_scatter, _all_gather)
+    return _mapped(x, group, dim, _reduce_scatter, _all_gather)
