@@ -63,7 +63,7 @@ from rng_tracker._tracker import (
     set_process_tracker,
     validate_seed,
 )
-from rng_tracker._validate import checked_size
+from rng_tracker._validate import checked_flag, checked_size
 from rng_tracker.activation_checkpoint import is_checkpointing, reentrant_checkpoint
 from rng_tracker.checkpoint_without_output import CheckpointWithoutOutputManager
 from rng_tracker.errors import (
@@ -161,6 +161,7 @@ def convert_cuda_rng_state(state: RNGState, to_graphable: bool = False) -> RNGSt
     """``state`` as a ``torch.Generator`` (``to_graphable=True``) or as a uint8 state
     tensor; a state already in that form is returned as it is. The current device's
     generator is not touched."""
+    to_graphable = _flag(to_graphable, "convert_cuda_rng_state(to_graphable=...)")
     if isinstance(state, torch.Generator):
         return state if to_graphable else state.get_state()
     if isinstance(state, torch.Tensor):
@@ -192,6 +193,7 @@ def get_model_parallel_rng_tracker_name() -> str:
 
 def get_gtp_remat_rng_tracker_name(is_expert: bool = False) -> str:
     """Name of the (expert) GTP-remat weight-init stream, which differs per GTP rank."""
+    is_expert = _flag(is_expert, "get_gtp_remat_rng_tracker_name(is_expert=...)")
     return _EXPERT_GTP_REMAT_RNG_TRACKER_NAME if is_expert else _GTP_REMAT_RNG_TRACKER_NAME
 
 
@@ -211,9 +213,11 @@ class CudaRNGStatesTracker(RNGStatesTracker):
     def __init__(
         self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False
     ) -> None:
-        super().__init__(None, generator_states=bool(use_cudagraphable_rng))
-        self.use_cudagraphable_rng = bool(use_cudagraphable_rng)
-        self.is_inference_rng_tracker = bool(is_inference_rng_tracker)
+        use_cudagraphable_rng = _flag(use_cudagraphable_rng, "use_cudagraphable_rng")
+        is_inference_rng_tracker = _flag(is_inference_rng_tracker, "is_inference_rng_tracker")
+        super().__init__(None, generator_states=use_cudagraphable_rng)
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         self._is_initialized = False
 
     @property
@@ -263,6 +267,18 @@ class _InferenceCudaRNGStatesTracker(CudaRNGStatesTracker):
         return contextlib.nullcontext()
 
 
+def _flag(value: object, what: str) -> bool:
+    """``value`` as a Megatron flag: a bool, or None for False (Megatron's own tests pass None);
+    anything else raises :class:`~rng_tracker.errors.ArgumentTypeError`, since Megatron reads
+    flags by truthiness (``force_reset="no"`` would reset)."""
+    return False if value is None else checked_flag(value, what)
+
+
+def _flags(**flags: object) -> tuple[bool, ...]:
+    """The values of ``flags``, each a :func:`_flag`."""
+    return tuple(_flag(value, name) for name, value in flags.items())
+
+
 def _megatron_tracker() -> CudaRNGStatesTracker | None:
     """The process's tracker of the current device when Megatron's calls made it (it is then
     what :func:`rng_tracker.get_rng_tracker` returns too: one registry), else None."""
@@ -283,12 +299,20 @@ def initialize_rng_tracker(
     ``rng_tracker.model_parallel_seed``, say), unless ``force_reset``. ``use_te_rng_tracker`` gives what
     TransformerEngine's tracker is, a tracker of graph-safe generator states (TE itself is not
     used); ``inference_rng_tracker`` a tracker whose ``add``/``set_states``/``fork`` do nothing.
+    Each flag is a bool or None (:class:`~rng_tracker.errors.ArgumentTypeError` else, changing
+    nothing).
     """
+    use_te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset = _flags(
+        use_te_rng_tracker=use_te_rng_tracker,
+        inference_rng_tracker=inference_rng_tracker,
+        use_cudagraphable_rng=use_cudagraphable_rng,
+        force_reset=force_reset,
+    )
     if not force_reset and _megatron_tracker() is not None:
         return
     cls = _InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
     tracker = cls(
-        use_cudagraphable_rng=bool(use_cudagraphable_rng or use_te_rng_tracker),
+        use_cudagraphable_rng=use_cudagraphable_rng or use_te_rng_tracker,
         is_inference_rng_tracker=inference_rng_tracker,
     )
     found = process_tracker(tracker.device)
@@ -558,6 +582,12 @@ def model_parallel_cuda_manual_seed(
     invariant = invariant_installed()
     failure: Exception | None = None
     try:
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset_rng = _flags(
+            te_rng_tracker=te_rng_tracker,
+            inference_rng_tracker=inference_rng_tracker,
+            use_cudagraphable_rng=use_cudagraphable_rng,
+            force_reset_rng=force_reset_rng,
+        )
         layout = process_layout()  # the facade is the edge: the process-wide layout, once
         plan, extra = _megatron_seeds(
             seed,
@@ -670,6 +700,10 @@ def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool,
     rank's 1/tp chunk until backward, as in Megatron. While megatron-core's CUDA graphs warm
     up or capture, the function runs plainly, as Megatron's checkpoint does.
     """
+    distribute_saved_activations = _flag(
+        distribute_saved_activations,
+        "checkpoint(function, distribute_saved_activations, *args)'s flag",
+    )
     if _megatron_graphs_warming_up(or_capturing=True):
         return function(*args)
     group = None

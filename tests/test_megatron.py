@@ -894,6 +894,65 @@ def test_a_refused_seed_changes_nothing():
         pass
 
 
+_NOT_A_BOOL = "no"  # truthy: read by truthiness it would say yes
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: megatron.initialize_rng_tracker(force_reset=_NOT_A_BOOL),
+        lambda: megatron.initialize_rng_tracker(inference_rng_tracker=_NOT_A_BOOL),
+        lambda: megatron.initialize_rng_tracker(use_te_rng_tracker=1),
+        lambda: megatron.get_cuda_rng_tracker(use_cudagraphable_rng=_NOT_A_BOOL),
+        lambda: model_parallel_cuda_manual_seed(6, force_reset_rng=_NOT_A_BOOL),
+        lambda: model_parallel_cuda_manual_seed(
+            6, inference_rng_tracker=_NOT_A_BOOL, force_reset_rng=True
+        ),
+        lambda: model_parallel_cuda_manual_seed(6, True, False, 1),
+        lambda: CudaRNGStatesTracker(use_cudagraphable_rng=_NOT_A_BOOL),
+        lambda: CudaRNGStatesTracker(is_inference_rng_tracker=_NOT_A_BOOL),
+        lambda: convert_cuda_rng_state(torch.get_rng_state(), to_graphable=_NOT_A_BOOL),
+        lambda: megatron.get_gtp_remat_rng_tracker_name(_NOT_A_BOOL),
+        lambda: checkpoint(lambda t: t * 2, torch.ones(1), torch.ones(1)),
+    ],
+    ids=[
+        "initialize-force_reset",
+        "initialize-inference",
+        "initialize-te-int",
+        "get_cuda_rng_tracker",
+        "manual_seed-force_reset_rng",
+        "manual_seed-inference",
+        "manual_seed-cudagraphable-int",
+        "tracker-cudagraphable",
+        "tracker-inference",
+        "convert-to_graphable",
+        "gtp_remat_name",
+        "checkpoint-flag-left-out",
+    ],
+)
+def test_megatron_flags_must_be_bools_and_a_refused_one_changes_nothing(call):
+    """Each flag of the facade is a bool: read by truthiness, ``force_reset="no"`` dropped every
+    stream, ``inference_rng_tracker="no"`` installed the no-op tracker and a checkpoint called
+    without its flag took the first tensor as it. Refused (``ArgumentTypeError``, a
+    ``TypeError``), with the tracker, its streams and the generators as they were. None stays
+    False, as Megatron's own test_checkpoint passes it."""
+    from rng_tracker.errors import ArgumentTypeError
+
+    model_parallel_cuda_manual_seed(100)
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states()
+    cpu, device = torch.get_rng_state(), device_generator().get_state()
+    with pytest.raises(ArgumentTypeError, match="must be a bool"):
+        call()
+    assert issubclass(ArgumentTypeError, TypeError)
+    assert get_cuda_rng_tracker() is tracker
+    after = tracker.get_states()
+    assert after.keys() == states.keys()
+    assert all(torch.equal(states[n], s) for n, s in after.items())
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert torch.equal(device_generator().get_state(), device)
+
+
 @pytest.mark.distributed(world_size=2, timeout=90)
 def test_ranks_come_from_the_parallel_state_and_are_never_guessed(rank):
     """With 2 ranks and no parallel state the call raises and changes nothing; explicit
