@@ -467,8 +467,9 @@ class RNGStatesTracker:
 
         A state is what ``get_states`` returns, or any state of this device type in the
         other form (a uint8 state tensor or a ``torch.Generator``, as Megatron's and
-        TransformerEngine's trackers hold them); it is converted to this tracker's form.
-        Nothing changes if a state is refused.
+        TransformerEngine's trackers hold them); it is converted to this tracker's form. Two
+        streams of one state are refused (:class:`SeedReuseError`), as :meth:`add` refuses
+        them. Nothing changes if a state is refused.
         """
         rng = self._rng
         if not isinstance(states, Mapping):
@@ -476,6 +477,7 @@ class RNGStatesTracker:
                 f"set_states() takes a mapping of stream name to state, got {type(states).__name__}"
             )
         converted = {name: self._converted(name, state) for name, state in states.items()}
+        self._refuse_one_state(converted, "set_states() gives", "give each stream its own state")
         missing = [name for name in self._open_forks if name not in states]
         if missing:
             raise TrackerBusyError(
@@ -637,14 +639,19 @@ class RNGStatesTracker:
             "of the state dict get",
             "it was not saved by state_dict() of a valid tracker (add() refuses a reused seed)",
         )
-        refuse_repeat(
-            ((name, bytes(rng.drawn_bytes(state).tolist())) for name, state in states.items()),
-            lambda first, second, _: (
-                f"state dict gives streams {_shown(first)} and {_shown(second)} the same "
-                "generator state: they would draw identical values; save each stream from its "
-                "own seed"
-            ),
-        )
+        self._refuse_one_state(states, "state dict gives", "save each stream from its own seed")
+
+    def _refuse_one_state(self, states: Mapping[str, RNGState], who: str, fix: str) -> None:
+        """:class:`SeedReuseError` where two of ``states`` are one generator state (they would
+        draw identical values)."""
+        drawn = [(name, self._rng.drawn_bytes(state)) for name, state in states.items()]
+        for i, (second, data) in enumerate(drawn):  # pairwise: a few streams, 5 KiB on CPU
+            for first, earlier in drawn[:i]:
+                if torch.equal(earlier, data):
+                    raise SeedReuseError(
+                        f"{who} streams {_shown(first)} and {_shown(second)} the same generator "
+                        f"state: they would draw identical values; {fix}"
+                    )
 
     def _check_snapshot(self, states: object) -> None:
         """Refuse what :meth:`restore_states` cannot put back, without copying anything."""

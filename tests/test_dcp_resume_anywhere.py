@@ -694,18 +694,19 @@ def test_save_and_load_inside_any_fork_over_the_generators_are_refused() -> None
 
 
 def test_a_save_of_two_streams_in_one_state_is_refused_as_every_load_would_be() -> None:
-    """set_states accepts two streams of one state; the save wrote them, and every load then
-    refused the checkpoint (SeedReuseError)."""
+    """A tracker holding two streams of one state (set_states accepted them; now only
+    restore_states of a forged snapshot, which puts states back unchecked, gets there): the save
+    wrote them, and every load then refused the checkpoint (SeedReuseError)."""
     tracker, keyed = _setup()
     state = tracker.get_states()["a"]
-    tracker.set_states({**tracker.get_states(), "twin": state.clone()})
+    tracker.restore_states({**tracker.get_states(), "twin": state.clone()})
     with pytest.raises(RNGStateSaveError, match="'a' and tracker stream 'twin' hold the same"):
         RNGStateful(tracker, keyed).state_dict()
     # a CPU state stores its seed but draws from its low 32 bits: another stored seed is no
     # other state (torch.Generator().manual_seed(11 + 2**32) is such a twin of seed 11)
     twin = torch.Generator().manual_seed(11 + 2**32).get_state()
     assert not torch.equal(twin, state) and torch.equal(twin[8:], state[8:])
-    tracker.set_states({"a": state, "b": tracker.get_states()["b"], "twin": twin})
+    tracker.restore_states({"a": state, "b": tracker.get_states()["b"], "twin": twin})
     with pytest.raises(RNGStateSaveError, match="'a' and tracker stream 'twin' hold the same"):
         RNGStateful(tracker, keyed).state_dict()
 

@@ -387,6 +387,25 @@ def test_set_states_converts_the_other_form(generator_states):
     assert torch.equal(reread, torch.Generator().manual_seed(77).get_state())
 
 
+@pytest.mark.parametrize("generator_states", [False, True])
+def test_set_states_refuses_one_state_for_two_streams_changing_nothing(generator_states):
+    """Two streams given one state would draw identical values, which add() and
+    load_state_dict() refuse; set_states accepted it (and the tracker's own state_dict then
+    failed to load). Refused with SeedReuseError, in either form (one Generator object for two
+    streams too), with the streams as they were; distinct states still load."""
+    tracker = RNGStatesTracker("cpu", generator_states=generator_states)
+    tracker.add("a", 1)
+    tracker.add("b", 2)
+    before = full_state(tracker)
+    one = torch.Generator().manual_seed(5)
+    for state in (one.get_state(), one):
+        with pytest.raises(SeedReuseError, match="'a' and 'b'"):
+            tracker.set_states({"a": state, "b": state})
+        assert full_state(tracker) == before
+    tracker.set_states({"a": one, "b": torch.Generator().manual_seed(6)})
+    tracker.load_state_dict(tracker.state_dict())  # the round trip holds
+
+
 def test_reset_inside_a_fork_is_refused(tracker):
     tracker.add("a", 1)
     with tracker.fork("a"):
