@@ -30,6 +30,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
 from rng_tracker._batch_position import (
+    ENTER_A_POSITION,
     BatchPosition,
     batch_context,
     box_in_batch,
@@ -88,13 +89,6 @@ InitMode = Literal["full", "keyed"]
 _INIT_MODES = ("full", "keyed")
 
 
-_BATCH_ADVICE = (
-    "Enter rng_tracker.batch_position(sample_offset, global_batch) around each microbatch's "
-    "forward (sample_offset: its first sample's index in the step's global batch, over all "
-    "data-parallel ranks)"
-)
-
-
 def _samples(
     ctx: _InvariantRandomMode, x: torch.Tensor, dim: int | None = None
 ) -> tuple[int, BatchPosition] | None:
@@ -117,7 +111,7 @@ def _samples(
         isinstance(p, Shard) and p.dim % len(shape) == dim for p in x.placements
     ):
         return None
-    position = required_position(shape[dim], "a dropout under invariant_random()", _BATCH_ADVICE)
+    position = required_position(shape[dim], "a dropout under invariant_random()", ENTER_A_POSITION)
     if position.sample_offset == 0 and position.global_batch == shape[dim]:
         return None
     return dim, position

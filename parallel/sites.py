@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 
 from rng_tracker._batch_position import (
+    ENTER_A_POSITION,
     BatchPosition,
+    assumed_batch_position,
     batch_position,
     box_in_batch,
     current_batch_position,
     fitting,
+    required_position,
 )
 from rng_tracker._device_rng import default_generator
 from rng_tracker._keyed import get_keyed_rng
@@ -220,8 +223,10 @@ def site_dropout(
 
     ``x`` is this rank's activation: sharded over the TP group ``group`` along ``sharded_dim``
     (an even split), or replicated over it (``sharded_dim=None``, or ``group=None``: no TP).
-    ``batch_dim`` is x's sample dim, another dim than ``sharded_dim``; ``position`` the microbatch's place in the global batch
-    (default: :func:`current_batch_position`). With ``residual`` (and ``bias``) the site is the
+    ``batch_dim`` is x's sample dim, another dim than ``sharded_dim``; ``position`` the
+    microbatch's place in the global batch (default: :func:`current_batch_position`, which a
+    keyed site requires where several data-parallel ranks or microbatches run: their rows of
+    the global batch are never guessed). With ``residual`` (and ``bias``) the site is the
     fused ``residual + dropout(x + bias)``. Keyed mode registers ``site`` with
     ``get_keyed_rng(x.device)`` (a name that collides with another site's id raises there).
     The table of the module docstring says what each mode draws. Example, attention
@@ -241,10 +246,12 @@ def site_dropout(
     )
     training, p = checked_flag(training, "training"), check_p(p)
     local_batch = x.shape[batch_dim]
-    if position is None:
-        position = current_batch_position(local_batch)
-    else:
+    if position is not None:
         position = fitting(position, local_batch)
+    elif rng_mode == "keyed" and training and p > 0:  # the only mode whose mask reads it
+        position = required_position(local_batch, f"keyed site {site!r}", ENTER_A_POSITION)
+    else:
+        position = assumed_batch_position(local_batch)  # where a mask probe records it
     tp_rank, tp = tp_rank_and_size(group)
     placement = None  # the TP/SP shard of x (an even split)
     if sharded_dim is not None and tp > 1:

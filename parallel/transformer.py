@@ -185,7 +185,9 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.fc2 = RowParallelLinear(config.ffn, h, skip_bias_add=True, **parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        position = current_batch_position(x.shape[1])  # now: recompute runs outside it
+        position = None  # site_dropout reads it where a mask needs it
+        if self.config.rng_mode == "keyed" and self.training:  # now: recompute runs outside it
+            position = current_batch_position(x.shape[1])
         if self.config.recompute == "full" and self.training:
             return _checkpoint(self.config.rng_mode, self._forward, x, position)
         return self._forward(x, position)
@@ -197,7 +199,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         p: float,
         sharded_dim: int | None,
         batch_dim: int,
-        position: BatchPosition,
+        position: BatchPosition | None,
         **kw: torch.Tensor | None,
     ) -> torch.Tensor:
         return site_dropout(
@@ -213,7 +215,7 @@ class ParallelTransformerLayer(torch.nn.Module):
             **kw,
         )
 
-    def _forward(self, x: torch.Tensor, position: BatchPosition) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, position: BatchPosition | None) -> torch.Tensor:
         seq_dim = 0 if self.config.sequence_parallel else None
         _, attention_output, mlp_output = self.sites
         qkv = self.qkv(self.ln1(x))  # (s, b, 3 h/tp)
@@ -234,7 +236,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         return self._dropout(mlp_output, out, hidden_p, seq_dim, 1, position, bias=bias, residual=x)
 
     def _attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: BatchPosition
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: BatchPosition | None
     ) -> torch.Tensor:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (b, heads/tp, s, d)
         s = q.shape[2]
@@ -303,7 +305,6 @@ class TinyGPT(torch.nn.Module):
             self.config.embedding_dropout,
             sharded_dim=0 if sequence_parallel else None,
             batch_dim=1,
-            position=current_batch_position(x.shape[1]),
             group=self.group,
             rng_mode=self.config.rng_mode,
             training=self.training,

@@ -125,12 +125,25 @@ def fitting(position: object, local_batch: int, where: str = "") -> BatchPositio
     return position
 
 
+ENTER_A_POSITION = (
+    "Enter rng_tracker.batch_position(sample_offset, global_batch) around each microbatch's "
+    "forward (sample_offset: its first sample's index in the step's global batch, over all "
+    "data-parallel ranks)"
+)
+
+
 def current_batch_position(local_batch: int) -> BatchPosition:
-    """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`,
-    else the whole batch."""
+    """The place of a local batch of ``local_batch`` samples: the entered :func:`batch_position`;
+    without one, the whole batch where one data-parallel rank runs one microbatch, else
+    :class:`~rng_tracker.errors.MissingBatchPositionError` (see :func:`required_position`)."""
     local_batch = _checked(local_batch, "local_batch", 0)
-    position = batch_context().position or BatchPosition(0, local_batch)
-    return fitting(position, local_batch)
+    return required_position(local_batch, "current_batch_position()", ENTER_A_POSITION)
+
+
+def assumed_batch_position(local_batch: int) -> BatchPosition:
+    """The entered :func:`batch_position`, else the whole batch, never refused: for what only
+    records where a draw was (a mask probe), not what it draws."""
+    return fitting(batch_context().position or BatchPosition(0, local_batch), local_batch)
 
 
 def box_in_batch(

@@ -163,6 +163,38 @@ def test_a_users_model_places_its_sites_by_the_rule(rank: int) -> None:
     _megatron_mode(rank)
 
 
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_a_keyed_site_on_several_data_parallel_ranks_needs_the_batch_position(rank: int) -> None:
+    """Two data-parallel ranks, no batch position: a keyed site took each rank's local batch for
+    the whole global batch, so both ranks drew one mask for different samples (not the mask one
+    device draws over the global batch), and nothing said so. It now raises
+    MissingBatchPositionError, as invariant_random() and megatron's invariant sites do, before
+    the site is registered; so does current_batch_position (what a model captures for its
+    recompute). With the position, each rank draws its rows of the one-device mask. Megatron
+    mode, which reads no position, still draws."""
+    from rng_tracker.errors import MissingBatchPositionError
+    from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+
+    keyed = get_keyed_rng("cpu")
+    keyed.manual_seed(3)
+    whole = site_dropout("one.device", torch.ones(4, 8), 0.5, rng_mode="keyed", batch_dim=0)
+    init_model_parallel(tensor=1)  # data parallelism of 2
+    try:
+        x = torch.ones(2, 8)
+        with pytest.raises(MissingBatchPositionError, match="batch_position"):
+            site_dropout("dp.site", x, 0.5, rng_mode="keyed", batch_dim=0)
+        assert "dp.site" not in keyed
+        with pytest.raises(MissingBatchPositionError, match="batch_position"):
+            current_batch_position(2)
+        with batch_position(2 * rank, 4):
+            mine = site_dropout("one.device", x, 0.5, rng_mode="keyed", batch_dim=0)
+            assert current_batch_position(2) == BatchPosition(2 * rank, 4)
+        assert torch.equal(mine, whole[2 * rank : 2 * rank + 2])
+        site_dropout("dp.site", x, 0.5, rng_mode="megatron", batch_dim=0)
+    finally:
+        destroy_model_parallel()
+
+
 def test_tinygpt_keyed_masks_are_site_dropouts() -> None:
     """Every mask TinyGPT records in keyed mode is site_dropout's for that site, layout and
     batch position (keyed masks are pure functions of them, so a direct call reproduces it)."""
