@@ -348,3 +348,17 @@ def test_cpu_draw_in_a_decorated_fork_warns_at_each_call_site():
             draw()
     sites = [(w.filename, w.lineno) for w in caught if issubclass(w.category, CPURNGChangedWarning)]
     assert sites == [(__file__, first), (__file__, first + 2)]
+
+
+def test_vmap_of_a_cuda_draw_follows_vmaps_randomness_rules():
+    """A CUDA generator's draw reads its key and offset on the host, which vmap does not see:
+    'error' did not refuse and 'different' gave every sample one mask. Under a functorch
+    transform the key is drawn as a random op (as on the CPU), so vmap's rules hold: 'error'
+    refuses, 'same' gives one mask, 'different' one per sample. Written without a GPU."""
+    ones = torch.ones(3, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="randomness error mode"):
+        torch.func.vmap(lambda t: dropout(t, 0.5))(ones)
+    same = torch.func.vmap(lambda t: dropout(t, 0.5), randomness="same")(ones)
+    assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
+    different = torch.func.vmap(lambda t: dropout(t, 0.5), randomness="different")(ones)
+    assert len({tuple((row != 0).tolist()) for row in different}) == 3

@@ -883,6 +883,32 @@ def test_vmap_over_a_table_of_seeds_gives_each_sample_its_own_keyed_mask(impl):
     assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_vmap_with_different_randomness_draws_a_key_per_sample(impl):
+    """Under vmap(randomness='different') a drawn call draws its key as a batched random op, so
+    sample i gets the keyed mask of the i-th key that draw gives: the samples' masks differ, a
+    second run from the same generator state repeats them, and the gradient is each sample's
+    own mask (docs/compile.md said it raised)."""
+    x = torch.ones(4, 64, requires_grad=True)
+
+    def drop(t: torch.Tensor) -> torch.Tensor:
+        return dropout(t, 0.5, impl=impl)
+
+    torch.manual_seed(0)
+    out = torch.func.vmap(drop, randomness="different")(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, (out != 0).float() * 2)
+    assert len({tuple((row != 0).tolist()) for row in out}) == 4
+    torch.manual_seed(0)
+    keys = torch.func.vmap(
+        lambda t: torch.randint(-(2**63), 2**63 - 1, (1,), dtype=torch.int64),
+        randomness="different",
+    )(x.detach())
+    for i in range(4):
+        seed = torch.cat((keys[i], torch.zeros(3, dtype=torch.int64)))
+        assert torch.equal(out[i], dropout(torch.ones(64), 0.5, seed=seed, impl=impl))
+
+
 def test_bias_dropout_add_takes_training_fifth_by_position_as_megatron_lm_does():
     """Megatron-LM's and ColossalAI's bias_dropout_add(x, bias, residual, prob, training) call
     shape failed (training was keyword-only); it now runs and means what the keyword means, for
