@@ -99,10 +99,12 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _refuse(exc: RNGTrackerError, *, talk: bool) -> int:
-    if talk:
-        message = " ".join(str(exc).split())  # one line, whatever the message holds
-        print(f"error: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+def _refuse(exc: RNGTrackerError, *, rank: str) -> int:
+    """Print the refusal as one line and return exit status 2. Under a plain torchrun every rank
+    prints it (``rank``: "rank r: "): rank 0 alone may be stopped by torchrun, once another
+    rank has exited, before it prints."""
+    message = " ".join(str(exc).split())  # one line, whatever the message holds
+    print(f"{rank}error: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
     return 2
 
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    talk = int(os.environ.get("RANK", "0")) == 0
+    rank = f"rank {os.environ['RANK']}: " if under_torchrun else ""
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         print(
             f"error: --nproc-per-node must be a positive integer, got {args.nproc_per_node}",
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight(cfg, world=world, dp=args.dp)
     except RNGTrackerError as exc:  # the same verdict on every rank, and nothing has started
-        return _refuse(exc, talk=talk)
+        return _refuse(exc, rank=rank)
     if not under_torchrun and args.nproc_per_node is not None:
         return _launch(args.nproc_per_node, argv)
 
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg)
     except RNGTrackerError as exc:  # found while loading: the same on every rank
         dist.destroy_process_group()
-        return _refuse(exc, talk=talk)
+        return _refuse(exc, rank=rank)
     if dist.get_rank() == 0:
         ok = all(r is None or r.ok for r in (result.report_start, result.report_end))
         print("\nsummary")
