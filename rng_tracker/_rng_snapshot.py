@@ -25,6 +25,7 @@ from rng_tracker.errors import (
     CheckpointUsageError,
     StateDictError,
     StateDictTypeError,
+    TrackerDeviceError,
 )
 
 _CPU = torch.device("cpu")
@@ -200,6 +201,15 @@ class RNGSnapshot:
         if not isinstance(other, RNGSnapshot):
             raise ArgumentTypeError(
                 f"differences() compares with another RNGSnapshot, got {type(other).__name__}"
+            )
+        mine = ([d for d, _ in self.devices], [id(t) for t, _ in self.streams])
+        theirs = ([d for d, _ in other.devices], [id(t) for t, _ in other.streams])
+        if mine != theirs:
+            raise TrackerDeviceError(
+                f"differences() compares snapshots of the same devices and trackers; this one "
+                f"holds the devices {mine[0]} and {len(mine[1])} tracker(s), the other "
+                f"{theirs[0]} and {len(theirs[1])}, not the same objects: capture both with the "
+                "same devices and trackers"
             )
         names = []
         if not torch.equal(self.cpu, other.cpu):

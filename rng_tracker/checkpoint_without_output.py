@@ -160,6 +160,7 @@ class CheckpointWithoutOutput:
         self._ctx: weakref.ref[Any] | None = None
         self._freeable: list[tuple[int, list[torch.Tensor]]] = []  # (nbytes, outputs on it)
         self._discarded = False
+        self._recompute_pending = False  # a hook of discard_output_and_register_recompute waits
         self._snapshot: RNGSnapshot | None = None
         self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
@@ -173,6 +174,13 @@ class CheckpointWithoutOutput:
         if not callable(run_function):
             raise CheckpointTypeError(
                 f"run_function must be callable, got {type(run_function).__name__}"
+            )
+        if self._discarded and self._recompute_pending:
+            raise CheckpointUsageError(
+                "checkpoint() called again while the outputs of its last call are discarded and "
+                "wait for their recompute in backward, which would then run this call's "
+                "function instead; use one CheckpointWithoutOutput per call (as Megatron does), "
+                "or run that backward first"
             )
         self._function = run_function
         devices = [a.device for a in args if isinstance(a, torch.Tensor)]
@@ -230,6 +238,7 @@ class CheckpointWithoutOutput:
         self._discard_outputs()
         if hook_tensor.requires_grad:
             hook_tensor.register_hook(self._recompute)
+            self._recompute_pending = True
 
     def _discard_outputs(self) -> None:
         """Release the storage only the outputs hold (their metadata stays)."""

@@ -250,6 +250,23 @@ def test_megatron_signature_and_typed_errors():
         torch.autograd.grad(y.sum(), x)
 
 
+def test_checkpoint_again_before_the_last_outputs_are_recomputed_is_refused():
+    """A second checkpoint() while the first call's outputs are discarded and their recompute
+    hook waits: the object then recomputed the second function, and backward failed inside torch
+    ("setStorage ... out of bounds") with the first outputs left empty. Refused up front, with
+    the first call's backward still right; after it, the object may checkpoint again."""
+    ckpt = CheckpointWithoutOutput()
+    x = torch.randn(5, requires_grad=True)
+    h = ckpt.checkpoint(torch.exp, x)
+    y = h * x
+    ckpt.discard_output_and_register_recompute(y)
+    with pytest.raises(CheckpointUsageError, match="one CheckpointWithoutOutput per call"):
+        ckpt.checkpoint(torch.sin, x)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.exp(x) * x + torch.exp(x))
+    ckpt.checkpoint(torch.sin, x)  # recomputed: free to checkpoint again
+
+
 def test_discard_under_no_grad_registers_nothing_and_raises_nothing():
     """In inference (no grad) Megatron discards and registers no hook; so do we."""
     ckpt = CheckpointWithoutOutput()

@@ -78,6 +78,27 @@ def test_differences_refuses_what_is_not_a_snapshot() -> None:
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, TypeError)
 
 
+def test_differences_refuses_snapshots_of_other_trackers_or_devices() -> None:
+    """Snapshots of other trackers were compared tracker by tracker in order: the same count
+    reported the first tracker's streams as the second's ("stream 'q' of the cpu tracker"),
+    another count raised zip()'s bare ValueError. Refused with TrackerDeviceError (a
+    ValueError), naming both; the same trackers still compare."""
+    from rng_tracker.errors import TrackerDeviceError
+
+    first, second = _tracker(), RNGStatesTracker("cpu")
+    second.add("q", 3)
+    mine = RNGSnapshot.capture((), [first])
+    for other in (
+        RNGSnapshot.capture((), [second]),
+        RNGSnapshot.capture((), [first, second]),
+        RNGSnapshot(mine.cpu, ((torch.device("cpu"), mine.cpu),), mine.streams),  # by hand
+    ):
+        with pytest.raises(TrackerDeviceError, match="same devices and trackers") as info:
+            mine.differences(other)
+        assert isinstance(info.value, ValueError)
+    assert mine.differences(RNGSnapshot.capture((), [first])) == []
+
+
 @pytest.mark.parametrize(
     ("states", "error"),
     [
