@@ -15,6 +15,7 @@ those states and the states found when it started are restored afterwards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from rng_tracker._torch_private import (
     dispatch_mode_depth,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
-from rng_tracker._validate import checked_flag
+from rng_tracker._validate import checked_flag, shown_value
 from rng_tracker.errors import (
     CheckpointConfigError,
     CheckpointRNGMismatchError,
@@ -237,10 +238,21 @@ def _preserving_recompute(
     """``context_fn`` whose recompute context leaves the generators as it found them."""
 
     def contexts() -> tuple[Any, Any]:
-        forward, recompute = context_fn()
+        forward, recompute = _context_pair(context_fn)
         return forward, _PreservingAround(record, recompute)
 
     return contexts
+
+
+def _context_pair(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``context_fn()``, refused unless it is the pair (forward context, recompute context)."""
+    pair = context_fn()
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise CheckpointTypeError(
+            f"context_fn must return a pair (forward context, recompute context), as "
+            f"torch.utils.checkpoint.create_selective_checkpoint_contexts does; got {shown_value(pair)}"
+        )
+    return pair
 
 
 class _CheckpointingOnly:
@@ -544,6 +556,11 @@ def checkpoint(
         _check_parallel_options(tp_group, layout)
     if use_reentrant:
         _refuse_non_reentrant_options(context_fn, debug, kwargs)
+    elif not callable(context_fn):
+        raise CheckpointTypeError(
+            f"context_fn must be callable, returning (forward context, recompute context); got "
+            f"{shown_value(context_fn)}"
+        )
     if check_rng and not preserve_rng_state:
         raise CheckpointConfigError(
             "check_rng=True proves that the recompute replays the forward's randomness, but "
@@ -580,6 +597,8 @@ def checkpoint(
     if context_fn is not torch_checkpoint.noop_context_fn:
         if record is not None and not torch.compiler.is_compiling():
             context_fn = _preserving_recompute(context_fn, record)
+        elif not torch.compiler.is_compiling():
+            context_fn = functools.partial(_context_pair, context_fn)
         kwargs = {"context_fn": context_fn, **kwargs}  # passed only when given: Dynamo
         # traces torch's checkpoint and accepts only a plain or partial function here
     options = {

@@ -463,6 +463,12 @@ _BAD_CALLS = [
         (None, {"use_reentrant": bad}, CheckpointTypeError, "use_reentrant must be a bool")
         for bad in ("no", 1, 0)
     ],
+    # context_fn not callable, or not returning the pair: torch's bare TypeErrors before
+    *[
+        ("non-reentrant", {"context_fn": bad, **rng}, CheckpointTypeError, words)
+        for bad, words in ((5, "context_fn must be callable"), (lambda: 5, "must return a pair"))
+        for rng in ({}, {"preserve_rng_state": False})
+    ],
 ]
 
 
