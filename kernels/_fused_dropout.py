@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from rng_tracker._torch_private import functorch_transforms_active
 from rng_tracker._validate import checked_flag
 from rng_tracker.errors import KernelInPlaceError, KernelInputError, KernelInputTypeError
-from rng_tracker.kernels._call import KERNEL_DTYPES, dropout_call
+from rng_tracker.kernels._call import check_tensor, dropout_call
 from rng_tracker.kernels._dispatch import IMPLS, Impl, run, unknown_impl
 from rng_tracker.kernels._index_map import ShardArg, index_map_of
 from rng_tracker.kernels._rng_source import Words, check_generator
-from rng_tracker.kernels.reference import check_p, check_seed_shape
-
-
-def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise KernelInputTypeError(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in KERNEL_DTYPES:
-        raise KernelInputError(
-            f"{name} has dtype {t.dtype}; fused dropout supports fp32, fp16 and bf16"
-        )
-    if like is not None and t.device != like.device:
-        raise KernelInputError(f"{name} is on {t.device} but x is on {like.device}; move it there")
-    return t
+from rng_tracker.kernels.reference import check_p, check_seed_shape, read_seed_words
 
 
 def _in_one_dtype(
@@ -106,20 +93,7 @@ def _check_seed(
     check_seed_shape(seed)
     if seed.device.type == "meta" and x.device.type != "meta":
         raise KernelInputError("seed is on the meta device; it must hold real values")
-    words = None
-    # free to read on the CPU (no sync), but not as a traced, fake or batched (vmap) value
-    readable = (
-        type(seed) is torch.Tensor  # not a fake tensor (shape-only) or another subclass
-        and seed.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-    )
-    if readable and functorch_transforms_active() is False:
-        words = tuple(seed.tolist())
-        if not all(0 <= w < 2**32 for w in words[2:]):
-            raise KernelInputError(
-                f"seed words c2 and c3 must be in [0, 2**32), got {words[2]} and {words[3]}"
-            )
-    return seed, words
+    return seed, read_seed_words(seed)
 
 
 def dropout(
@@ -155,7 +129,7 @@ def dropout(
     through a copy), so a CUDA graph may capture the call. Backward saves the seed tensor
     itself: modify it in place before backward and autograd reports it.
     """
-    _check_tensor("x", x)
+    check_tensor("x", x)
     p = check_p(p)
     index_map = index_map_of(x.shape, shard)  # validates the shard before anything is drawn
     seed, words = _check_seed(seed, generator, x)
@@ -190,14 +164,14 @@ def bias_dropout_add(
 
     Dtypes as Megatron's: where x's is not the residual's, x and bias are taken in the
     residual's (an fp32 residual stream under bf16 activations); else x + bias promotes."""
-    _check_tensor("x", x)
-    _check_tensor("residual", residual, like=x)
+    check_tensor("x", x)
+    check_tensor("residual", residual, like=x)
     if residual.shape != x.shape:
         raise KernelInputError(
             f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}"
         )
     if bias is not None:
-        _check_tensor("bias", bias, like=x)
+        check_tensor("bias", bias, like=x)
         if x.dim() == 0 or bias.shape != x.shape[-1:]:
             raise KernelInputError(
                 f"bias must have shape {tuple(x.shape[-1:])} (the last dim of x), got {tuple(bias.shape)}"

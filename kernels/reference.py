@@ -15,9 +15,10 @@ import struct
 
 import torch
 
+from rng_tracker._torch_private import functorch_transforms_active
 from rng_tracker._validate import checked_instance, known_true, shown_value
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
-from rng_tracker.kernels._call import DropoutCall
+from rng_tracker.kernels._call import DropoutCall, check_tensor
 from rng_tracker.kernels._index_map import IndexMap
 from rng_tracker.kernels.philox import philox4x32_unchecked
 
@@ -75,6 +76,23 @@ def check_seed_shape(seed: torch.Tensor) -> None:
         )
 
 
+def read_seed_words(seed: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """The words of a seed tensor where reading them is free (a plain CPU tensor, nothing
+    traced, fake or batched), with c2 and c3 checked to be in [0, 2**32); else None (a seed on a
+    device is not read on the host: no sync, and only the low 32 bits of c2 and c3 count)."""
+    readable = (
+        type(seed) is torch.Tensor  # not a fake tensor (shape-only) or another subclass
+        and seed.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
+    if not readable or functorch_transforms_active() is not False:
+        return None
+    key, base, c2, c3 = seed.tolist()
+    if not (0 <= c2 < 2**32 and 0 <= c3 < 2**32):
+        raise KernelInputError(f"seed words c2 and c3 must be in [0, 2**32), got {c2} and {c3}")
+    return key, base, c2, c3
+
+
 def _checked_index_map(index_map: object) -> IndexMap:
     return checked_instance(
         index_map,
@@ -107,6 +125,7 @@ def keep_mask(
 ) -> torch.Tensor:
     """Bool mask (local flat order) of the elements kept, from the seed tensor [key, base, c2, c3]."""
     _check_seed(seed)
+    read_seed_words(seed)
     p = check_p(p)
     _checked_index_map(index_map)
     if not isinstance(device, torch.device):
@@ -167,12 +186,12 @@ def _check_reference_call(
     x: object, bias: object, residual: object, seed: object, p: object, index_map: object
 ) -> float:
     """Refuse what fused_dropout_reference cannot compute; ``p`` as checked."""
-    if not isinstance(x, torch.Tensor):
-        raise KernelInputTypeError(f"x must be a tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     for name, t in (("bias", bias), ("residual", residual)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise KernelInputTypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+        if t is not None:
+            check_tensor(name, t, like=x)
     _check_seed(seed)
+    read_seed_words(seed)
     p = check_p(p)
     check_call_shapes(x, bias, residual, _checked_index_map(index_map))
     return p

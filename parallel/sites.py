@@ -125,6 +125,11 @@ def place_masks(records: Iterable[MaskRecord]) -> dict[str, torch.Tensor]:
     Records of one site that overlap (TP replicas, recompute) must agree, else
     :class:`RNGConsistencyError`. Gather the records of all ranks first to see the whole batch.
     """
+    if not isinstance(records, Iterable) or isinstance(records, MaskRecord):
+        raise ArgumentTypeError(
+            f"records must be an iterable of MaskRecords (what record_masks() yields, gathered "
+            f"from every rank), got {type(records).__name__}"
+        )
     placed: dict[str, torch.Tensor] = {}
     for record in records:
         if not isinstance(record, MaskRecord):

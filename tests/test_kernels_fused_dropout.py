@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from _dispatch_log import OpNames
 
+import rng_tracker.kernels.reference as reference_module
 from rng_tracker import RNGStatesTracker, RNGTrackerError, checkpoint
 from rng_tracker.errors import KernelInputError, KernelInputTypeError
 from rng_tracker.kernels import Chunk, IndexMap, Region, bias_dropout_add, dropout
+from rng_tracker.kernels._index_map import index_map_of
 from rng_tracker.kernels.philox import philox4x32
 from rng_tracker.kernels.reference import keep_threshold
 
@@ -24,6 +26,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Odd sizes (numel not a multiple of 4, of the block; 1 and 0 elements), and sizes whose numel
 # and last dim are multiples of 4 (per-group masks and bias columns), across program boundaries.
 SHAPES = [(0,), (1,), (3,), (5, 7), (1023,), (1025,), (3, 5, 67), (3, 4), (4, 8), (6, 260)]
+
+
+_SEED = torch.tensor([1, 0, 0, 0])
+_MAP_2X4 = index_map_of((2, 4), None)
 
 
 def gen(seed: int = 1234) -> torch.Generator:
@@ -513,6 +519,35 @@ def test_identity_cases_draw_nothing_and_p_one_gives_zeros():
                 lambda g: dropout(torch.ones(4), 0.0, generator="g"),
                 lambda g: dropout(torch.ones(4), 0.1, training=False, generator="g"),
                 lambda g: bias_dropout_add(torch.ones(4), None, torch.ones(4), 0.0, generator="g"),
+            )
+        ),
+        # the reference and its mask, public too: the checks dropout makes (a raw torch error
+        # for a bias on another device, an int64 x computed, a c2 of -1 taken as 2**32 - 1)
+        (
+            lambda g: reference_module.fused_dropout_reference(
+                torch.ones(2, 4, dtype=torch.int64), None, None, _SEED, 0.5, _MAP_2X4
+            ),
+            KernelInputError,
+            ValueError,
+            "x has dtype torch.int64; fused dropout supports fp32, fp16 and bf16: cast it",
+        ),
+        (
+            lambda g: reference_module.fused_dropout_reference(
+                torch.ones(2, 4), torch.ones(4, device="meta"), None, _SEED, 0.5, _MAP_2X4
+            ),
+            KernelInputError,
+            ValueError,
+            "bias is on meta but x is on cpu; move it there",
+        ),
+        *(
+            (call, KernelInputError, ValueError, "seed words c2 and c3 must be in [0, 2**32)")
+            for call in (
+                lambda g: reference_module.keep_mask(
+                    torch.tensor([1, 0, -1, 0]), 0.5, _MAP_2X4, torch.device("cpu")
+                ),
+                lambda g: reference_module.fused_dropout_reference(
+                    torch.ones(2, 4), None, None, torch.tensor([1, 0, 0, 2**32]), 0.5, _MAP_2X4
+                ),
             )
         ),
         *(

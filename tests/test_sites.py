@@ -372,6 +372,8 @@ _BAD_INPUTS: list[tuple[str, Callable[[], object], type, type, str]] = [
      TypeError, "sample_offset must be an int, got float"),
     ("place_masks([1])", lambda: place_masks([1]), ArgumentTypeError, TypeError,
      "records must be MaskRecords .*got int"),
+    ("place_masks(5)", lambda: place_masks(5), ArgumentTypeError, TypeError,
+     "records must be an iterable of MaskRecords .*got int"),
     # a TP shard along the sample dim: keyed mode took the batch offset for the TP one, so both
     # TP ranks drew one mask (also through a negative alias of the same dim)
     ("sharded_dim == batch_dim",
