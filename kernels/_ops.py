@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from rng_tracker._keyed import current_site_words
-from rng_tracker.errors import KernelInputError
+from rng_tracker.errors import KernelInputError, KernelUnavailableError
 from rng_tracker.kernels._call import KERNEL_DTYPES, DropoutCall
 from rng_tracker.kernels._cpu_kernel import fused_dropout_compiled
 from rng_tracker.kernels._index_map import from_op_args, to_op_args
-from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton
+from rng_tracker.kernels._triton_kernel import HAS_TRITON, fused_dropout_triton, triton_runs_on
 from rng_tracker.kernels.reference import (
     check_call_shapes,
     check_p,
@@ -169,6 +169,12 @@ def _compiled(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
 
 
 def _triton(call: DropoutCall, seed: torch.Tensor) -> torch.Tensor:
+    if not triton_runs_on(call.x.device):  # the op called directly, as dispatch never calls it
+        raise KernelUnavailableError(
+            f"rng_tracker::fused_dropout_triton cannot run for a tensor on {call.x.device} here: "
+            "Triton needs a CUDA device (or TRITON_INTERPRET=1 for CPU tensors); call "
+            "rng_tracker.kernels.dropout(..., impl='auto'), or the op rng_tracker::fused_dropout"
+        )
     # traceable by torch.compile: the launch goes through wrap_triton
     return fused_dropout_triton(call, seed, launch=torch.library.wrap_triton)
 

@@ -146,3 +146,18 @@ def test_the_keyed_seed_op_passes_opcheck_and_reads_the_process_keyed_rng(monkey
         rng.set_step(step)
         assert torch.equal(op(torch.device("cpu"), site), rng.seed_tensor("test.ops.site"))
     assert op(torch.device("cpu"), site).tolist()[2:] == [site, 3]
+
+
+@pytest.mark.skipif("triton" not in _ops.OPS, reason="needs triton (the test extras install it)")
+def test_the_triton_op_called_where_triton_cannot_run_is_refused(monkeypatch) -> None:
+    """torch.ops.rng_tracker.fused_dropout_triton on a CPU tensor without the interpreter raised
+    Triton's own '0 active drivers'; dispatch never sends it there, but the op is public: now a
+    KernelUnavailableError naming the ops that run there."""
+    from rng_tracker.errors import KernelUnavailableError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.ones(4, 8)
+    with pytest.raises(KernelUnavailableError, match="rng_tracker::fused_dropout"):
+        torch.ops.rng_tracker.fused_dropout_triton(
+            x, None, None, torch.zeros(4, dtype=torch.int64), 0.5, 0, [32, 1], 32
+        )
