@@ -94,7 +94,10 @@ class Chunk:
                 self, name, _check_int("Chunk", name, getattr(self, name), minimum=None)
             )
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise KernelInputError(f"Chunk needs count >= 1 and 0 <= index < count, got {self}")
+            raise KernelInputError(
+                f"Chunk needs count >= 1 and 0 <= index < count, got {self}: index is this "
+                "rank's chunk (its rank in the group that splits the dim), count the group's size"
+            )
         if self.extent is not None:
             object.__setattr__(self, "extent", _check_int("Chunk", "extent", self.extent))
             _check_logical_numel("Chunk", "extent", self.extent)
