@@ -71,8 +71,13 @@ def init_key(seed: int) -> int:
 
 def name_hash(name: str) -> int:
     """The 64-bit hash of a parameter's stable name (BLAKE2b of its UTF-8 bytes)."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
         raise KernelInputTypeError(f"name must be a non-empty str, got {name!r}")
+    if not name:  # a str of the wrong value
+        raise KernelInputError(
+            "name must not be empty: keyed init keys a tensor's values by its stable name; pass "
+            "the parameter's name"
+        )
     try:
         data = name.encode("utf-8")
     except UnicodeEncodeError:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rng_tracker.errors import ParallelStateError, ParallelStateMismatchError
+from rng_tracker.errors import ParallelStateMismatchError, UnknownAxisError
 from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
 _MEGATRON_PARALLEL_STATE = "megatron.core.parallel_state"
@@ -57,10 +57,8 @@ class MegatronParallelState:
         return cls(sizes=sizes, ranks=ranks, groups=groups)
 
     def _check(self, axis: str) -> None:
-        if axis not in _GETTERS:
-            raise ParallelStateError(
-                f"unknown parallel axis {axis!r}; use one of {tuple(_GETTERS)}"
-            )
+        if not isinstance(axis, str) or axis not in _GETTERS:
+            raise UnknownAxisError(f"unknown parallel axis {axis!r}; use one of {tuple(_GETTERS)}")
 
     def rank(self, axis: str) -> int:
         """This process's coordinate on ``axis``."""

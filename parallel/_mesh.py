@@ -18,8 +18,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from rng_tracker._device_rng import normalize_device
 from rng_tracker._validate import checked_int, checked_size
-from rng_tracker.errors import ParallelConfigError, ParallelConfigTypeError, ParallelStateError
+from rng_tracker.errors import (
+    ParallelConfigError,
+    ParallelConfigTypeError,
+    ParallelStateError,
+    TrackerDeviceError,
+    UnknownAxisError,
+)
 
 _DENSE_AXES = ("pp", "dp", "cp", "tp")
 _EXPERT_AXES = ("pp", "edp", "ep", "etp")
@@ -46,7 +53,7 @@ class ParallelState:
             return self.mesh
         if axis in _EXPERT_AXES:
             return self.expert_mesh
-        raise ParallelStateError(
+        raise UnknownAxisError(
             f"unknown parallel axis {axis!r}; use one of {_DENSE_AXES + _EXPERT_AXES[1:]}"
         )
 
@@ -81,7 +88,8 @@ _GROUPS: tuple[dist.ProcessGroup, ...] = ()  # the groups _STATE's meshes create
 
 
 def _check_device_type(device_type: object) -> None:
-    """Refuse a device type torch does not know (or a device with an index, such as "cuda:0")."""
+    """Refuse a device type torch does not know (or a device with an index, such as "cuda:0"),
+    and one with no usable device here (meta; cuda on a machine without one)."""
     if device_type is None:
         return
     if not isinstance(device_type, str):
@@ -99,6 +107,15 @@ def _check_device_type(device_type: object) -> None:
             "or 'cpu' (no index: each rank uses its current device), or None to pick cuda when "
             "available, else cpu"
         )
+    try:  # the mesh's ranks draw from its device's generator and run collectives on it
+        normalize_device(device_type)
+    except TrackerDeviceError:
+        raise ParallelConfigError(
+            f"device_type {device_type!r} has no usable device here: this torch "
+            f"{torch.__version__} build or machine gives it no generator and no collectives "
+            "(the meta device never has them); pass 'cpu', an accelerator this machine has, or "
+            "None to pick cuda when available, else cpu"
+        ) from None
 
 
 def _order_tokens(order: object, sizes: dict[str, int]) -> list[str]:

@@ -49,6 +49,7 @@ from rng_tracker.errors import (
     BatchPositionError,
     BatchPositionTypeError,
     InvariantRandomConfigError,
+    InvariantRandomConfigTypeError,
     InvariantRandomModeError,
     InvariantRandomUnsupportedError,
     KernelInputError,
@@ -748,8 +749,9 @@ class _InvariantRandomMode(TorchFunctionMode):
                 "(seed it with torch.manual_seed on every rank)"
             )
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise InvariantRandomConfigError(
-                f"model must be an nn.Module or None, got {type(model).__name__}"
+            raise InvariantRandomConfigTypeError(
+                f"model must be an nn.Module (whose parameter names key init) or None, got "
+                f"{type(model).__name__}"
             )
         self.init = init
         self.batch_dim = batch_dim

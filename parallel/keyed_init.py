@@ -23,8 +23,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from rng_tracker._torch_private import holds_no_data, storage_identity
-from rng_tracker._validate import checked_int
-from rng_tracker.errors import InvariantRandomConfigError, KernelInputTypeError
+from rng_tracker._tracker import validate_seed
+from rng_tracker.errors import (
+    InvariantRandomConfigError,
+    InvariantRandomConfigTypeError,
+    KernelInputTypeError,
+)
 from rng_tracker.kernels import _keyed_fill as _kernel
 from rng_tracker.parallel._placement import holds_values, local_index_of
 
@@ -150,17 +154,20 @@ class KeyedInit:
 
     def __init__(self, model: torch.nn.Module | None, seed: int) -> None:
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise InvariantRandomConfigError(
+            raise InvariantRandomConfigTypeError(
                 f"init='keyed' takes model= (the nn.Module whose parameter names key the "
                 f"values) or None, got {type(model).__name__}"
             )
         try:
-            checked = checked_int(
-                seed, "seed", type_error=InvariantRandomConfigError, minimum=0, maximum=2**64 - 1
+            checked = validate_seed(
+                seed,
+                type_error=InvariantRandomConfigTypeError,
+                value_error=InvariantRandomConfigError,
             )
-        except InvariantRandomConfigError:
-            # One message for every refusal: it names the range and what to pass.
-            raise InvariantRandomConfigError(
+        except InvariantRandomConfigError as refused:
+            # One message for every refusal: it names the range and what to pass; a seed of the
+            # wrong type stays a TypeError.
+            raise type(refused)(
                 f"seed must be an int in [0, 2**64), got {seed!r}; pass the run's seed (the same "
                 "on every rank)"
             ) from None

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from rng_tracker._layout import process_layout
-from rng_tracker._validate import checked_int, shown_value
+from rng_tracker._validate import checked_int, known_true, shown_value
 from rng_tracker.errors import (
     BatchPositionError,
     BatchPositionTypeError,
@@ -42,9 +42,19 @@ class BatchPosition:
     sample_offset: int
     global_batch: int
 
-    def __post_init__(self) -> None:  # a hand-made one is checked too (ints >= 0)
-        _checked(self.sample_offset, "sample_offset", 0)
-        _checked(self.global_batch, "global_batch", 0)
+    def __post_init__(self) -> None:
+        """A hand-made one is checked too: ints >= 0, the offset below the global batch (or 0,
+        the place of an empty batch, which a local batch of 0 samples is)."""
+        offset = _checked(self.sample_offset, "sample_offset", 0)
+        batch = _checked(self.global_batch, "global_batch", 0)
+        if known_true(offset > 0) and known_true(offset >= batch):
+            raise BatchPositionError(
+                f"BatchPosition(sample_offset={offset}, global_batch={batch}): the offset must "
+                "be below the global batch; give the microbatch's first sample's index in the "
+                "step's global batch"
+            )
+        object.__setattr__(self, "sample_offset", offset)  # frozen: plain ints, set once here
+        object.__setattr__(self, "global_batch", batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +100,14 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
     batch's masks that these samples own. Checkpoints carry it into their recompute. Raises
     :class:`~rng_tracker.errors.BatchPositionError` for a position outside the batch.
     """
-    position = BatchPosition(
-        _checked(sample_offset, "sample_offset", 0), _checked(global_batch, "global_batch", 1)
-    )
-    if position.sample_offset >= position.global_batch:
+    sample_offset = _checked(sample_offset, "sample_offset", 0)
+    global_batch = _checked(global_batch, "global_batch", 1)
+    if sample_offset >= global_batch:
         raise BatchPositionError(
-            f"batch_position(sample_offset={position.sample_offset}, "
-            f"global_batch={position.global_batch}): the offset must be below the global batch"
+            f"batch_position(sample_offset={sample_offset}, "
+            f"global_batch={global_batch}): the offset must be below the global batch"
         )
+    position = BatchPosition(sample_offset, global_batch)
     with _entered(BatchContext(position, batch_context().microbatches)):
         yield position
 

@@ -92,6 +92,12 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
             f"device must be a torch.device, str or int, got {type(device).__name__}"
         )
     if device.type == "cpu":
+        if device.index not in (None, 0):  # torch allocates and draws on one CPU, whatever index
+            raise TrackerDeviceError(
+                f"device {str(device)!r} does not exist: there is one cpu device, on which torch "
+                "allocates and draws every CPU tensor whatever index the device names, so a "
+                "per-rank 'cpu:<rank>' would share one generator; pass 'cpu' (or 'cpu:0')"
+            )
         return torch.device("cpu")
     module = _device_module(device)
     if device.index is None:

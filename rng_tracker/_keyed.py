@@ -31,6 +31,7 @@ from rng_tracker.errors import (
     SiteCollisionError,
     SiteIdError,
     StateDictError,
+    StateDictTypeError,
     StepRangeError,
     UnknownSiteError,
 )
@@ -287,8 +288,9 @@ class KeyedRNG:
         another id, or an id held by another name, is a :class:`SiteCollisionError`.
         """
         if not isinstance(state_dict, Mapping):
-            raise StateDictError(
-                f"a keyed state dict must be a mapping, got {type(state_dict).__name__}"
+            raise StateDictTypeError(
+                f"a keyed state dict must be a mapping, got {type(state_dict).__name__}; pass "
+                "what KeyedRNG.state_dict() returned"
             )
         if set(state_dict) != _STATE_KEYS:
             raise StateDictError(
@@ -297,7 +299,7 @@ class KeyedRNG:
             )
         version = state_dict["version"]
         if isinstance(version, bool) or version != _STATE_DICT_VERSION:
-            raise StateDictError(
+            raise (StateDictTypeError if isinstance(version, bool) else StateDictError)(
                 f"keyed state dict version {state_dict['version']!r} is not the supported "
                 f"version {_STATE_DICT_VERSION}"
             )
@@ -306,7 +308,10 @@ class KeyedRNG:
         step = _check_step(state_dict["step"])
         sites = state_dict["sites"]
         if not isinstance(sites, Mapping):
-            raise StateDictError(f"'sites' must map names to ids, got {type(sites).__name__}")
+            raise StateDictTypeError(
+                f"'sites' must map names to ids, got {type(sites).__name__}; pass what "
+                "KeyedRNG.state_dict() returned"
+            )
         merged_ids, merged_names = dict(self._ids), dict(self._names)
         for name, site_id in sites.items():
             _check_name(name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -33,8 +33,17 @@ from rng_tracker._tracker import (
     get_rng_tracker,
     validate_seed,
 )
-from rng_tracker._validate import checked_flag, checked_instance, checked_int, refuse_repeat
+from rng_tracker._validate import (
+    checked_flag,
+    checked_instance,
+    checked_int,
+    refuse_repeat,
+    shown_value,
+)
 from rng_tracker.errors import (
+    ArgumentTypeError,
+    InvalidSeedError,
+    InvalidSeedTypeError,
     ParallelStateError,
     RankError,
     RankTypeError,
@@ -42,6 +51,7 @@ from rng_tracker.errors import (
     SeedCoordinateTypeError,
     SeedOverflowError,
     SeedSchemeError,
+    StreamNameError,
 )
 
 Scheme = Literal["hashed", "megatron"]
@@ -113,10 +123,76 @@ class SeedPlan:
     coordinates: dict[str, int] = field(hash=False)
     data_parallel_random_init: bool = False
 
+    def __post_init__(self) -> None:
+        """Check every field, a hand-made plan's too (verify_rng_consistency trusts what it
+        holds): the scheme, seeds in [0, 2**64), stream names as str, a rank >= 0 for every
+        axis (an axis left out is rank 0, as plan_seeds counts it) and a bool flag."""
+        fields = _checked_plan_fields(
+            self.scheme,
+            self.base_seed,
+            self.default_seed,
+            self.stream_seeds,
+            self.coordinates,
+            self.data_parallel_random_init,
+        )
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+
     def __str__(self) -> str:
         coords = " ".join(f"{axis}={rank}" for axis, rank in self.coordinates.items())
         streams = ", ".join(f"{name}={seed}" for name, seed in self.stream_seeds.items())
         return f"SeedPlan[{self.scheme}] base={self.base_seed} {coords} default={self.default_seed} {streams}"
+
+
+_SCHEMES = get_args(Scheme)
+
+
+def _checked_plan_fields(
+    scheme: object,
+    base_seed: object,
+    default_seed: object,
+    stream_seeds: object,
+    coordinates: object,
+    data_parallel_random_init: object,
+) -> dict[str, object]:
+    """A :class:`SeedPlan`'s fields, checked and as plain values, each refusal naming its field."""
+
+    def seed(value: object, what: str) -> int:
+        return checked_int(
+            value,
+            f"SeedPlan.{what}",
+            type_error=InvalidSeedTypeError,
+            value_error=InvalidSeedError,
+            minimum=0,
+            maximum=2**64 - 1,
+        )
+
+    if not isinstance(scheme, str) or scheme not in _SCHEMES:
+        raise SeedSchemeError(
+            f"SeedPlan.scheme must be 'hashed' or 'megatron', got {shown_value(scheme)}"
+        )
+    if not isinstance(stream_seeds, Mapping):
+        raise ArgumentTypeError(
+            "SeedPlan.stream_seeds must be a mapping of stream name to seed (what plan_seeds "
+            f"gives), got {shown_value(stream_seeds)}"
+        )
+    for name in stream_seeds:
+        if not isinstance(name, str) or not name:
+            raise StreamNameError(
+                f"SeedPlan.stream_seeds names must be non-empty str, got {shown_value(name)}"
+            )
+    checked_coordinates = _coordinates(coordinates, "SeedPlan.coordinates")
+    return {
+        "base_seed": seed(base_seed, "base_seed"),
+        "default_seed": seed(default_seed, "default_seed"),
+        "stream_seeds": {
+            name: seed(value, f"stream_seeds[{name!r}]") for name, value in stream_seeds.items()
+        },
+        "coordinates": checked_coordinates,
+        "data_parallel_random_init": checked_flag(
+            data_parallel_random_init, "SeedPlan.data_parallel_random_init"
+        ),
+    }
 
 
 def checked_rank(what: str, value: object) -> int:
@@ -124,24 +200,32 @@ def checked_rank(what: str, value: object) -> int:
     return checked_int(value, what, type_error=RankTypeError, value_error=RankError, minimum=0)
 
 
-def _coordinates(coordinates: object) -> dict[str, int]:
+def _coordinates(coordinates: object, what: str | None = None) -> dict[str, int]:
     """Every axis's rank from ``coordinates`` (missing axes are 0); unknown axis names and
-    ranks that are not ints >= 0 are refused, since a misspelt axis would seed as rank 0."""
-    if coordinates is None:
+    ranks that are not ints >= 0 are refused, since a misspelt axis would seed as rank 0.
+    ``what``: the field they are (a :class:`SeedPlan`'s; None must then be refused), named in
+    each refusal; None for plan_seeds' argument, where None is no coordinates."""
+    if coordinates is None and what is None:
         coordinates = {}
+    where = what or "coordinates"
     if not isinstance(coordinates, Mapping):
         raise SeedCoordinateTypeError(
-            f"coordinates must be a mapping of axis name to rank (axes {', '.join(AXES)}), got "
-            f"{type(coordinates).__name__}"
+            f"{where} must be a mapping of axis name to rank (axes {', '.join(AXES)}; an axis "
+            f"left out is rank 0), got {shown_value(coordinates)}"
         )
     unknown = [key for key in coordinates if key not in AXES]
     if unknown:
         shown = ", ".join(repr(key)[:40] for key in unknown[:5])
         raise SeedCoordinateError(
-            f"unknown coordinate axis {shown}: the axes are {', '.join(AXES)} (a rank like "
-            "tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
+            f"{where} names the unknown axis {shown}: the axes are {', '.join(AXES)} (a rank "
+            "like tp_rank=3 is given as {'tp': 3}); an axis left out counts as rank 0"
         )
-    return {axis: checked_rank(f"{axis}_rank", coordinates.get(axis, 0)) for axis in AXES}
+    return {
+        axis: checked_rank(
+            f"{what}[{axis!r}]" if what else f"{axis}_rank", coordinates.get(axis, 0)
+        )
+        for axis in AXES
+    }
 
 
 def _check_no_overflow(scheme: str, seed: int, seeds: Mapping[str, int], where: str) -> None:

@@ -50,15 +50,16 @@ STATE_DICT_VERSION = 1
 _T = TypeVar("_T")
 
 
-def validate_seed(seed: Any) -> int:
-    """Return ``seed`` as an int in [0, 2**64), or raise a typed error."""
+def validate_seed(
+    seed: Any,
+    *,
+    type_error: type[Exception] = InvalidSeedTypeError,
+    value_error: type[Exception] = InvalidSeedError,
+) -> int:
+    """Return ``seed`` as an int in [0, 2**64), or raise a typed error (``type_error`` for what
+    is no int, ``value_error`` for one out of range)."""
     return checked_int(
-        seed,
-        "seed",
-        type_error=InvalidSeedTypeError,
-        value_error=InvalidSeedError,
-        minimum=0,
-        maximum=2**64 - 1,
+        seed, "seed", type_error=type_error, value_error=value_error, minimum=0, maximum=2**64 - 1
     )
 
 
@@ -583,6 +584,11 @@ class RNGStatesTracker:
                 f"{type(state_dict).__name__}"
             )
         version = state_dict.get("version")
+        if isinstance(version, bool):  # True == 1, but a bool is no version
+            raise StateDictTypeError(
+                f"tracker state dict version {version!r} is a bool, not the int version "
+                f"{STATE_DICT_VERSION}; pass what state_dict() returned"
+            )
         if version != STATE_DICT_VERSION:
             raise StateDictError(
                 f"tracker state dict version {version!r} is not supported (expected "

@@ -73,12 +73,14 @@ from rng_tracker._validate import (
     checked_int,
     checked_size,
     refuse_repeat,
+    shown_value,
 )
 from rng_tracker.errors import (
     ArgumentTypeError,
     ParallelConfigTypeError,
     RankError,
     RNGStateConfigError,
+    RNGStateConfigTypeError,
     RNGStateLayoutError,
     RNGStateRederivedWarning,
     RNGStateSaveError,
@@ -394,16 +396,17 @@ class RNGStateful:
         step: Callable[[], int] | None = None,
         saved_by: SavedBy = "auto",
     ) -> None:
-        if saved_by not in _SAVED_BY:
-            raise RNGStateConfigError(
-                f"saved_by must be one of {', '.join(map(repr, _SAVED_BY))}, got {saved_by!r}"
+        if not isinstance(saved_by, str) or saved_by not in _SAVED_BY:
+            raise (RNGStateConfigError if isinstance(saved_by, str) else RNGStateConfigTypeError)(
+                f"saved_by must be one of {', '.join(map(repr, _SAVED_BY))}, got "
+                f"{shown_value(saved_by)}"
             )
         if step is not None and not callable(step):
-            raise RNGStateConfigError(
+            raise RNGStateConfigTypeError(
                 f"step must be a callable returning the trainer's step (e.g. lambda: "
                 f"train_state.step), got {type(step).__name__}"
             )
-        strict = checked_flag(strict, "strict", type_error=RNGStateConfigError)
+        strict = checked_flag(strict, "strict", type_error=RNGStateConfigTypeError)
         if tracker is not None:
             checked_instance(
                 tracker,
@@ -514,7 +517,7 @@ class RNGStateful:
         return checked_int(
             self._step(),
             "the trainer's step",
-            type_error=RNGStateConfigError,
+            type_error=RNGStateConfigTypeError,
             value_error=RNGStateConfigError,
             minimum=0,
         )
@@ -781,7 +784,7 @@ class RNGStateful:
         """What this rank would restore, and, on the saved layout with per-rank parts, what it
         would restore if any rank sits elsewhere than at the save (with this rank's own move)."""
         if not isinstance(state_dict, Mapping):
-            raise StateDictError(
+            raise StateDictTypeError(
                 f"expected the mapping RNGStateful.state_dict() returns, got "
                 f"{type(state_dict).__name__}"
             )

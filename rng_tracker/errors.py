@@ -425,3 +425,26 @@ __all__ += [
     "StateDictTypeError",
     "TrackerDeviceTypeError",
 ]
+
+
+# An unknown parallel axis is a lookup miss (a KeyError, as an unknown stream or coordinate
+# is), and the wrong types of options checked where a ValueError-only family was.
+class UnknownAxisError(ParallelStateError, KeyError):
+    """A parallel layout asked for an axis it does not have (``rank``, ``size`` or ``group`` of
+    a name other than tp, pp, dp, cp, ep, etp, edp); also a :class:`ParallelStateError`."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RNGStateConfigTypeError(RNGStateConfigError, TypeError):
+    """``RNGStateful`` given an option of the wrong type (a ``step`` that is not callable, a
+    ``saved_by`` that is not a str); also an :class:`RNGStateConfigError`."""
+
+
+class InvariantRandomConfigTypeError(InvariantRandomConfigError, TypeError):
+    """Keyed init given a model that is not an ``nn.Module`` or a seed that is not an int;
+    also an :class:`InvariantRandomConfigError`."""
+
+
+__all__ += ["InvariantRandomConfigTypeError", "RNGStateConfigTypeError", "UnknownAxisError"]

@@ -173,3 +173,70 @@ def test_a_deep_copied_stateful_loads_into_the_tracker_it_was_given() -> None:
     with pytest.raises(ArgumentTypeError, match="cannot be pickled"):
         pickle.dumps(stateful)
     assert pickle.loads(pickle.dumps(RNGStateful())).strict is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "builtin", "match"),
+    [
+        ({"step": 5}, "RNGStateConfigTypeError", TypeError, "step must be a callable.*got int"),
+        ({"saved_by": None}, "RNGStateConfigTypeError", TypeError,
+         "saved_by must be one of 'auto', 'each_rank', 'main_process', 'each_node', got NoneType"),
+        ({"saved_by": ["auto"]}, "RNGStateConfigTypeError", TypeError, "got list"),
+        ({"saved_by": "rank0"}, "RNGStateConfigError", ValueError, "got str 'rank0'"),
+        ({"strict": 1}, "RNGStateConfigTypeError", TypeError, "strict must be a bool, got int 1"),
+    ],
+)  # fmt: skip
+def test_rng_stateful_options_of_the_wrong_type_are_type_errors(
+    kwargs: dict, error: str, builtin: type, match: str
+) -> None:
+    """step=5, saved_by=None and strict=1 raised RNGStateConfigError, a ValueError only; an
+    unknown saved_by str stays a value error."""
+    from rng_tracker import errors
+    from rng_tracker.dcp import RNGStateful
+
+    before = torch.get_rng_state()
+    with pytest.raises(getattr(errors, error), match=match) as info:
+        RNGStateful(**kwargs)
+    assert isinstance(info.value, errors.RNGStateConfigError)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    assert isinstance(info.value, TypeError) == (builtin is TypeError)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("state_dict", [None, [1, 2], "shared"])
+def test_rng_stateful_load_of_a_non_mapping_is_a_state_dict_type_error(state_dict) -> None:
+    """RNGStateful().load_state_dict(None) raised StateDictError, a ValueError only, where
+    RankStates and the tracker raise StateDictTypeError."""
+    from rng_tracker import get_rng_tracker
+    from rng_tracker.dcp import RNGStateful
+    from rng_tracker.errors import StateDictError, StateDictTypeError
+
+    tracker = get_rng_tracker("cpu")
+    streams = {name: state.clone() for name, state in tracker.get_states().items()}
+    before = torch.get_rng_state()
+    with pytest.raises(StateDictTypeError, match="expected the mapping RNGStateful") as info:
+        RNGStateful().load_state_dict(state_dict)
+    assert isinstance(info.value, StateDictError) and isinstance(info.value, TypeError)
+    assert torch.equal(torch.get_rng_state(), before)
+    after = tracker.get_states()
+    assert after.keys() == streams.keys()
+    assert all(torch.equal(after[name], streams[name]) for name in streams)
+
+
+def test_a_trainer_step_that_is_not_an_int_is_a_type_error() -> None:
+    """A save whose step=lambda: "3" answers a str is refused (RNGStateSaveError, agreed by every
+    rank) for a cause that was RNGStateConfigError, a ValueError only; a negative step stays a
+    value error. Neither changes a generator."""
+    from rng_tracker.dcp import RNGStateful
+    from rng_tracker.errors import RNGStateConfigError, RNGStateConfigTypeError, RNGStateSaveError
+
+    before = torch.get_rng_state()
+    with pytest.raises(RNGStateSaveError, match="the trainer's step must be an int") as info:
+        RNGStateful(step=lambda: "3").state_dict()
+    assert isinstance(info.value.__cause__, RNGStateConfigTypeError)
+    assert isinstance(info.value.__cause__, RNGStateConfigError)
+    with pytest.raises(RNGStateSaveError, match="must be >= 0, got -1") as value:
+        RNGStateful(step=lambda: -1).state_dict()
+    assert isinstance(value.value.__cause__, RNGStateConfigError)
+    assert not isinstance(value.value.__cause__, TypeError)
+    assert torch.equal(torch.get_rng_state(), before)

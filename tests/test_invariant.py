@@ -268,8 +268,9 @@ def test_the_default_init_is_keyed_and_draws_nothing() -> None:
 def test_config_and_unsupported_errors_are_typed() -> None:
     with pytest.raises(InvariantRandomConfigError, match="init must be"):
         enable_invariant_random(init="sharded")  # type: ignore[arg-type]
-    with pytest.raises(InvariantRandomConfigError, match="model must be an nn"):
+    with pytest.raises(InvariantRandomConfigError, match="model must be an nn") as info:
         enable_invariant_random(model="model")  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)  # a type mistake (it was a ValueError only)
     with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):
         enable_invariant_random(torch.nn.Linear(2, 2), init="keyed", seed=-1)
     with pytest.raises(InvariantRandomConfigError, match="seed must be an int"):

@@ -663,3 +663,35 @@ def test_exporting_keyed_words_before_the_kernels_are_imported_says_to_import_th
     )
     out = run_python(probe)
     assert "refused:" in out and "import rng_tracker.kernels" in out
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        (None, "a keyed state dict must be a mapping, got NoneType"),
+        ([1, 2], "a keyed state dict must be a mapping, got list"),
+        ("a str", "got str"),
+        ("<sites as a list>", "'sites' must map names to ids, got list"),
+        ("<version True>", "keyed state dict version True is not the supported version 1"),
+    ],
+)
+def test_a_keyed_state_dict_of_the_wrong_type_is_a_type_error(state, match):
+    """load_state_dict(None), a list, 'sites' as a list or a bool version raised StateDictError,
+    a ValueError only, where the tracker's load_state_dict raises StateDictTypeError."""
+    from rng_tracker.errors import StateDictTypeError
+
+    good = _seeded("a", seed=7).state_dict()
+    made = {
+        "<sites as a list>": {**good, "sites": ["a"]},
+        "<version True>": {**good, "version": True},
+    }
+    state = made.get(state, state) if isinstance(state, str) else state
+    rng = _seeded("registered", seed=11)
+    rng.advance(3)
+    before, cpu = _snapshot(rng), torch.get_rng_state()
+    with pytest.raises(StateDictTypeError, match=match) as info:
+        rng.load_state_dict(state)
+    assert isinstance(info.value, StateDictError) and isinstance(info.value, TypeError)
+    assert isinstance(info.value, RNGTrackerError)
+    assert _snapshot(rng) == before and rng.state_dict()["step"] == 3
+    assert torch.equal(torch.get_rng_state(), cpu)

@@ -442,3 +442,56 @@ def test_under_fake_tensors_keyed_init_is_shape_only_as_torchs_init():
     real = keyed_init.keyed_normal_(torch.empty(4, 8), name="w", seed=1)
     assert torch.equal(real, keyed_init.keyed_normal_(torch.zeros(4, 8), name="w", seed=1))
     assert real.std() > 0.5
+
+
+def test_an_empty_name_is_a_value_error_and_a_name_of_another_type_a_type_error() -> None:
+    """keyed_normal_(t, name="") raised KernelInputTypeError: an empty str is a str of the
+    wrong value, a KernelInputError (a ValueError); a name that is no str stays a TypeError."""
+    for fill in (
+        keyed_init.keyed_uniform_,
+        keyed_init.keyed_normal_,
+        keyed_init.keyed_trunc_normal_,
+    ):
+        for t in (torch.full((3,), 7.0), torch.empty(3, device="meta")):
+            _assert_refused(
+                lambda t, fill=fill: fill(t, name="", seed=0),
+                t,
+                KernelInputError,
+                ValueError,
+                "name must not be empty",
+            )
+            with pytest.raises(KernelInputError) as info:
+                fill(t, name="", seed=0)
+            assert not isinstance(info.value, TypeError)
+            _assert_refused(
+                lambda t, fill=fill: fill(t, name=None, seed=0),
+                t,
+                KernelInputTypeError,
+                TypeError,
+                "name must be a non-empty str",
+            )
+
+
+def test_keyed_init_of_a_model_or_seed_of_the_wrong_type_is_a_type_error() -> None:
+    """KeyedInit(5, 0) raised InvariantRandomConfigError, a ValueError only; a model that is no
+    nn.Module and a seed that is no int are type errors of the same family, a seed out of range
+    stays a value error."""
+    from rng_tracker.errors import InvariantRandomConfigTypeError
+
+    before = torch.get_rng_state()
+    for model, seed, match in (
+        (5, 0, "takes model=.*got int"),
+        ("a module", 0, "got str"),
+        (None, "1", r"seed must be an int in \[0, 2\*\*64\), got '1'"),
+        (None, 1.0, "got 1.0"),
+        (None, True, "got True"),
+    ):
+        with pytest.raises(InvariantRandomConfigTypeError, match=match) as info:
+            KeyedInit(model, seed)  # type: ignore[arg-type]
+        assert isinstance(info.value, InvariantRandomConfigError)
+        assert isinstance(info.value, TypeError) and isinstance(info.value, RNGTrackerError)
+    for seed in (-1, 2**64):
+        with pytest.raises(InvariantRandomConfigError, match="seed must be an int") as info:
+            KeyedInit(None, seed)
+        assert isinstance(info.value, ValueError) and not isinstance(info.value, TypeError)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -103,3 +103,52 @@ def test_an_order_that_is_not_a_str_is_a_type_error(rank):
             init_model_parallel(order=order)
         assert isinstance(info.value, ParallelConfigError) and isinstance(info.value, TypeError)
         assert get_parallel_state_or_none() is None
+
+
+@pytest.mark.parametrize("method", ["rank", "size", "group"])
+def test_an_unknown_axis_is_a_key_error_and_a_parallel_state_error(method):
+    """state.rank("tpx") raised a ParallelStateError that was only a RuntimeError, while every
+    other unknown name of the library (a stream, a coordinate axis) is a KeyError too."""
+    from rng_tracker.errors import UnknownAxisError
+    from rng_tracker.parallel import ParallelState
+    from rng_tracker.parallel._megatron_state import MegatronParallelState
+
+    axes = ("tp", "pp", "dp", "cp", "ep", "etp", "edp")
+    ours = ParallelState(mesh=None, expert_mesh=None, sizes={}, ranks={})  # type: ignore[arg-type]
+    theirs = MegatronParallelState(
+        sizes=dict.fromkeys(axes, 1), ranks=dict.fromkeys(axes, 0), groups={}
+    )
+    before = torch.get_rng_state()
+    for state in (ours, theirs):
+        for axis in ("tpx", None, "TP"):
+            with pytest.raises(UnknownAxisError) as info:
+                getattr(state, method)(axis)
+            error = info.value
+            assert isinstance(error, ParallelStateError) and isinstance(error, KeyError)
+            assert isinstance(error, RNGTrackerError)
+            message = str(error)  # the message itself, not KeyError's repr of it
+            assert message.startswith(f"unknown parallel axis {axis!r}; use one of ")
+            assert all(repr(name) in message for name in axes), message
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.distributed(world_size=1, timeout=90)
+def test_a_device_type_without_a_generator_here_is_refused(rank):
+    """device_type="meta" built a mesh (and process groups) of a device that holds no data,
+    has no generator and runs no collective; so did "cuda" on a machine without one."""
+    from rng_tracker.parallel._mesh import get_parallel_state_or_none
+
+    destroy_model_parallel()
+    before = torch.get_rng_state()
+    refused = ["meta", "lazy", "mtia"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device_type in refused:
+        with pytest.raises(ParallelConfigError, match=f"device_type {device_type!r}") as info:
+            init_model_parallel(device_type=device_type)
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+        assert "no usable" in str(info.value) and "'cpu'" in str(info.value)
+        assert get_parallel_state_or_none() is None
+        assert torch.equal(torch.get_rng_state(), before)
+    for device_type in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        assert init_model_parallel(device_type=device_type).mesh.device_type == device_type
+        destroy_model_parallel()
+    assert torch.equal(torch.get_rng_state(), before)

@@ -42,6 +42,7 @@ from rng_tracker.errors import (
     SeedCoordinateTypeError,
     SeedOverflowError,
     SeedSchemeError,
+    StreamNameError,
 )
 from rng_tracker.megatron import model_parallel_cuda_manual_seed
 from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
@@ -293,7 +294,7 @@ def test_unknown_coordinate_axes_are_refused(scheme, coordinates):
         plan_seeds(7, scheme=scheme, coordinates=coordinates)
     assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, KeyError)
     message = str(info.value)
-    assert "unknown coordinate axis" in message and ", ".join(AXES) in message
+    assert "coordinates names the unknown axis" in message and ", ".join(AXES) in message
 
 
 @pytest.mark.parametrize(
@@ -467,3 +468,83 @@ def test_a_process_whose_first_seeding_runs_under_fake_tensors_seeds_the_streams
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "True"]
+
+
+def _live_rng_states() -> tuple:
+    """The CPU generator and the process tracker's streams, bitwise."""
+    streams = {name: state.clone() for name, state in get_rng_tracker("cpu").get_states().items()}
+    return torch.get_rng_state(), streams
+
+
+def _assert_rng_states_are(before: tuple) -> None:
+    cpu, streams = _live_rng_states()
+    assert torch.equal(cpu, before[0])
+    assert streams.keys() == before[1].keys()
+    assert all(torch.equal(streams[name], before[1][name]) for name in streams)
+
+
+_PLAN = {"scheme": "hashed", "base_seed": 1, "default_seed": 2, "stream_seeds": {}}
+
+
+@pytest.mark.parametrize(
+    ("changed", "error", "builtin", "match"),
+    [
+        ({"coordinates": None}, SeedCoordinateTypeError, TypeError,
+         r"SeedPlan\.coordinates must be a mapping of axis name to rank.*got NoneType"),
+        ({"coordinates": ["tp"]}, SeedCoordinateTypeError, TypeError, r"got list"),
+        ({"coordinates": {"tp": "a"}}, RankTypeError, TypeError,
+         r"SeedPlan\.coordinates\['tp'\] must be an int, got str 'a'"),
+        ({"coordinates": {"tp": True}}, RankTypeError, TypeError, r"must be an int, got the bool"),
+        ({"coordinates": {"pp": -1}}, RankError, ValueError,
+         r"SeedPlan\.coordinates\['pp'\] must be >= 0, got -1"),
+        ({"coordinates": {"tpx": 0}}, SeedCoordinateError, KeyError,
+         r"SeedPlan\.coordinates names the unknown axis 'tpx'"),
+        ({"scheme": "md5"}, SeedSchemeError, ValueError,
+         r"SeedPlan\.scheme must be 'hashed' or 'megatron', got str 'md5'"),
+        ({"base_seed": -1}, InvalidSeedError, ValueError, r"SeedPlan\.base_seed must be in"),
+        ({"base_seed": "1"}, InvalidSeedTypeError, TypeError, r"SeedPlan\.base_seed must be an int"),
+        ({"default_seed": 2**64}, InvalidSeedError, ValueError, r"SeedPlan\.default_seed"),
+        ({"stream_seeds": None}, ArgumentTypeError, TypeError,
+         r"SeedPlan\.stream_seeds must be a mapping of stream name to seed.*NoneType"),
+        ({"stream_seeds": {5: 1}}, StreamNameError, TypeError,
+         r"SeedPlan\.stream_seeds names must be non-empty str, got int 5"),
+        ({"stream_seeds": {"": 1}}, StreamNameError, TypeError, r"got str ''"),
+        ({"stream_seeds": {"s": 1.5}}, InvalidSeedTypeError, TypeError,
+         r"SeedPlan\.stream_seeds\['s'\] must be an int"),
+        ({"data_parallel_random_init": "yes"}, ArgumentTypeError, TypeError,
+         r"SeedPlan\.data_parallel_random_init must be a bool"),
+    ],
+)  # fmt: skip
+def test_a_hand_made_seed_plan_is_checked_field_by_field(changed, error, builtin, match):
+    """SeedPlan checked nothing: coordinates=None reached verify_rng_consistency as an
+    AttributeError, and {"tp": "a"} was taken (and reported as a failed check)."""
+    from rng_tracker import SeedPlan
+
+    fields = {**_PLAN, "coordinates": {"tp": 0}, **changed}
+    before = _live_rng_states()
+    with pytest.raises(error, match=match) as info:
+        SeedPlan(**fields)
+    assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+    _assert_rng_states_are(before)
+
+
+def test_a_seed_plan_holds_every_axis_as_an_int():
+    """A hand-made plan's left-out axes are rank 0 (as plan_seeds counts them) and its ranks and
+    seeds plain ints; what plan_seeds, the Megatron facade and dataclasses.replace build still
+    builds, unchanged."""
+    import dataclasses
+
+    from rng_tracker import SeedPlan
+
+    plan = SeedPlan(**_PLAN, coordinates={"tp": np.int64(3)})
+    assert plan.coordinates == {**dict.fromkeys(AXES, 0), "tp": 3}
+    assert all(type(rank) is int for rank in plan.coordinates.values())
+    assert plan.data_parallel_random_init is False
+    made = plan_seeds(7, coordinates={"tp": 1, "dp": 2}, data_parallel_random_init=True)
+    assert dataclasses.replace(made) == made
+    assert made.coordinates == {**dict.fromkeys(AXES, 0), "tp": 1, "dp": 2}
+    megatron_plan = plan_seeds(7, scheme="megatron", coordinates={"tp": 1})
+    extra = dataclasses.replace(megatron_plan, stream_seeds={**megatron_plan.stream_seeds, "x": 5})
+    assert extra.stream_seeds["x"] == 5 and extra.coordinates == megatron_plan.coordinates
+    with pytest.raises(RankError):
+        dataclasses.replace(made, coordinates={"tp": -2})

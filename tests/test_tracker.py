@@ -996,3 +996,50 @@ def test_a_draw_inside_a_fork_under_a_graph_trace_is_refused_and_a_drawless_fork
     graph = trace(_DrawBeforeTheFork(tracker))(x).graph
     seeded = torch.Tag.nondeterministic_seeded
     assert any(seeded in getattr(node.target, "tags", ()) for node in graph.nodes)
+
+
+def test_a_state_dict_version_given_as_a_bool_is_a_type_error():
+    """version=True equals 1 and was loaded as version 1; a bool is never a version."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 1)
+    saved = tracker.state_dict()
+    with tracker.fork("a"):
+        torch.rand(2)
+    before, cpu = tracker.get_states(), torch.get_rng_state()
+    for version in (True, False):
+        with pytest.raises(StateDictTypeError, match=f"version {version!r} is a bool") as info:
+            tracker.load_state_dict({**saved, "version": version})
+        assert isinstance(info.value, StateDictError) and isinstance(info.value, TypeError)
+        assert isinstance(info.value, RNGTrackerError)
+        after = tracker.get_states()
+        assert after.keys() == before.keys() and torch.equal(after["a"], before["a"])
+        assert torch.equal(torch.get_rng_state(), cpu)
+    with pytest.raises(StateDictError, match="version 2 is not supported") as value:
+        tracker.load_state_dict({**saved, "version": 2})
+    assert not isinstance(value.value, TypeError)
+
+
+def test_a_cpu_device_index_other_than_0_is_refused():
+    """get_rng_tracker("cpu:3") gave the CPU tracker: torch keeps the index of torch.device
+    ("cpu:3") but allocates and draws on the one CPU device (its tensors and generators say
+    "cpu"), so a per-rank "cpu:<rank>" would silently share one generator across the "devices".
+    torch.cpu.device_count() is 1, so, as for "cuda:5" on one GPU, an index past it is refused,
+    by every entry that takes a device; "cpu:0" is that device."""
+    assert torch.cpu.device_count() == 1
+    cpu = get_rng_tracker("cpu")
+    streams = {n: s.clone() for n, s in cpu.get_states().items()}
+    state = torch.get_rng_state()
+    from rng_tracker import RNGStatesTracker, get_keyed_rng
+
+    for device in ("cpu:3", torch.device("cpu", 1)):
+        for make in (get_rng_tracker, RNGStatesTracker, get_keyed_rng):  # one rule, every entry
+            with pytest.raises(
+                TrackerDeviceError, match="does not exist: there is one cpu"
+            ) as info:
+                make(device)
+            assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, ValueError)
+    assert get_rng_tracker("cpu:0") is cpu and get_rng_tracker(torch.device("cpu", 0)) is cpu
+    assert torch.equal(torch.get_rng_state(), state)
+    after = cpu.get_states()
+    assert after.keys() == streams.keys()
+    assert all(torch.equal(after[n], streams[n]) for n in streams)

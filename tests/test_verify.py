@@ -388,3 +388,31 @@ def test_context_parallel_ranks_sharing_megatrons_model_parallel_seed_are_report
         assert "these must differ but are in one state" in problems[0]
         assert f"stream {MODEL_PARALLEL_RNG!r} on ranks [0]" in problems[0]
         assert f"stream {MODEL_PARALLEL_RNG!r} on ranks [1]" in problems[0]
+
+
+@pytest.mark.distributed(world_size=1, timeout=120)
+def test_a_hand_made_plan_is_checked_before_verify_reads_it(rank):
+    """verify_rng_consistency(plan=SeedPlan(..., coordinates=None)) ended in an AttributeError,
+    a plan naming only tp in a KeyError, and coordinates={"tp": "a"} was taken as a rank. A
+    SeedPlan is checked where it is built; the axes it leaves out are rank 0."""
+    from rng_tracker import SeedPlan
+    from rng_tracker.errors import RankTypeError, RNGTrackerError, SeedCoordinateTypeError
+
+    destroy_model_parallel()
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_seed(5, tracker=tracker, tp_rank=0)
+    fields = {"scheme": "hashed", "base_seed": 5, "default_seed": 1, "stream_seeds": {}}
+    before = _tracker_states()
+    for coordinates, error, builtin in (
+        (None, SeedCoordinateTypeError, TypeError),
+        ({"tp": "a"}, RankTypeError, TypeError),
+    ):
+        with pytest.raises(error, match=r"SeedPlan\.coordinates") as info:
+            verify_rng_consistency(
+                tracker=tracker, plan=SeedPlan(**fields, coordinates=coordinates)
+            )
+        assert isinstance(info.value, RNGTrackerError) and isinstance(info.value, builtin)
+        _assert_states_unchanged(before)
+    report = verify_rng_consistency(tracker=tracker, plan=SeedPlan(**fields, coordinates={"tp": 0}))
+    assert report.coordinates == [{"tp": 0, "cp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0}]
+    _assert_states_unchanged(before)
