@@ -298,8 +298,8 @@ class KeyedRNG:
                 "was it written by KeyedRNG.state_dict()?"
             )
         version = state_dict["version"]
-        if isinstance(version, bool) or version != _STATE_DICT_VERSION:
-            raise (StateDictTypeError if isinstance(version, bool) else StateDictError)(
+        if type(version) is not int or version != _STATE_DICT_VERSION:  # True, 1.0 == 1
+            raise (StateDictTypeError if type(version) is not int else StateDictError)(
                 f"keyed state dict version {state_dict['version']!r} is not the supported "
                 f"version {_STATE_DICT_VERSION}"
             )

@@ -75,7 +75,9 @@ def _encode(stream: str, coords: Mapping[str, int], axes: tuple[str, ...]) -> in
         rank = coords[axis]
         if rank >= 1 << bits:
             raise RankError(
-                f"{axis}_rank {rank} exceeds the hashed scheme's limit of {(1 << bits) - 1}"
+                f"{axis}_rank {rank} exceeds the hashed scheme's limit of {(1 << bits) - 1} "
+                f"(its {bits}-bit field); check the rank (a global rank given for the {axis} "
+                "rank?), or seed with scheme='megatron', whose arithmetic has no such field"
             )
         value = (value << bits) | rank
     return value

@@ -584,10 +584,10 @@ class RNGStatesTracker:
                 f"{type(state_dict).__name__}"
             )
         version = state_dict.get("version")
-        if isinstance(version, bool):  # True == 1, but a bool is no version
+        if version is not None and type(version) is not int:  # True and 1.0 == 1: no versions
             raise StateDictTypeError(
-                f"tracker state dict version {version!r} is a bool, not the int version "
-                f"{STATE_DICT_VERSION}; pass what state_dict() returned"
+                f"tracker state dict version {version!r} is a {type(version).__name__}, not the "
+                f"int version {STATE_DICT_VERSION}; pass what state_dict() returned"
             )
         if version != STATE_DICT_VERSION:
             raise StateDictError(

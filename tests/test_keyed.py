@@ -34,6 +34,7 @@ from rng_tracker.errors import (
     SiteCollisionError,
     SiteIdError,
     StateDictError,
+    StateDictTypeError,
     StepRangeError,
     TrackerDeviceError,
     UnknownSiteError,
@@ -299,6 +300,7 @@ def _bad_states() -> list[tuple[object, type]]:
         ([1, 2], StateDictError),
         ({**good, "version": 2}, StateDictError),
         ({**good, "version": True}, StateDictError),
+        ({**good, "version": 1.0}, StateDictTypeError),  # 1.0 == 1 was loaded
         ({k: v for k, v in good.items() if k != "step"}, StateDictError),
         ({**good, "extra": 1}, StateDictError),
         ({**good, "step": STEP_LIMIT}, StepRangeError),

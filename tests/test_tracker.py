@@ -999,15 +999,16 @@ def test_a_draw_inside_a_fork_under_a_graph_trace_is_refused_and_a_drawless_fork
 
 
 def test_a_state_dict_version_given_as_a_bool_is_a_type_error():
-    """version=True equals 1 and was loaded as version 1; a bool is never a version."""
+    """version=True (and 1.0) equals 1 and was loaded as version 1; a version is an int."""
     tracker = RNGStatesTracker("cpu")
     tracker.add("a", 1)
     saved = tracker.state_dict()
     with tracker.fork("a"):
         torch.rand(2)
     before, cpu = tracker.get_states(), torch.get_rng_state()
-    for version in (True, False):
-        with pytest.raises(StateDictTypeError, match=f"version {version!r} is a bool") as info:
+    for version in (True, False, 1.0, "1"):
+        kind = type(version).__name__
+        with pytest.raises(StateDictTypeError, match=f"version {version!r} is a {kind}") as info:
             tracker.load_state_dict({**saved, "version": version})
         assert isinstance(info.value, StateDictError) and isinstance(info.value, TypeError)
         assert isinstance(info.value, RNGTrackerError)
