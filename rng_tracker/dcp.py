@@ -318,9 +318,9 @@ def _fresh_state(seed: int) -> bytes:
 
 
 def _refuse_equal_streams(parts: list[_Part], device: torch.device) -> None:
-    """Refuse, as every load would, two streams of one state (``set_states`` accepts them):
-    they would draw identical values. Compared by what is drawn (a CPU state's stored seed
-    aside)."""
+    """Refuse, as every load would, two streams of one state (only a forged snapshot given to
+    ``restore_states`` gets a tracker there): they would draw identical values. Compared by what
+    is drawn (a CPU state's stored seed aside)."""
     rng = device_rng(device)
     refuse_repeat(
         (

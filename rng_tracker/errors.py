@@ -381,7 +381,7 @@ class UnroutedCheckpointWarning(UserWarning):
     """``torch.compile`` traced ``torch.utils.checkpoint`` under ``invariant_random()``: Dynamo
     traces its body with no function mode (torch 2.13), so a dropout or init there draws torch's
     values, not the layout-invariant ones, and is not refused as in eager. Exported by
-    ``rng_tracker.parallel``."""
+    ``rng_tracker.parallel.invariant``."""
 
 
 __all__ += ["UnroutedCheckpointWarning"]
