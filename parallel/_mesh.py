@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rng_tracker._device_rng import normalize_device
+from rng_tracker._device_rng import require_device_type
 from rng_tracker._validate import checked_int, checked_size
 from rng_tracker.errors import (
     ParallelConfigError,
@@ -108,7 +108,7 @@ def _check_device_type(device_type: object) -> None:
             "available, else cpu"
         )
     try:  # the mesh's ranks draw from its device's generator and run collectives on it
-        normalize_device(device_type)
+        require_device_type(device_type)
     except TrackerDeviceError:
         raise ParallelConfigError(
             f"device_type {device_type!r} has no usable device here: this torch "

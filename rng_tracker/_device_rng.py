@@ -106,6 +106,14 @@ def normalize_device(device: torch.device | str | int | None) -> torch.device:
     return device
 
 
+def require_device_type(device_type: str) -> None:
+    """Refuse (:class:`TrackerDeviceError`) a device type with no usable device here, without
+    starting it: no ``current_device()``, which would initialise CUDA before ``DeviceMesh``
+    moves each rank to its own device."""
+    if device_type != "cpu":
+        _device_module(torch.device(device_type))
+
+
 def plain_state(state: torch.Tensor) -> torch.Tensor:
     """``state`` itself where it starts its storage and is contiguous, else a contiguous copy.
 

@@ -132,6 +132,22 @@ def test_an_unknown_axis_is_a_key_error_and_a_parallel_state_error(method):
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_checking_a_device_type_does_not_start_the_device(monkeypatch):
+    """The check of device_type asked for the device's current_device(), which initialises CUDA
+    before DeviceMesh runs, and DeviceMesh moves each rank to its own GPU only when CUDA is not
+    initialised yet: every rank of a node stayed on cuda:0. The check now reads only whether
+    such a device is available (here a CUDA module made to say so, as no GPU is here)."""
+    from rng_tracker.parallel._mesh import _check_device_type
+
+    def started() -> int:
+        raise AssertionError("the check started the device (current_device)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", started)
+    _check_device_type("cuda")
+
+
 @pytest.mark.distributed(world_size=1, timeout=90)
 def test_a_device_type_without_a_generator_here_is_refused(rank):
     """device_type="meta" built a mesh (and process groups) of a device that holds no data,
