@@ -236,9 +236,9 @@ class CheckpointWithoutOutput:
         if self.ckpt_manager is not None:
             return
         self._discard_outputs()
+        self._recompute_pending = hook_tensor.requires_grad
         if hook_tensor.requires_grad:
             hook_tensor.register_hook(self._recompute)
-            self._recompute_pending = True
 
     def _discard_outputs(self) -> None:
         """Release the storage only the outputs hold (their metadata stays)."""
@@ -248,6 +248,7 @@ class CheckpointWithoutOutput:
 
     def _recompute(self, _: Any) -> None:
         """Rebuild the outputs (a tensor hook; Megatron's manager calls it too)."""
+        self._recompute_pending = False
         if self._recomputed is not None:
             return
         if not checkpoint_valid():

@@ -264,7 +264,10 @@ def test_checkpoint_again_before_the_last_outputs_are_recomputed_is_refused():
         ckpt.checkpoint(torch.sin, x)
     y.sum().backward()
     assert torch.equal(x.grad, torch.exp(x) * x + torch.exp(x))
-    ckpt.checkpoint(torch.sin, x)  # recomputed: free to checkpoint again
+    for _ in range(2):  # recomputed: free to checkpoint again, and again under no_grad
+        with torch.no_grad():
+            h = ckpt.checkpoint(torch.sin, x)
+            ckpt.discard_output_and_register_recompute(h * 2)  # no backward comes: no hook
 
 
 def test_discard_under_no_grad_registers_nothing_and_raises_nothing():
