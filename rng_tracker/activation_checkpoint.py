@@ -247,12 +247,15 @@ def _preserving_recompute(
 def _context_pair(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
     """``context_fn()``, refused unless it is the pair (forward context, recompute context)."""
     pair = context_fn()
-    if not (isinstance(pair, tuple) and len(pair) == 2):
+    try:  # any two-item iterable, as torch unpacks it
+        forward, recompute = pair
+    except (TypeError, ValueError):
         raise CheckpointTypeError(
             f"context_fn must return a pair (forward context, recompute context), as "
-            f"torch.utils.checkpoint.create_selective_checkpoint_contexts does; got {shown_value(pair)}"
-        )
-    return pair
+            f"torch.utils.checkpoint.create_selective_checkpoint_contexts does; got "
+            f"{shown_value(pair)}"
+        ) from None
+    return forward, recompute
 
 
 class _CheckpointingOnly:

@@ -466,7 +466,11 @@ _BAD_CALLS = [
     # context_fn not callable, or not returning the pair: torch's bare TypeErrors before
     *[
         ("non-reentrant", {"context_fn": bad, **rng}, CheckpointTypeError, words)
-        for bad, words in ((5, "context_fn must be callable"), (lambda: 5, "must return a pair"))
+        for bad, words in (
+            (5, "context_fn must be callable"),
+            (lambda: 5, "must return a pair"),
+            (lambda: (contextlib.nullcontext(),), "must return a pair"),
+        )
         for rng in ({}, {"preserve_rng_state": False})
     ],
 ]
@@ -732,3 +736,22 @@ def test_a_checkpoint_of_meta_tensors_runs_as_torchs_does(use_reentrant):
     out = checkpoint(block, x, use_reentrant=use_reentrant)
     out.sum().backward()
     assert out.is_meta and x.grad is not None and x.grad.shape == (4, 4)
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_a_context_fn_may_return_its_pair_as_any_two_item_iterable(preserve) -> None:
+    """torch unpacks what context_fn returns, so a list of two contexts works there; the check
+    that refuses what is no pair took only a tuple. Both forms give the same gradients."""
+
+    def run(make: object) -> torch.Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(4, requires_grad=True)
+        y = checkpoint(
+            lambda t: F.dropout(t, 0.5) * 2, x, context_fn=make, preserve_rng_state=preserve
+        )
+        y.sum().backward()
+        return x.grad
+
+    as_tuple = run(lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
+    as_list = run(lambda: [contextlib.nullcontext(), contextlib.nullcontext()])
+    assert torch.equal(as_tuple, as_list)
