@@ -186,8 +186,13 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         position = None  # site_dropout reads it where a mask needs it
-        if self.config.rng_mode == "keyed" and self.training:  # now: recompute runs outside it
-            position = current_batch_position(x.shape[1])
+        config = self.config
+        if (
+            config.rng_mode == "keyed"
+            and self.training
+            and config.attention_dropout + config.hidden_dropout > 0
+        ):
+            position = current_batch_position(x.shape[1])  # now: recompute runs outside it
         if self.config.recompute == "full" and self.training:
             return _checkpoint(self.config.rng_mode, self._forward, x, position)
         return self._forward(x, position)

@@ -195,6 +195,28 @@ def test_a_keyed_site_on_several_data_parallel_ranks_needs_the_batch_position(ra
         destroy_model_parallel()
 
 
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_tinygpt_asks_for_a_batch_position_only_where_a_keyed_mask_reads_it(rank: int) -> None:
+    """Two data-parallel ranks, no batch position: a keyed TinyGPT with dropout refuses
+    (MissingBatchPositionError), one whose every dropout rate is 0 draws nothing and trains, as
+    site_dropout itself does (its layers asked for the position whenever keyed and training)."""
+    from rng_tracker.errors import MissingBatchPositionError
+    from rng_tracker.parallel import destroy_model_parallel, init_model_parallel
+    from rng_tracker.parallel.transformer import GPTConfig, TinyGPT
+
+    get_keyed_rng("cpu").manual_seed(8)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    init_model_parallel(tensor=1)  # data parallelism of 2
+    try:
+        sizes = {"hidden": 16, "heads": 2, "ffn": 32, "seq_len": 8, "rng_mode": "keyed"}
+        rates = dict.fromkeys(("attention_dropout", "hidden_dropout", "embedding_dropout"), 0.0)
+        TinyGPT(GPTConfig(**sizes, **rates)).loss(tokens, tokens).backward()
+        with pytest.raises(MissingBatchPositionError, match="batch_position"):
+            TinyGPT(GPTConfig(**sizes)).loss(tokens, tokens)
+    finally:
+        destroy_model_parallel()
+
+
 def test_tinygpt_keyed_masks_are_site_dropouts() -> None:
     """Every mask TinyGPT records in keyed mode is site_dropout's for that site, layout and
     batch position (keyed masks are pure functions of them, so a direct call reproduces it)."""
