@@ -16,7 +16,7 @@ import torch
 
 from rng_tracker._bits import MASK64, signed64
 from rng_tracker._device_rng import default_generator
-from rng_tracker._torch_private import functorch_transforms_active, graph_tracing_active
+from rng_tracker._torch_private import graph_tracing_active, vmap_may_be_active
 from rng_tracker._validate import checked_instance
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 
@@ -169,14 +169,14 @@ def drawn_seed(
     becomes a traced Python int (a 64-bit constant Inductor cannot print, and a value guard that
     would recompile every step), the seed enters the graph as a tensor.
 
-    A non-CUDA generator's key (a CUDA one's too under a functorch transform, so vmap sees a
-    random op and applies its randomness rules) stays a tensor, never read on the host: under fake tensors the
+    A non-CUDA generator's key (a CUDA one's too under vmap, which must see a random op to
+    apply its randomness rules) stays a tensor, never read on the host: under fake tensors the
     call is shape-only and leaves the generator as it was, and a trace (make_fx, torch.export)
     records the draw itself, so each run of the traced program draws anew: from the device's
     default generator of the time it runs where ``is_default`` (none was passed; a trace that
     named this object would keep a copy of it, which torch.manual_seed no longer reaches once
     the program is saved and loaded), else from ``generator``."""
-    if generator.device.type == "cuda" and not functorch_transforms_active():
+    if generator.device.type == "cuda" and not vmap_may_be_active():
         return seed_tensor(_drawn(generator, logical_numel), device)
     # the same draw as _host_draw's random_ (randint runs it), which FX can print; also a CUDA
     # generator's under vmap, which must see a random op to apply its randomness rules

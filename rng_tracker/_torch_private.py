@@ -161,6 +161,22 @@ def functorch_transforms_active() -> bool | None:
     return None if _functorch_active is None else bool(_functorch_active())
 
 
+# torch._C._functorch.get_interpreter_stack: the active functorch transforms, outermost first
+# (None when there are none), each with key() its TransformType. Without it, vmap_may_be_active
+# answers as functorch_transforms_active does.
+_functorch_c = getattr(torch._C, "_functorch", None)
+_interpreter_stack = getattr(_functorch_c, "get_interpreter_stack", None)
+_VMAP = getattr(getattr(_functorch_c, "TransformType", None), "Vmap", None)
+
+
+def vmap_may_be_active() -> bool:
+    """Whether a ``torch.func.vmap`` is active at any level (where torch cannot say which
+    transforms are, whether any is)."""
+    if _interpreter_stack is None or _VMAP is None:
+        return bool(functorch_transforms_active())
+    return any(interpreter.key() == _VMAP for interpreter in _interpreter_stack() or ())
+
+
 # torch._C._FunctionBase.apply: an autograd.Function's apply in C++, which torch's Python
 # Function.apply calls once it has found no functorch transform active. The straight kernel
 # routes have found that already, and call it directly, without the wrapper's Python (its

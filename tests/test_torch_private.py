@@ -89,6 +89,28 @@ def test_torch_checkpoint_forward_active_sees_both_of_torchs_checkpoints():
     assert seen == [False, True, False, True, False]
 
 
+def test_vmap_may_be_active_is_true_exactly_where_a_vmap_runs_at_any_level():
+    """A CUDA generator's draw is made a random op only under vmap (whose randomness rules must
+    see it), not under jvp or grad alone, which would change CUDA masks for no rule: the helper
+    tells vmap from the other transforms, nested either way."""
+    from rng_tracker._torch_private import vmap_may_be_active
+
+    seen: list[bool] = []
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        seen.append(vmap_may_be_active())
+        return x
+
+    x = torch.ones(2, 2)
+    torch.func.vmap(probe)(x)
+    torch.func.jvp(probe, (x,), (x,))
+    torch.func.grad(lambda t: probe(t).sum())(x)
+    torch.func.vmap(lambda t: torch.func.jvp(probe, (t,), (t,))[0])(x)
+    torch.func.jvp(lambda t: torch.func.vmap(probe)(t), (x,), (x,))
+    assert seen == [True, False, False, True, True]
+    assert vmap_may_be_active() is False
+
+
 def test_graph_tracing_active_is_true_under_make_fx_and_not_under_fake_tensors_alone():
     """make_fx's proxy mode records a graph (a host value read there becomes a constant); fake
     tensors alone record nothing."""
