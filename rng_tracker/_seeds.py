@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 import torch
 
@@ -169,10 +169,7 @@ def _checked_plan_fields(
             maximum=2**64 - 1,
         )
 
-    if not isinstance(scheme, str) or scheme not in _SCHEMES:
-        raise SeedSchemeError(
-            f"SeedPlan.scheme must be 'hashed' or 'megatron', got {shown_value(scheme)}"
-        )
+    _checked_scheme(scheme, "SeedPlan.scheme")
     if not isinstance(stream_seeds, Mapping):
         raise ArgumentTypeError(
             "SeedPlan.stream_seeds must be a mapping of stream name to seed (what plan_seeds "
@@ -195,6 +192,13 @@ def _checked_plan_fields(
             data_parallel_random_init, "SeedPlan.data_parallel_random_init"
         ),
     }
+
+
+def _checked_scheme(scheme: object, what: str) -> Scheme:
+    """``scheme`` if it names a seed scheme, else :class:`SeedSchemeError` naming ``what``."""
+    if not isinstance(scheme, str) or scheme not in _SCHEMES:
+        raise SeedSchemeError(f"{what} must be 'hashed' or 'megatron', got {shown_value(scheme)}")
+    return cast(Scheme, scheme)
 
 
 def checked_rank(what: str, value: object) -> int:
@@ -267,6 +271,7 @@ def plan_seeds(
     seed past 2**64-1.
     """
     seed = validate_seed(seed)
+    scheme = _checked_scheme(scheme, "scheme")
     data_parallel_random_init = checked_flag(data_parallel_random_init, "data_parallel_random_init")
     coords = _coordinates(coordinates)
     if scheme == "hashed":
@@ -280,10 +285,8 @@ def plan_seeds(
             )
             for stream in _STREAM_IDS
         }
-    elif scheme == "megatron":
-        seeds = _megatron_seeds(seed, coords, data_parallel_random_init)
     else:
-        raise SeedSchemeError(f"unknown seed scheme {scheme!r}; use 'hashed' or 'megatron'")
+        seeds = _megatron_seeds(seed, coords, data_parallel_random_init)
     where = " ".join(f"{axis}={rank}" for axis, rank in coords.items())
     _check_no_overflow(scheme, seed, seeds, where)
     default = seeds.pop(DEFAULT_STREAM)

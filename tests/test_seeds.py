@@ -193,8 +193,12 @@ def test_megatron_arithmetic_collides_where_hashed_does_not():
 
 
 def test_bad_scheme_and_ranks_are_typed_errors():
-    with pytest.raises(SeedSchemeError, match="'hashed' or 'megatron'"):
+    with pytest.raises(
+        SeedSchemeError, match=r"^scheme must be 'hashed' or 'megatron', got str 'md5'"
+    ):
         plan_seeds(1, scheme="md5")
+    with pytest.raises(SeedSchemeError, match="got list"):
+        plan_seeds(1, scheme=["hashed"])
     with pytest.raises(RankError, match="tp_rank must be >= 0"):
         plan_seeds(1, coordinates={"tp": -1})
     with pytest.raises(RankError, match="exceeds"):
