@@ -35,6 +35,20 @@ def _checked(value: object, what: str, minimum: int) -> int:
     )
 
 
+def _checked_place(offset: object, batch: object, caller: str) -> tuple[int, int]:
+    """(offset, batch) as ints >= 0 with the offset below the batch (or 0, the place of an empty
+    batch); ``caller`` names the call in the refusal."""
+    offset = _checked(offset, "sample_offset", 0)
+    batch = _checked(batch, "global_batch", 0)
+    if known_true(offset > 0) and known_true(offset >= batch):
+        raise BatchPositionError(
+            f"{caller}(sample_offset={offset}, global_batch={batch}): the offset must be below "
+            "the global batch; give the microbatch's first sample's index in the step's global "
+            "batch"
+        )
+    return offset, batch
+
+
 @dataclass(frozen=True, slots=True)
 class BatchPosition:
     """A microbatch holds samples [sample_offset, sample_offset + b) of a global batch."""
@@ -45,14 +59,7 @@ class BatchPosition:
     def __post_init__(self) -> None:
         """A hand-made one is checked too: ints >= 0, the offset below the global batch (or 0,
         the place of an empty batch, which a local batch of 0 samples is)."""
-        offset = _checked(self.sample_offset, "sample_offset", 0)
-        batch = _checked(self.global_batch, "global_batch", 0)
-        if known_true(offset > 0) and known_true(offset >= batch):
-            raise BatchPositionError(
-                f"BatchPosition(sample_offset={offset}, global_batch={batch}): the offset must "
-                "be below the global batch; give the microbatch's first sample's index in the "
-                "step's global batch"
-            )
+        offset, batch = _checked_place(self.sample_offset, self.global_batch, "BatchPosition")
         object.__setattr__(self, "sample_offset", offset)  # frozen: plain ints, set once here
         object.__setattr__(self, "global_batch", batch)
 
@@ -100,13 +107,8 @@ def batch_position(sample_offset: int, global_batch: int) -> Iterator[BatchPosit
     batch's masks that these samples own. Checkpoints carry it into their recompute. Raises
     :class:`~rng_tracker.errors.BatchPositionError` for a position outside the batch.
     """
-    sample_offset = _checked(sample_offset, "sample_offset", 0)
-    global_batch = _checked(global_batch, "global_batch", 1)
-    if sample_offset >= global_batch:
-        raise BatchPositionError(
-            f"batch_position(sample_offset={sample_offset}, "
-            f"global_batch={global_batch}): the offset must be below the global batch"
-        )
+    sample_offset, global_batch = _checked_place(sample_offset, global_batch, "batch_position")
+    _checked(global_batch, "global_batch", 1)  # a step has samples; a BatchPosition may be 0 of 0
     position = BatchPosition(sample_offset, global_batch)
     with _entered(BatchContext(position, batch_context().microbatches)):
         yield position
