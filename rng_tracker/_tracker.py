@@ -650,14 +650,16 @@ class RNGStatesTracker:
     def _refuse_one_state(self, states: Mapping[str, RNGState], who: str, fix: str) -> None:
         """:class:`SeedReuseError` where two of ``states`` are one generator state (they would
         draw identical values)."""
-        drawn = [(name, self._rng.drawn_bytes(state)) for name, state in states.items()]
-        for i, (second, data) in enumerate(drawn):  # pairwise: a few streams, 5 KiB on CPU
-            for first, earlier in drawn[:i]:
-                if torch.equal(earlier, data):
-                    raise SeedReuseError(
-                        f"{who} streams {_shown(first)} and {_shown(second)} the same generator "
-                        f"state: they would draw identical values; {fix}"
-                    )
+        refuse_repeat(
+            (
+                (name, self._rng.drawn_bytes(state).numpy().tobytes())
+                for name, state in states.items()
+            ),
+            lambda first, second, _: (
+                f"{who} streams {_shown(first)} and {_shown(second)} the same generator state: "
+                f"they would draw identical values; {fix}"
+            ),
+        )
 
     def _check_snapshot(self, states: object) -> None:
         """Refuse what :meth:`restore_states` cannot put back, without copying anything."""
