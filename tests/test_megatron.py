@@ -942,9 +942,9 @@ def test_megatron_flags_must_be_bools_and_a_refused_one_changes_nothing(call):
     tracker = get_cuda_rng_tracker()
     states = tracker.get_states()
     cpu, device = torch.get_rng_state(), device_generator().get_state()
-    with pytest.raises(ArgumentTypeError, match="must be a bool"):
+    with pytest.raises(ArgumentTypeError, match="must be a bool") as info:
         call()
-    assert issubclass(ArgumentTypeError, TypeError)
+    assert isinstance(info.value, TypeError)
     assert get_cuda_rng_tracker() is tracker
     after = tracker.get_states()
     assert after.keys() == states.keys()
