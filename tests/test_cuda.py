@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _python_probe import run_python
 
 from rng_tracker import RNGStatesTracker
 from rng_tracker.errors import CPURNGChangedWarning, KernelUnavailableError
@@ -362,3 +363,16 @@ def test_vmap_of_a_cuda_draw_follows_vmaps_randomness_rules():
     assert torch.equal(same[0], same[1]) and torch.equal(same[1], same[2])
     different = torch.func.vmap(lambda t: dropout(t, 0.5), randomness="different")(ones)
     assert len({tuple((row != 0).tolist()) for row in different}) == 3
+
+
+def test_checking_the_cuda_device_type_leaves_cuda_uninitialised():
+    """init_model_parallel's device check must not start CUDA: DeviceMesh moves each rank to its
+    own GPU only while CUDA is uninitialised (tests/test_mesh.py shows the same with a stand-in
+    CUDA module, as CI has no GPU). Run in a fresh interpreter, where nothing has started it."""
+    out = run_python(
+        "import torch\n"
+        "from rng_tracker.parallel._mesh import _check_device_type\n"
+        "_check_device_type('cuda')\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    assert out.strip() == "False"

@@ -136,7 +136,8 @@ def test_checking_a_device_type_does_not_start_the_device(monkeypatch):
     """The check of device_type asked for the device's current_device(), which initialises CUDA
     before DeviceMesh runs, and DeviceMesh moves each rank to its own GPU only when CUDA is not
     initialised yet: every rank of a node stayed on cuda:0. The check now reads only whether
-    such a device is available (here a CUDA module made to say so, as no GPU is here)."""
+    such a device is available (here a CUDA module made to say so, as no GPU is here; on a GPU,
+    tests/test_cuda.py checks that CUDA stays uninitialised)."""
     from rng_tracker.parallel._mesh import _check_device_type
 
     def started() -> int:
