@@ -160,7 +160,9 @@ class CheckpointWithoutOutput:
         self._ctx: weakref.ref[Any] | None = None
         self._freeable: list[tuple[int, list[torch.Tensor]]] = []  # (nbytes, outputs on it)
         self._discarded = False
-        self._recompute_pending = False  # a hook of discard_output_and_register_recompute waits
+        # The hook discard_output_and_register_recompute registered, while it waits: only the
+        # autograd graph holds it, so it dies with a graph dropped without backward.
+        self._waiting_hook: weakref.ref[Callable[[Any], None]] | None = None
         self._snapshot: RNGSnapshot | None = None
         self._wanted: list[torch.device] = []  # the generators snapshotted besides CPU
         self._replayed: list[RNGStatesTracker] = []  # the trackers snapshotted at checkpoint()
@@ -175,7 +177,7 @@ class CheckpointWithoutOutput:
             raise CheckpointTypeError(
                 f"run_function must be callable, got {type(run_function).__name__}"
             )
-        if self._discarded and self._recompute_pending:
+        if self._discarded and self._waiting_hook is not None and self._waiting_hook() is not None:
             raise CheckpointUsageError(
                 "checkpoint() called again while the outputs of its last call are discarded and "
                 "wait for their recompute in backward, which would then run this call's "
@@ -236,9 +238,14 @@ class CheckpointWithoutOutput:
         if self.ckpt_manager is not None:
             return
         self._discard_outputs()
-        self._recompute_pending = hook_tensor.requires_grad
+        self._waiting_hook = None
         if hook_tensor.requires_grad:
-            hook_tensor.register_hook(self._recompute)
+
+            def recompute(grad: Any) -> None:
+                self._recompute(grad)
+
+            self._waiting_hook = weakref.ref(recompute)
+            hook_tensor.register_hook(recompute)
 
     def _discard_outputs(self) -> None:
         """Release the storage only the outputs hold (their metadata stays)."""
@@ -248,7 +255,7 @@ class CheckpointWithoutOutput:
 
     def _recompute(self, _: Any) -> None:
         """Rebuild the outputs (a tensor hook; Megatron's manager calls it too)."""
-        self._recompute_pending = False
+        self._waiting_hook = None
         if self._recomputed is not None:
             return
         if not checkpoint_valid():

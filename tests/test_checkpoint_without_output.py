@@ -270,6 +270,23 @@ def test_checkpoint_again_before_the_last_outputs_are_recomputed_is_refused():
             ckpt.discard_output_and_register_recompute(h * 2)  # no backward comes: no hook
 
 
+def test_checkpoint_again_after_the_last_graph_was_dropped_without_backward():
+    """The refusal above lasts while the recompute hook can still run: a forward whose graph is
+    dropped without backward (an evaluation with grad on, a step given up after an error) took
+    its hook with it, and the object was refused for good. Now it may checkpoint again, and
+    that call's backward is right."""
+    ckpt = CheckpointWithoutOutput()
+    x = torch.randn(5, requires_grad=True)
+    h = ckpt.checkpoint(torch.exp, x)
+    ckpt.discard_output_and_register_recompute(h * x)  # the graph is dropped: no backward comes
+    del h
+    h = ckpt.checkpoint(torch.sin, x)
+    y = h * x
+    ckpt.discard_output_and_register_recompute(y)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.sin(x) + torch.cos(x) * x)
+
+
 def test_discard_under_no_grad_registers_nothing_and_raises_nothing():
     """In inference (no grad) Megatron discards and registers no hook; so do we."""
     ckpt = CheckpointWithoutOutput()
