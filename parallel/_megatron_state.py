@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from rng_tracker.errors import ParallelStateMismatchError, UnknownAxisError
 from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
 _MEGATRON_PARALLEL_STATE = "megatron.core.parallel_state"
+_parallel_state_found: ModuleType | None = sys.modules.get(_MEGATRON_PARALLEL_STATE)
 
 # axis -> the name Megatron's getters use: get_<name>_rank/_world_size/_group
 _GETTERS = {
@@ -100,7 +102,7 @@ def megatron_virtual_ranks() -> dict[str, int]:
     """The ranks set with Megatron's ``parallel_state.set_*_rank``, by axis (the axes set only;
     {} when ``megatron.core.parallel_state`` is not imported). Without an expert-tensor group
     the etp rank is the tp rank, as Megatron's getter answers."""
-    ps = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+    ps = _imported_parallel_state()
     if ps is None:
         return {}
     ranks = {axis: getattr(ps, name, None) for axis, name in _VIRTUAL_RANKS.items()}
@@ -109,10 +111,32 @@ def megatron_virtual_ranks() -> dict[str, int]:
     return {axis: rank for axis, rank in ranks.items() if rank is not None}
 
 
+@torch.compiler.assume_constant_result
+def _find_parallel_state_while_tracing() -> bool:
+    """Look in ``sys.modules`` as torch.compile traces (run, not traced: no guard)."""
+    global _parallel_state_found
+    _parallel_state_found = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+    return True
+
+
+def _imported_parallel_state() -> ModuleType | None:
+    """``megatron.core.parallel_state`` if some code imported it, else None (never imported
+    here). Under torch.compile, the module found while tracing or by the last eager call: a
+    traced lookup in ``sys.modules`` makes torch guard on the number of imported modules, so
+    every later import recompiled the caller's graph; the module found is guarded instead (a
+    Megatron imported after the compile is seen once an eager call, e.g. seeding, looks)."""
+    global _parallel_state_found
+    if torch.compiler.is_compiling():
+        _find_parallel_state_while_tracing()
+        return _parallel_state_found
+    _parallel_state_found = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+    return _parallel_state_found
+
+
 def megatron_parallel_state_or_none() -> MegatronParallelState | None:
     """Megatron's parallel state if ``megatron.core.parallel_state`` is imported and
     initialised in this process, else None (Megatron is never imported here)."""
-    ps = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+    ps = _imported_parallel_state()
     if ps is None or not dist.is_available() or not dist.is_initialized():
         return None
     is_initialized = getattr(ps, "model_parallel_is_initialized", None)

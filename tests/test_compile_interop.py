@@ -9,6 +9,8 @@ replays the forward's mask (pytorch#190758: Inductor's own dropout re-draws ther
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -264,14 +266,16 @@ class _KeyedSites(torch.nn.Module):
         )
 
 
-def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatch):
+def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatch, tmp_path):
     """torchtitan compiles each block with fullgraph=True. A keyed site there failed: reading
     the fake mode and registering a new site (a BLAKE2b hash, device tensors) cannot be traced,
     so the first step raised (without fullgraph, these two sites split the forward into five
     graphs). Now a model whose sites are met first inside the compiled call is one graph: no
     graph break, nothing compiled again as the step moves (set_step, advance), outputs and input
-    gradients bitwise eager's, a new mask at each step. A new seed compiles once more (a guard
-    on it)."""
+    gradients bitwise eager's, a new mask at each step, and a module imported between steps
+    (as a fresh process's first backward imports some) compiles nothing again: the layout
+    lookup once made torch guard on the count of imported modules. A new seed compiles once
+    more (a guard on it)."""
     import rng_tracker._keyed as keyed_module
     from rng_tracker import KeyedRNG
 
@@ -283,11 +287,15 @@ def test_keyed_sites_compile_whole_with_fullgraph_and_follow_the_step(monkeypatc
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(6, 16, generator=torch.Generator().manual_seed(2))
     outs, graphs = [], []
+    monkeypatch.syspath_prepend(str(tmp_path))
     for step in (0, 1, None, 5):
         if step is None:
             rng.advance()
         else:
             rng.set_step(step)
+        module = f"rng_tracker_test_imported_at_step_{step}"
+        (tmp_path / f"{module}.py").write_text("")
+        importlib.import_module(module)  # one module more: stays imported, as a real one does
         results = []
         for run in (compiled, model):
             leaf = x.clone().requires_grad_()

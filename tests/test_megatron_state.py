@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _python_probe import run_python
 
 import rng_tracker.megatron as megatron
 from rng_tracker import ParallelLayout
@@ -263,3 +264,41 @@ def test_seeding_reads_megatrons_virtual_ranks_as_its_getters_do():
         ps.set_expert_tensor_parallel_rank(None)
     plan = megatron.model_parallel_cuda_manual_seed(10, force_reset_rng=True)
     assert (plan.coordinates["tp"], plan.coordinates["ep"], plan.coordinates["etp"]) == (0, 0, 0)
+
+
+_COMPILED_LOOKUP = """
+import sys, tempfile, types, torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+from rng_tracker._layout import process_layout
+
+@torch.compile(fullgraph=True)
+def data_parallel_size(x):
+    layout = process_layout()
+    return x + (0 if layout is None else layout.size("dp"))
+
+def later_import(name):
+    sys.modules[f"rng_tracker_test_{name}"] = types.ModuleType(name)
+
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+data_parallel_size(torch.zeros(1))
+later_import("first")
+print(int(data_parallel_size(torch.zeros(1))), counters["stats"]["unique_graphs"])
+import megatron.core.parallel_state as ps  # after the first compile; nothing eager looks at it
+ps.initialize_model_parallel(create_gloo_process_groups=False)
+torch._dynamo.reset()
+print(int(data_parallel_size(torch.zeros(1))))  # traced anew: Megatron's layout, found then
+later_import("second")
+print(int(data_parallel_size(torch.zeros(1))), counters["stats"]["unique_graphs"])
+dist.destroy_process_group()
+"""
+
+
+def test_compiled_code_finds_megatron_while_tracing_and_no_later_import_recompiles():
+    """Traced by torch.compile, the lookup of Megatron's parallel state in sys.modules (where
+    Megatron is not imported) made torch guard on the number of imported modules: every import
+    after the compile recompiled the graph of each keyed site (torchtitan's compiled blocks;
+    after eight, torch stops compiling them). The lookup now runs as the graph is traced:
+    a later import keeps the graph, and Megatron imported before a trace is seen by it."""
+    out = run_python(_COMPILED_LOOKUP, timeout=300).splitlines()
+    assert out == ["0 1", "1", "1 2"]
