@@ -141,6 +141,20 @@ def _index_lists(
     return list(indices)
 
 
+def _index_array(lists: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Every dim's global indices, one after another, as one int64 CPU tensor (at least one
+    element, so its pointer is valid): built by torch, not element by element in Python, since
+    a long dim (a flat 2**24-element parameter) has as many indices as elements."""
+    parts = [
+        torch.arange(lst.start, lst.stop, lst.step, dtype=torch.int64)
+        if isinstance(lst, range)
+        else torch.as_tensor(lst, dtype=torch.int64, device="cpu").reshape(-1)
+        for lst in lists
+    ]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return flat if flat.numel() else torch.zeros(1, dtype=torch.int64)
+
+
 def real_number(value: object, what: str) -> float:
     """``value`` as a float where torch's init takes a number: a real number (a bool, an int, a
     float, a numpy scalar) or a 0-dim real tensor."""
@@ -257,9 +271,9 @@ def _fill(
     strides = [1] * len(global_shape)
     for d in range(len(global_shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * global_shape[d + 1]
-    flat = [int(i) for lst in lists for i in lst]
+    flat = _index_array(lists)
     c_sizes = (ctypes.c_int64 * max(1, len(lists)))(*[len(lst) for lst in lists])
-    c_index = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+    c_index = ctypes.cast(flat.data_ptr(), ctypes.POINTER(ctypes.c_int64))
     c_strides = (ctypes.c_int64 * max(1, len(strides)))(*strides)
     direct = local.dtype == torch.float32 and local.is_contiguous()
     out = local if direct else torch.empty(local.shape, dtype=torch.float32, device=local.device)
