@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rng_tracker._bits import MASK64, mix_key
-from rng_tracker._torch_private import holds_no_data
+from rng_tracker._torch_private import disable_current_dispatch_modes, holds_no_data
 from rng_tracker._validate import checked_int
 from rng_tracker.errors import KernelInputError, KernelInputTypeError, KernelUnavailableError
 from rng_tracker.kernels._c_build import (
@@ -144,15 +144,18 @@ def _index_lists(
 def _index_array(lists: Sequence[Sequence[int]]) -> torch.Tensor:
     """Every dim's global indices, one after another, as one int64 CPU tensor (at least one
     element, so its pointer is valid): built by torch, not element by element in Python, since
-    a long dim (a flat 2**24-element parameter) has as many indices as elements."""
-    parts = [
-        torch.arange(lst.start, lst.stop, lst.step, dtype=torch.int64)
-        if isinstance(lst, range)
-        else torch.as_tensor(lst, dtype=torch.int64, device="cpu").reshape(-1)
-        for lst in lists
-    ]
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    return flat if flat.numel() else torch.zeros(1, dtype=torch.int64)
+    a long dim (a flat 2**24-element parameter) has as many indices as elements. Real memory
+    the kernel reads, under a caller's ``torch.device("meta")`` or fake tensors too."""
+    cpu = torch.device("cpu")
+    with disable_current_dispatch_modes():
+        parts = [
+            torch.arange(lst.start, lst.stop, lst.step, dtype=torch.int64, device=cpu)
+            if isinstance(lst, range)
+            else torch.as_tensor(lst, dtype=torch.int64, device=cpu).reshape(-1)
+            for lst in lists
+        ]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=cpu)
+        return flat if flat.numel() else torch.zeros(1, dtype=torch.int64, device=cpu)
 
 
 def real_number(value: object, what: str) -> float:
