@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rng_tracker._torch_private import run_while_tracing
 from rng_tracker.errors import ParallelStateMismatchError, UnknownAxisError
 from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
@@ -111,7 +112,7 @@ def megatron_virtual_ranks() -> dict[str, int]:
     return {axis: rank for axis, rank in ranks.items() if rank is not None}
 
 
-@torch.compiler.assume_constant_result
+@run_while_tracing
 def _find_parallel_state_while_tracing() -> bool:
     """Look in ``sys.modules`` as torch.compile traces (run, not traced: no guard)."""
     global _parallel_state_found
