@@ -259,6 +259,11 @@ class DeviceRNG:
             data[: _cpu_seed_layout()[1]] = 0
         return data
 
+    def drawn_key(self, state: RNGState) -> bytes:
+        """:meth:`drawn_bytes` as a hashable value: equal exactly where two states would draw
+        identical values (what a refusal of two streams of one state compares)."""
+        return self.drawn_bytes(state).numpy().tobytes()
+
     def equal(self, a: RNGState, b: RNGState) -> bool:
         """Whether two saved states are bitwise equal, the seed a CPU state stores included (a
         replay check compares states so; :meth:`drawn_bytes` compares only what is drawn)."""

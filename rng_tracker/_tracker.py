@@ -651,10 +651,7 @@ class RNGStatesTracker:
         """:class:`SeedReuseError` where two of ``states`` are one generator state (they would
         draw identical values)."""
         refuse_repeat(
-            (
-                (name, self._rng.drawn_bytes(state).numpy().tobytes())
-                for name, state in states.items()
-            ),
+            ((name, self._rng.drawn_key(state)) for name, state in states.items()),
             lambda first, second, _: (
                 f"{who} streams {_shown(first)} and {_shown(second)} the same generator state: "
                 f"they would draw identical values; {fix}"

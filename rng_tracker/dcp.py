@@ -324,7 +324,7 @@ def _refuse_equal_streams(parts: list[_Part], device: torch.device) -> None:
     rng = device_rng(device)
     refuse_repeat(
         (
-            (p.name, bytes(rng.drawn_bytes(as_uint8(p.state, torch.device("cpu"))).numpy()))
+            (p.name, rng.drawn_key(as_uint8(p.state, torch.device("cpu"))))
             for p in parts
             if p.name.startswith("stream/")
         ),
