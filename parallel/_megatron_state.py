@@ -24,7 +24,7 @@ from rng_tracker.errors import ParallelStateMismatchError, UnknownAxisError
 from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
 _MEGATRON_PARALLEL_STATE = "megatron.core.parallel_state"
-_parallel_state_found: ModuleType | None = sys.modules.get(_MEGATRON_PARALLEL_STATE)
+_parallel_state_found: ModuleType | None = None  # set by each look, see _imported_parallel_state
 
 # axis -> the name Megatron's getters use: get_<name>_rank/_world_size/_group
 _GETTERS = {
