@@ -193,8 +193,8 @@ class ParallelTransformerLayer(torch.nn.Module):
             and config.attention_dropout + config.hidden_dropout > 0
         ):
             position = current_batch_position(x.shape[1])  # now: recompute runs outside it
-        if self.config.recompute == "full" and self.training:
-            return _checkpoint(self.config.rng_mode, self._forward, x, position)
+        if config.recompute == "full" and self.training:
+            return _checkpoint(config.rng_mode, self._forward, x, position)
         return self._forward(x, position)
 
     def _dropout(
