@@ -41,6 +41,7 @@ from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
     dispatch_mode_depth,
+    run_while_tracing,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker._validate import checked_flag, shown_value
@@ -471,9 +472,17 @@ def _reentrant_apply(*inputs: Any) -> Any:
     invariant_random would draw torch's masks (the non-reentrant form is never traced either)."""
     if not torch.compiler.is_compiling():
         return _apply_reentrant(*inputs)
+    _make_eager_apply_while_tracing()
+    return _EAGER_UNDER_COMPILE[0](*inputs)
+
+
+@run_while_tracing
+def _make_eager_apply_while_tracing() -> bool:
+    """Make the disabled apply as torch.compile traces (run, not traced: a traced test of the
+    list would be a guard that the first call's store fails, a recompile at the second step)."""
     if not _EAGER_UNDER_COMPILE:
         _EAGER_UNDER_COMPILE.append(torch.compiler.disable(_apply_reentrant))
-    return _EAGER_UNDER_COMPILE[0](*inputs)
+    return True
 
 
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:

@@ -45,8 +45,10 @@ class _Block(torch.nn.Module):
 
 def _train(
     compiled: bool, steps: int = 3, reentrant: bool = False, rows: tuple[int, ...] = ()
-) -> tuple[list[tuple[torch.Tensor, ...]], list[int]]:
-    """``steps`` steps on one input (or one step per row count in ``rows``, each its own input)."""
+) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[int, int]]]:
+    """``steps`` steps on one input (or one step per row count in ``rows``, each its own input),
+    and after each step (graphs compiled, frames Dynamo traced): a frame traced again without a
+    new graph (e.g. the checkpoint's own code, whose ops run eagerly) is a recompile too."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(123)
@@ -66,7 +68,7 @@ def _train(
         out.backward(grad)
         results.append((out.detach(), x.grad, model.w1.grad.clone(), model.w2.grad.clone()))
         model.zero_grad()
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
     return results, graphs
 
 
@@ -74,7 +76,8 @@ def _train(
 def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling(reentrant):
     # impl="auto" runs the compiled CPU kernel in both runs: eager calls it directly, the
     # compiled graph through the rng_tracker::fused_dropout_cpu op. (The reentrant checkpoint
-    # recompiled every step while it told its inputs apart by id(): a guard on each new tensor.)
+    # recompiled every step while it told its inputs apart by id(): a guard on each new tensor;
+    # and both forms traced their own frame again at step 2, guarding the first call's caches.)
     assert _cpu_kernel.available(), _cpu_kernel._state["failed"]
     eager, _ = _train(compiled=False, reentrant=reentrant)
     compiled, graphs = _train(compiled=True, reentrant=reentrant)
@@ -84,7 +87,7 @@ def test_compiled_model_draws_eager_masks_fresh_each_step_without_recompiling(re
     # a fresh mask each step: the same input gives another output and other gradients
     for a, b in zip(compiled[0], compiled[1], strict=True):
         assert not torch.equal(a, b)
-    assert graphs[1] == graphs[0] and graphs[2] == graphs[0]  # nothing compiled after step 1
+    assert graphs[1] == graphs[0] and graphs[2] == graphs[0]  # nothing traced after step 1
 
 
 def test_a_compiled_model_takes_new_sizes_with_one_recompile_as_torchs_dropout():
@@ -195,7 +198,7 @@ def _compiled_dtensor_ops_over_new_sizes() -> list[int]:
         want = step(x).full_tensor()
         torch.set_rng_state(state)
         assert torch.equal(compiled(x).full_tensor(), want)
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
     return graphs
 
 
