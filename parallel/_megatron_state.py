@@ -11,20 +11,17 @@ raising their typed errors.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from rng_tracker._torch_private import run_while_tracing
+from rng_tracker._optional_module import OptionalModule
 from rng_tracker.errors import ParallelStateMismatchError, UnknownAxisError
 from rng_tracker.parallel._mesh import ParallelState, get_parallel_state_or_none
 
-_MEGATRON_PARALLEL_STATE = "megatron.core.parallel_state"
-_parallel_state_found: ModuleType | None = None  # set by each look, see _imported_parallel_state
+_imported_parallel_state = OptionalModule("megatron.core.parallel_state")
 
 # axis -> the name Megatron's getters use: get_<name>_rank/_world_size/_group
 _GETTERS = {
@@ -110,28 +107,6 @@ def megatron_virtual_ranks() -> dict[str, int]:
     if ranks["etp"] is None and getattr(ps, "_EXPERT_TENSOR_PARALLEL_GROUP", None) is None:
         ranks["etp"] = ranks["tp"]
     return {axis: rank for axis, rank in ranks.items() if rank is not None}
-
-
-@run_while_tracing
-def _find_parallel_state_while_tracing() -> bool:
-    """Look in ``sys.modules`` as torch.compile traces (run, not traced: no guard)."""
-    global _parallel_state_found
-    _parallel_state_found = sys.modules.get(_MEGATRON_PARALLEL_STATE)
-    return True
-
-
-def _imported_parallel_state() -> ModuleType | None:
-    """``megatron.core.parallel_state`` if some code imported it, else None (never imported
-    here). Under torch.compile, the module found while tracing or by the last eager call: a
-    traced lookup in ``sys.modules`` makes torch guard on the number of imported modules, so
-    every later import recompiled the caller's graph; the module found is guarded instead (a
-    Megatron imported after the compile is seen once an eager call, e.g. seeding, looks)."""
-    global _parallel_state_found
-    if torch.compiler.is_compiling():
-        _find_parallel_state_while_tracing()
-        return _parallel_state_found
-    _parallel_state_found = sys.modules.get(_MEGATRON_PARALLEL_STATE)
-    return _parallel_state_found
 
 
 def megatron_parallel_state_or_none() -> MegatronParallelState | None:

@@ -19,9 +19,13 @@ import inspect
 import sys
 from typing import Any
 
+from rng_tracker._optional_module import OptionalModule
+
+_checkpointing_module = OptionalModule("accelerate.checkpointing")
+
 
 def _save_custom_state_code() -> Any:
-    module = sys.modules.get("accelerate.checkpointing")  # not imported: accelerate is not saving
+    module = _checkpointing_module()  # not imported: accelerate is not saving
     function = getattr(module, "save_custom_state", None)
     return None if function is None else getattr(inspect.unwrap(function), "__code__", None)
 

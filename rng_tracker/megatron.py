@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -39,6 +38,7 @@ from rng_tracker._megatron_install import (
     invariant_installed,
     uninstall,
 )
+from rng_tracker._optional_module import OptionalModule
 from rng_tracker._saved_inputs import check_split_input
 from rng_tracker._seeds import (
     SeedPlan,
@@ -683,11 +683,14 @@ def _fork_rng() -> Iterator[None]:
 
 
 # -- checkpointing -------------------------------------------------------------------------
+_cuda_graphs_module = OptionalModule("megatron.core.transformer.cuda_graphs")
+
+
 def _megatron_graphs_warming_up(*, or_capturing: bool = False) -> bool:
     """Whether megatron-core's CUDA graphs are warming up (or capturing): its checkpoints then
     run the function plainly, since a recompute cannot run inside a captured graph. Its module
     is only looked up: a process that never imported it has no graphs of it."""
-    graphs = sys.modules.get("megatron.core.transformer.cuda_graphs")
+    graphs = _cuda_graphs_module()
     if graphs is None:
         return False
     return graphs.is_graph_warmup() or (or_capturing and graphs.is_graph_capturing())

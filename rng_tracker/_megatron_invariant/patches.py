@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,10 +23,12 @@ import torch
 from rng_tracker._batch_position import microbatches
 from rng_tracker._keyed import get_keyed_rng
 from rng_tracker._megatron_invariant import keyed_params, sites
+from rng_tracker._optional_module import OptionalModule
 from rng_tracker.errors import MegatronInvariantUnsupportedError
 
 _INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
 _TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine")
+_te_extension_module = OptionalModule(_TE_MODULES[0])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ def _transformer_engine_name(obj: Any) -> str | None:
 
     Without TransformerEngine installed megatron binds its TE wrappers to stand-in objects in
     ``megatron.core.extensions.transformer_engine``; they are found by identity there."""
-    extension = sys.modules.get(_TE_MODULES[0])
+    extension = _te_extension_module()
     if extension is not None:
         for name, value in vars(extension).items():
             if value is obj and name.startswith("TE"):
