@@ -39,6 +39,7 @@ from rng_tracker._batch_position import (
 from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint, is_checkpointing
 from rng_tracker._torch_private import (
     correct_fan,
+    dynamo_traced_checkpoint_body,
     is_innermost_function_mode,
     set_trunc_normal_impl,
     torch_reentrant_checkpoint_forward_active,
@@ -358,17 +359,46 @@ _TORCH_CHECKPOINT_UNDER_COMPILE = getattr(torch.ops.higher_order, "tag_activatio
 
 @torch.compiler.assume_constant_result
 def _warn_unrouted_checkpoint() -> bool:
-    """Warn (run while Dynamo traces, so no graph break) that the checkpoint's body is not routed."""
+    """Warn (run while Dynamo traces, so no graph break) that the checkpoint's body is not routed,
+    unless its traced graph has no call the mode routes or refuses (a body that draws nothing,
+    as a torchtitan block without dropout). A body Dynamo does not show is taken to draw."""
+    body = dynamo_traced_checkpoint_body()
+    if body is not None and not _may_draw(body):
+        return True
     warnings.warn(
         "torch.compile traced torch.utils.checkpoint under invariant_random(): Dynamo traces the "
         "checkpoint's body without the mode (torch 2.13), so a dropout or init inside it draws "
         "torch's values, not the layout-invariant ones, and is not refused as in eager. "
         "Checkpoint with rng_tracker.checkpoint (checkpoint_wrapper(module, checkpoint_fn="
-        "rng_tracker.checkpoint)), which keeps the mode; a body that draws nothing is unaffected",
+        "rng_tracker.checkpoint)), which keeps the mode",
         UnroutedCheckpointWarning,
         stacklevel=1,  # no line of the caller's is on the stack while Dynamo traces
     )
     return True
+
+
+def _may_draw(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether a traced graph (with the subgraphs it holds) calls something the mode routes or
+    refuses on a DTensor; a submodule call it cannot see into counts as a draw."""
+    for node in graph_module.graph.nodes:
+        if node.op == "call_module":
+            return True
+        if node.op == "call_function" and _draws_or_refused(node.target):
+            return True
+        if node.op == "call_method" and _draws_or_refused(getattr(torch.Tensor, node.target, None)):
+            return True
+    return any(
+        _may_draw(child)
+        for child in graph_module.children()
+        if isinstance(child, torch.fx.GraphModule)
+    )
+
+
+def _draws_or_refused(target: object) -> bool:
+    try:
+        return target in _ROUTES or target in _REFUSED_ON_DTENSOR
+    except TypeError:  # an unhashable target is none of them
+        return False
 
 
 @torch.compiler.disable

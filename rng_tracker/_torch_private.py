@@ -293,6 +293,29 @@ def run_while_tracing(function: _F) -> _F:
     return function
 
 
+# torch._dynamo's InstructionTranslator.current_tx().output: the graph Dynamo is building and
+# its submodules; torch.utils.checkpoint enters it as a tag_activation_checkpoint node whose first
+# argument names its body's graph. Without them the body is unknown (None).
+def dynamo_traced_checkpoint_body() -> torch.fx.GraphModule | None:
+    """While Dynamo traces: the body of the last torch.utils.checkpoint in the graph it is
+    building (the subgraph it traced for it), else None, also where torch's internals differ."""
+    checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        output = InstructionTranslator.current_tx().output
+        for node in reversed(output.graph.nodes):
+            if node.op == "call_function" and node.target is checkpoint_op:
+                body = node.args[0] if node.args else None
+                if getattr(body, "op", None) != "get_attr":
+                    return None
+                found = output.nn_modules.get(body.target)
+                return found if isinstance(found, torch.fx.GraphModule) else None
+    except (ImportError, AttributeError, TypeError):
+        return None
+    return None
+
+
 def disable_current_dispatch_modes() -> Any:
     """torch.utils._python_dispatch._disable_current_modes: the checkpoint's recompute runs
     with the caller's dispatch modes popped, as torch.utils.checkpoint's does, and the CPU

@@ -380,7 +380,8 @@ __all__ += ["CompiledKernelFallbackWarning"]
 class UnroutedCheckpointWarning(UserWarning):
     """``torch.compile`` traced ``torch.utils.checkpoint`` under ``invariant_random()``: Dynamo
     traces its body with no function mode (torch 2.13), so a dropout or init there draws torch's
-    values, not the layout-invariant ones, and is not refused as in eager. Exported by
+    values, not the layout-invariant ones, and is not refused as in eager. Not warned for a body
+    whose traced graph calls nothing the mode routes or refuses. Exported by
     ``rng_tracker.parallel.invariant``."""
 
 

@@ -1516,7 +1516,9 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     single call: its body is traced with the mode popped, so its dropout is torch's own (not the
     layout-invariant mask) and eager's refusal does not happen. That is said once, at the trace,
     with ``UnroutedCheckpointWarning``; rng_tracker.checkpoint, compiled the same way, routes
-    the body and warns nothing."""
+    the body and warns nothing. A body whose traced graph calls nothing the mode routes or
+    refuses (a torchtitan block without dropout) is unaffected and warns nothing; a dropout
+    module in the body, or a dropout in a checkpoint nested in it, warns."""
     import torch.utils.checkpoint as torch_checkpoint
 
     import rng_tracker
@@ -1525,10 +1527,14 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     def block(h: torch.Tensor) -> torch.Tensor:
         return F.dropout(h * 2, 0.5)
 
-    def run(checkpoint_fn: Callable[..., torch.Tensor], mode: bool) -> tuple[torch.Tensor, list]:
+    def run(
+        checkpoint_fn: Callable[..., torch.Tensor],
+        mode: bool,
+        body: Callable[[torch.Tensor], torch.Tensor] = block,
+    ) -> tuple[torch.Tensor, list]:
         torch._dynamo.reset()
         step = torch.compile(
-            lambda x: checkpoint_fn(block, x, use_reentrant=False), backend="aot_eager"
+            lambda x: checkpoint_fn(body, x, use_reentrant=False), backend="aot_eager"
         )
         torch.manual_seed(0)
         with warnings.catch_warnings(record=True) as caught:
@@ -1548,3 +1554,16 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     out, warned = run(rng_tracker.checkpoint, mode=True)
     assert torch.equal(out, invariant) and not warned
     assert not run(torch_checkpoint.checkpoint, mode=False)[1]
+
+    def draws_nothing(h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(h * 2).sum(-1, keepdim=True) * h
+
+    out, warned = run(torch_checkpoint.checkpoint, mode=True, body=draws_nothing)
+    assert torch.equal(out, draws_nothing(torch.ones(4, 8))) and not warned
+    dropout_module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    assert len(run(torch_checkpoint.checkpoint, mode=True, body=dropout_module)[1]) == 1
+
+    def nested(h: torch.Tensor) -> torch.Tensor:
+        return torch_checkpoint.checkpoint(block, h + 1, use_reentrant=False)
+
+    assert run(torch_checkpoint.checkpoint, mode=True, body=nested)[1]

@@ -164,3 +164,35 @@ def test_run_while_tracing_marks_what_assume_constant_result_marks_and_dynamo_ru
     outs = [compiled(torch.ones(2)) for _ in range(3)]
     assert all(torch.equal(out, torch.full((2,), 3.0)) for out in outs)
     assert log == [0]
+
+
+def test_dynamo_traced_checkpoint_body_is_the_subgraph_dynamo_traced_for_torchs_checkpoint():
+    """While Dynamo traces, after a torch.utils.checkpoint, the accessor returns the body's
+    traced graph (what invariant_random reads to warn only for a body that draws); outside a
+    trace it returns None."""
+    from torch.utils.checkpoint import checkpoint
+
+    from rng_tracker._torch_private import dynamo_traced_checkpoint_body, run_while_tracing
+
+    seen = []
+
+    @run_while_tracing
+    def look() -> bool:
+        seen.append(dynamo_traced_checkpoint_body())
+        return True
+
+    def body(h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(h) * 3
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = checkpoint(body, x, use_reentrant=False)
+        look()
+        return y
+
+    torch._dynamo.reset()
+    torch.compile(step, backend="eager")(torch.ones(2, requires_grad=True))
+    assert dynamo_traced_checkpoint_body() is None
+    [graph_module] = seen
+    assert isinstance(graph_module, torch.fx.GraphModule)
+    called = [node.target for node in graph_module.graph.nodes if node.op == "call_function"]
+    assert torch.relu in called
