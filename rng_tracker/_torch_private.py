@@ -7,6 +7,7 @@ library does when the name is gone.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -314,6 +315,30 @@ def dynamo_traced_checkpoint_body() -> torch.fx.GraphModule | None:
     except (ImportError, AttributeError, TypeError):
         return None
     return None
+
+
+def run_eagerly_under_compile(function: _F) -> _F:
+    """``function``, run eagerly where torch.compile traces a call of it (one graph break), as
+    ``torch.compiler.disable`` does; that wrapper is made at the first traced call, since making
+    it imports Dynamo (seconds, and numpy, which the base install lacks). It is made while Dynamo
+    traces, not traced: a traced look at whether it exists would be a guard that the first call
+    fails, and the caller would compile again at its second call."""
+    made: list[Callable[..., Any]] = []
+
+    @run_while_tracing
+    def make_while_tracing() -> bool:
+        if not made:
+            made.append(torch.compiler.disable(function))
+        return True
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return function(*args, **kwargs)
+        make_while_tracing()
+        return made[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 def disable_current_dispatch_modes() -> Any:

@@ -41,7 +41,7 @@ from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
     dispatch_mode_depth,
-    run_while_tracing,
+    run_eagerly_under_compile,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker._validate import checked_flag, shown_value
@@ -461,28 +461,10 @@ def _apply_reentrant(*inputs: Any) -> Any:
     return _ReentrantCheckpoint.apply(*inputs)
 
 
-# Process-wide: _apply_reentrant behind torch.compiler.disable, made at the first call under
-# torch.compile (making it imports torch._dynamo: seconds, and numpy, which the base install lacks)
-_EAGER_UNDER_COMPILE: list[Callable[..., Any]] = []
-
-
-def _reentrant_apply(*inputs: Any) -> Any:
-    """``_ReentrantCheckpoint.apply``, run eagerly under torch.compile: traced, its backward (the
-    recompute) would be compiled without the function modes of the forward, so a recompute under
-    invariant_random would draw torch's masks (the non-reentrant form is never traced either)."""
-    if not torch.compiler.is_compiling():
-        return _apply_reentrant(*inputs)
-    _make_eager_apply_while_tracing()
-    return _EAGER_UNDER_COMPILE[0](*inputs)
-
-
-@run_while_tracing
-def _make_eager_apply_while_tracing() -> bool:
-    """Make the disabled apply as torch.compile traces (run, not traced: a traced test of the
-    list would be a guard that the first call's store fails, a recompile at the second step)."""
-    if not _EAGER_UNDER_COMPILE:
-        _EAGER_UNDER_COMPILE.append(torch.compiler.disable(_apply_reentrant))
-    return True
+# Run eagerly under torch.compile: traced, its backward (the recompute) would be compiled without
+# the function modes of the forward, so a recompute under invariant_random would draw torch's
+# masks (the non-reentrant form is never traced either).
+_reentrant_apply = run_eagerly_under_compile(_apply_reentrant)
 
 
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:

@@ -196,3 +196,34 @@ def test_dynamo_traced_checkpoint_body_is_the_subgraph_dynamo_traced_for_torchs_
     assert isinstance(graph_module, torch.fx.GraphModule)
     called = [node.target for node in graph_module.graph.nodes if node.op == "call_function"]
     assert torch.relu in called
+
+
+def test_run_eagerly_under_compile_is_one_graph_break_and_the_caller_compiles_once():
+    """The wrapped function runs as itself in eager code and eagerly where torch.compile traces
+    a call of it: the caller's graph breaks there once (a graph on each side), and a second
+    call compiles nothing again (the disabled wrapper is made outside the trace)."""
+    from torch._dynamo.utils import counters
+
+    from rng_tracker._torch_private import run_eagerly_under_compile
+
+    ran_compiling = []
+
+    def host_step(x: torch.Tensor) -> torch.Tensor:
+        ran_compiling.append(torch.compiler.is_compiling())
+        return x + 1
+
+    wrapped = run_eagerly_under_compile(host_step)
+    assert torch.equal(wrapped(torch.zeros(2)), torch.ones(2)) and ran_compiling == [False]
+
+    def caller(x: torch.Tensor) -> torch.Tensor:
+        return wrapped(x * 2) * 3
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(caller, backend="eager")
+    frames = []
+    for _ in range(2):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 9.0))
+        frames.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
+    assert ran_compiling == [False, False, False]  # never traced: run by the compiled code
+    assert frames[0][0] == 2 and frames[1] == frames[0]
