@@ -26,6 +26,7 @@ from rng_tracker._torch_private import (
     last_node,
     recording_graph,
     records_a_draw,
+    run_eagerly_under_compile,
 )
 from rng_tracker._validate import checked_int, refuse_repeat
 from rng_tracker.errors import (
@@ -126,7 +127,7 @@ def _check_name(name: object) -> str:
     return name
 
 
-def _warn_unreplayed(name: str) -> None:
+def _warn_unreplayed(name: str, stacklevel: int) -> None:
     """Warn of a fork in a forward of torch's own checkpoint that no rng_tracker checkpoint
     (which replay the streams; rng_context_fn runs torch's inside its own record) runs in."""
     warnings.warn(
@@ -136,7 +137,7 @@ def _warn_unreplayed(name: str) -> None:
         "(e.g. checkpoint_wrapper(module, checkpoint_fn=rng_tracker.checkpoint)), or pass "
         "context_fn=rng_tracker.rng_context_fn() to torch's checkpoint",
         ForkNotReplayedWarning,
-        stacklevel=4,  # past _Fork._open and __enter__ (or the decorated wrapper)
+        stacklevel=stacklevel,
     )
 
 
@@ -166,18 +167,17 @@ class _Fork:
     def __call__(self, function: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(function)
         def forked(*args: Any, **kwargs: Any) -> _T:
-            fork = _Fork(self._tracker, self._name)
-            fork._open()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                fork._close(inspect.currentframe())
+            # Under torch.compile the call runs eagerly, as Dynamo runs a frame whose code holds
+            # a fork's with: traced, a torch dropout in it would draw Inductor's mask, not eager's
+            if torch.compiler.is_compiling():
+                return _call_in_fork_eagerly(self, function, args, kwargs, None)
+            return _call_in_fork(self, function, args, kwargs, inspect.currentframe())
 
         return forked
 
-    def _open(self) -> None:
-        """Enter the fork; its warning names the frame that called ``__enter__`` or the
-        decorated function (both call this directly)."""
+    def _open(self, frames_to_user: int = 1) -> None:
+        """Enter the fork; its warning names the user's frame, ``frames_to_user`` frames above
+        this one (1: the caller of ``__enter__``)."""
         tracker = self._tracker
         if torch.compiler.is_dynamo_compiling() and torch.compiler.is_exporting():
             raise ForkTracedError(
@@ -195,7 +195,7 @@ class _Fork:
             self._cpu_before = torch.default_generator.get_state()
         if in_unreplayed_torch_checkpoint():
             try:
-                _warn_unreplayed(self._name)
+                _warn_unreplayed(self._name, stacklevel=3 + frames_to_user)
             except BaseException:  # the warning as an error (-W error): the fork stays closed
                 self._close(None)
                 raise
@@ -221,6 +221,22 @@ class _Fork:
             self._cpu_before = None
             if changed:
                 self._tracker._warn_cpu_changed(frame, self._name)
+
+
+def _call_in_fork(
+    spec: _Fork, function: Callable[..., _T], args: tuple, kwargs: dict, frame: Any
+) -> _T:
+    """``function(*args, **kwargs)`` in a fork of its own, of ``spec``'s tracker and name;
+    ``frame`` is the decorated wrapper's, whose caller a CPU-generator warning names."""
+    fork = _Fork(spec._tracker, spec._name)
+    fork._open(frames_to_user=2)  # past this function and the decorated wrapper
+    try:
+        return function(*args, **kwargs)
+    finally:
+        fork._close(frame)
+
+
+_call_in_fork_eagerly = run_eagerly_under_compile(_call_in_fork)
 
 
 # What a snapshot keeps of a tracker besides its streams' states, for a checkpoint's replay to

@@ -10,9 +10,11 @@ replays the forward's mask (pytorch#190758: Inductor's own dropout re-draws ther
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -381,3 +383,60 @@ def test_a_keyed_site_in_torchs_checkpoint_compiles_whole_and_recomputes_its_mas
         for a, b in zip(*results, strict=True):
             assert torch.equal(a, b), s
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_fork_written_in_a_compiled_frame_runs_that_frame_eagerly_and_a_forked_call_does_not():
+    """Dynamo cannot trace a fork's swap of generator states, and a graph break in the entry of
+    a ``with`` it cannot trace is one it cannot resume from: the frame whose own code holds
+    ``with tracker.fork():`` runs eagerly (no graph at all). A fork in a function of its own, or
+    the fork as a decorator, breaks the graph at that call only: the block around it compiles
+    (two graphs). Every form draws the stream's masks: outputs and gradients equal eager's
+    bitwise at each step, and each step draws a fresh mask."""
+    tracker = RNGStatesTracker("cpu")
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def fork_written_inline(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        with tracker.fork("model-parallel-rng"):
+            h = F.dropout(h, 0.5)
+        return (h * 2) @ w
+
+    def forked_dropout(h: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("model-parallel-rng"):
+            return F.dropout(h, 0.5)
+
+    def fork_in_a_function(x: torch.Tensor) -> torch.Tensor:
+        return (forked_dropout(x @ w) * 2) @ w
+
+    decorated_dropout = tracker.fork("model-parallel-rng")(lambda h: F.dropout(h, 0.5))
+
+    def fork_as_a_decorator(x: torch.Tensor) -> torch.Tensor:
+        return (decorated_dropout(x @ w) * 2) @ w
+
+    def steps(block: Any, compiled: bool) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+        torch._dynamo.reset()
+        counters.clear()
+        tracker.reset()
+        tracker.add("model-parallel-rng", 77)
+        run = torch.compile(block) if compiled else block
+        results = []
+        for _ in range(3):
+            x = torch.ones(4, 8, requires_grad=True)
+            out = run(x)
+            out.sum().backward()
+            results.append((out.detach(), x.grad, w.grad.clone()))
+            w.grad = None
+        return results, counters["stats"]["unique_graphs"]
+
+    for block, graphs in (
+        (fork_written_inline, 0),
+        (fork_in_a_function, 2),
+        (fork_as_a_decorator, 2),
+    ):
+        eager, _ = steps(block, compiled=False)
+        compiled, compiled_graphs = steps(block, compiled=True)
+        for step_eager, step_compiled in zip(eager, compiled, strict=True):
+            for a, b in zip(step_eager, step_compiled, strict=True):
+                assert torch.equal(a, b), block.__name__
+        assert not torch.equal(compiled[0][0], compiled[1][0]), block.__name__
+        assert compiled_graphs == graphs, block.__name__
