@@ -98,10 +98,18 @@ class _RNGRecord:
     """
 
     def __init__(
-        self, devices: Sequence[torch.device], trackers: Sequence[RNGStatesTracker], check: bool
+        self,
+        devices: Sequence[torch.device],
+        trackers: Sequence[RNGStatesTracker] | None,
+        check: bool,
     ) -> None:
+        # None: every live tracker, looked up at the first capture, which runs eagerly also under
+        # torch.compile (traced, a look at the process's trackers would be a guard on them all)
+        self.devices = devices
         self.trackers = trackers
-        self.wanted = accelerators(devices, trackers)  # the generators to snapshot besides CPU
+        self.wanted: list[torch.device] = []  # the generators to snapshot besides CPU
+        if trackers is not None:
+            self.wanted = accelerators(devices, trackers)
         self.check = check
         self.start: RNGSnapshot | None = None
         self.forward_end: RNGSnapshot | None = None
@@ -109,6 +117,9 @@ class _RNGRecord:
         self.context: recompute.ForwardContext | None = None  # what the recompute reenters
 
     def capture(self) -> RNGSnapshot:
+        if self.trackers is None:
+            self.trackers = all_trackers()
+            self.wanted = accelerators(self.devices, self.trackers)
         return _unseen_by_modes(RNGSnapshot.take, self.wanted, self.trackers)
 
     def install(self, snapshot: RNGSnapshot) -> None:
@@ -323,8 +334,7 @@ def rng_context_fn(
     given = None if tracker is None else recompute.resolve_trackers(tracker)
 
     def context_fn() -> tuple[_Forward, _Replay]:
-        trackers = recompute.resolve_trackers(given)
-        record = _RNGRecord((), trackers, False)
+        record = _RNGRecord((), given, False)
         return record.forward(), record.replay()
 
     return context_fn
@@ -568,8 +578,8 @@ def checkpoint(
     if not use_reentrant and determinism_check != "default":
         _check_determinism_check(determinism_check)
     devices = _input_devices(args, kwargs)
-    trackers = recompute.resolve_trackers(tracker)
-    if tracker is not None and devices:  # a tracker given must drive the inputs' device
+    trackers = None if tracker is None else recompute.resolve_trackers(tracker)
+    if trackers is not None and devices:  # a tracker given must drive the inputs' device
         for t in trackers:
             if t.device not in devices:
                 raise TrackerDeviceError(
@@ -693,7 +703,7 @@ def reentrant_checkpoint(
     _check_group(split_group, "split_group")
     if split_group is not None:
         saved_inputs.check_split_input(args)
-    record = _RNGRecord(_input_devices(args, {}), all_trackers(), False)
+    record = _RNGRecord(_input_devices(args, {}), None, False)
     # no warning when no input needs grad: Megatron's CheckpointFunction gives none
     return _reentrant_apply(function, record, InputSaver(), split_group, *args)
 
