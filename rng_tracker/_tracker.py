@@ -725,8 +725,6 @@ _ORDERED: list[Any] = [None]
 
 def all_trackers() -> list[RNGStatesTracker]:
     """Every live tracker of this process, in creation order (what checkpoints replay by default)."""
-    if torch.compiler.is_compiling():  # traced, the cache would be guarded, and its first
-        return sorted(_ALL_TRACKERS, key=lambda t: t._serial)  # store fail that guard
     # Sorting the weak set costs microseconds per checkpoint: reuse the last order while no
     # tracker was made (the serial) and none died (the count).
     key = (_SERIALS_ISSUED[0], len(_ALL_TRACKERS))
