@@ -157,7 +157,13 @@ class _Fork:
         self._traced: tuple[Any, int, Any] | None = None
 
     def __enter__(self) -> None:
-        self._open()
+        if torch.compiler.is_dynamo_compiling():
+            self._refuse_strict_export()
+            # Dynamo cannot trace the swap, nor resume in a with's entry: a plain graph break
+            # here, not one deep in _open (a torch warning), and it runs the frame eagerly
+            _open_eagerly(self)
+        else:
+            self._open()
 
     def __exit__(self, *exc_info: object) -> None:
         if exc_info[0] is not None:  # the body's error, not a traced draw's, goes out
@@ -170,22 +176,28 @@ class _Fork:
             # Under torch.compile the call runs eagerly, as Dynamo runs a frame whose code holds
             # a fork's with: traced, a torch dropout in it would draw Inductor's mask, not eager's
             if torch.compiler.is_compiling():
+                if torch.compiler.is_dynamo_compiling():
+                    self._refuse_strict_export()
                 return _call_in_fork_eagerly(self, function, args, kwargs, None)
             return _call_in_fork(self, function, args, kwargs, inspect.currentframe())
 
         return forked
 
-    def _open(self, frames_to_user: int = 1) -> None:
-        """Enter the fork; its warning names the user's frame, ``frames_to_user`` frames above
-        this one (1: the caller of ``__enter__``)."""
-        tracker = self._tracker
-        if torch.compiler.is_dynamo_compiling() and torch.compiler.is_exporting():
+    def _refuse_strict_export(self) -> None:
+        """Called where Dynamo traces the fork: under strict export, which allows no graph
+        break, refuse it with the way out (Dynamo's own error names neither)."""
+        if torch.compiler.is_exporting():
             raise ForkTracedError(
                 f"torch.export(strict=True) cannot trace fork({self._name!r}): Dynamo cannot "
                 "trace the swap of generator states and export allows no graph break. Export "
                 "with strict=False (a fork that draws nothing traces there), or draw with a keyed "
                 "seed (kernels.dropout(..., seed=) as an input of the exported function)"
             )
+
+    def _open(self, frames_to_user: int = 1) -> None:
+        """Enter the fork; its warning names the user's frame, ``frames_to_user`` frames above
+        this one (1: the caller of ``__enter__``)."""
+        tracker = self._tracker
         graph = recording_graph()
         if graph is not None:
             with disable_current_dispatch_modes():  # the real states, not the trace's tensors
@@ -237,6 +249,8 @@ def _call_in_fork(
 
 
 _call_in_fork_eagerly = run_eagerly_under_compile(_call_in_fork)
+_new_fork_eagerly = run_eagerly_under_compile(_Fork)
+_open_eagerly = run_eagerly_under_compile(_Fork._open)
 
 
 # What a snapshot keeps of a tracker besides its streams' states, for a checkpoint's replay to
@@ -391,6 +405,10 @@ class RNGStatesTracker:
         unknown stream raises :class:`UnknownStreamError` (a name that is not a non-empty str,
         :class:`StreamNameError`) and changes nothing.
         """
+        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+            # a graph break at this call, so the code before the with compiles (Dynamo runs the
+            # rest of the frame eagerly: it cannot resume in a with it cannot enter)
+            return _new_fork_eagerly(self, name)
         return _Fork(self, name)
 
     def _enter(self, name: str) -> None:

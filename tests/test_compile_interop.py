@@ -10,6 +10,7 @@ replays the forward's mask (pytorch#190758: Inductor's own dropout re-draws ther
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import pytest
@@ -385,19 +386,30 @@ def test_a_keyed_site_in_torchs_checkpoint_compiles_whole_and_recomputes_its_mas
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_a_fork_written_in_a_compiled_frame_runs_that_frame_eagerly_and_a_forked_call_does_not():
-    """Dynamo cannot trace a fork's swap of generator states, and a graph break in the entry of
-    a ``with`` it cannot trace is one it cannot resume from: the frame whose own code holds
-    ``with tracker.fork():`` runs eagerly (no graph at all). A fork in a function of its own, or
-    the fork as a decorator, breaks the graph at that call only: the block around it compiles
-    (two graphs). Every form draws the stream's masks: outputs and gradients equal eager's
-    bitwise at each step, and each step draws a fresh mask."""
+def test_a_fork_in_a_compiled_frame_compiles_the_code_before_it_and_a_forked_call_the_code_around():
+    """Dynamo cannot trace a fork's swap of generator states, nor resume in the entry of a
+    ``with`` it cannot trace. ``tracker.fork()`` called in a compiled frame is a graph break at
+    that call: the code before it compiles (one graph) and the rest of the frame runs eagerly.
+    A fork object made outside the frame breaks at the ``with``: the frame runs eagerly (no
+    graph). A fork in a function of its own, or the fork as a decorator, breaks the graph at
+    that call only: the block around it compiles (two graphs). No form makes torch warn (the
+    entry breaks before it reaches a builtin Dynamo cannot trace). Every form draws the
+    stream's masks: outputs and gradients equal eager's bitwise at each step, and each step
+    draws a fresh mask."""
     tracker = RNGStatesTracker("cpu")
     w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
 
     def fork_written_inline(x: torch.Tensor) -> torch.Tensor:
         h = x @ w
         with tracker.fork("model-parallel-rng"):
+            h = F.dropout(h, 0.5)
+        return (h * 2) @ w
+
+    fork_made_outside = tracker.fork("model-parallel-rng")
+
+    def fork_entered_inline(x: torch.Tensor) -> torch.Tensor:
+        h = x @ w
+        with fork_made_outside:
             h = F.dropout(h, 0.5)
         return (h * 2) @ w
 
@@ -420,16 +432,20 @@ def test_a_fork_written_in_a_compiled_frame_runs_that_frame_eagerly_and_a_forked
         tracker.add("model-parallel-rng", 77)
         run = torch.compile(block) if compiled else block
         results = []
-        for _ in range(3):
-            x = torch.ones(4, 8, requires_grad=True)
-            out = run(x)
-            out.sum().backward()
-            results.append((out.detach(), x.grad, w.grad.clone()))
-            w.grad = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                x = torch.ones(4, 8, requires_grad=True)
+                out = run(x)
+                out.sum().backward()
+                results.append((out.detach(), x.grad, w.grad.clone()))
+                w.grad = None
+        assert [str(warning.message) for warning in caught] == [], block.__name__
         return results, counters["stats"]["unique_graphs"]
 
     for block, graphs in (
-        (fork_written_inline, 0),
+        (fork_written_inline, 1),
+        (fork_entered_inline, 0),
         (fork_in_a_function, 2),
         (fork_as_a_decorator, 2),
     ):

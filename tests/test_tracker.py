@@ -936,14 +936,28 @@ class _ForkedDropout(torch.nn.Module):
             return torch.nn.functional.dropout(x, 0.5, training=self.training)
 
 
+class _DecoratedForkDropout(torch.nn.Module):
+    def __init__(self, tracker: RNGStatesTracker) -> None:
+        super().__init__()
+        self.dropout = tracker.fork()(torch.nn.Dropout(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(x)
+
+
 def test_a_fork_under_strict_export_is_refused_on_entry_with_the_way_out() -> None:
     """Dynamo cannot trace a fork's swap of generator states and export allows no graph break:
     a fork under strict export failed with "Failed to convert args/kwargs to proxy" (drawing or
-    not); it is refused on entry, nothing changed, naming strict=False and the keyed seed."""
+    not), a decorated one with "Skip calling torch.compiler.disable()d function"; both are
+    refused on entry, nothing changed, naming strict=False and the keyed seed."""
     tracker = RNGStatesTracker("cpu")
     tracker.add("model-parallel-rng", 5)
     before = tracker.get_states()
-    for module in (_ForkedDropout(tracker), _ForkedDropout(tracker).eval()):
+    for module in (
+        _ForkedDropout(tracker),
+        _ForkedDropout(tracker).eval(),
+        _DecoratedForkDropout(tracker),
+    ):
         with pytest.raises(torch._dynamo.exc.Unsupported, match="strict=False") as caught:
             torch.export.export(module, (torch.ones(4, 8),), strict=True)
         # Dynamo wraps the refusal (a ForkTracedError) in its own error; the message is ours
