@@ -42,7 +42,7 @@ def in_unreplayed_torch_checkpoint() -> bool:
     checkpoint that no rng_tracker checkpoint runs in (e.g. torch's own, nested in ours): its
     recompute replays the default generators, not the tracker's streams or function modes."""
     hook = innermost_pack_hook()
-    if not is_torch_checkpoint_hook(hook):
+    if hook is None or not is_torch_checkpoint_hook(hook):
         return False
     hooks = getattr(_OPEN, "hooks", None)
     return not hooks or hooks[-1] is not hook

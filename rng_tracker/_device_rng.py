@@ -177,7 +177,7 @@ class DeviceRNG:
             elsewhere). False: uint8 tensors on every device, CUDA included.
     """
 
-    __slots__ = ("_state_size", "device", "generator", "generator_states", "graph_safe")
+    __slots__ = ("_state_size", "device", "generator", "generator_states", "graph_safe", "is_cpu")
 
     def __init__(
         self,
@@ -186,6 +186,7 @@ class DeviceRNG:
         generator_states: bool | None = None,
     ) -> None:
         self.device = normalize_device(device)
+        self.is_cpu = self.device.type == "cpu"  # read per fork; torch.device.type makes a str
         self.generator = default_generator(self.device)
         has_handles = self.device.type == "cuda" and hasattr(self.generator, "graphsafe_get_state")
         self.generator_states = has_handles if generator_states is None else bool(generator_states)

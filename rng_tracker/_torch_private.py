@@ -95,15 +95,24 @@ def tracing_mode_active() -> bool:
 _pre_dispatch_mode = getattr(torch._ops, "_get_dispatch_mode_pre_dispatch", None)
 
 
-def _proxy_mode() -> Any | None:
-    """make_fx's proxy mode, also where it records before dispatch (torch.export's non-strict
-    trace), or None: torch.fx.experimental.proxy_tensor.get_proxy_mode's two reads, without
-    importing it on every fork."""
-    if _PROXY is None or _get_dispatch_mode is None or _pre_dispatch_mode is None:
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+def _proxy_mode_read() -> Any | None:
+    return _get_dispatch_mode(_PROXY) or _pre_dispatch_mode(_PROXY)
 
-        return get_proxy_mode()
-    return _pre_dispatch_mode(_PROXY) or _get_dispatch_mode(_PROXY)
+
+def _proxy_mode_imported() -> Any | None:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode()
+
+
+# make_fx's proxy mode, also where it records before dispatch (torch.export's non-strict trace),
+# or None: torch.fx.experimental.proxy_tensor.get_proxy_mode's two reads, without importing it
+# on every fork (where this torch lacks one of them, that function itself)
+_proxy_mode = (
+    _proxy_mode_read
+    if _PROXY is not None and _get_dispatch_mode is not None and _pre_dispatch_mode is not None
+    else _proxy_mode_imported
+)
 
 
 def graph_tracing_active() -> bool:
@@ -115,7 +124,8 @@ def graph_tracing_active() -> bool:
 def recording_graph() -> Any | None:
     """The graph that make_fx's proxy mode (torch.export's non-strict trace runs it) records
     into, or None where none records."""
-    return getattr(getattr(_proxy_mode(), "tracer", None), "graph", None)
+    mode = _proxy_mode()
+    return None if mode is None else getattr(getattr(mode, "tracer", None), "graph", None)
 
 
 def last_node(graph: Any) -> Any | None:

@@ -8,8 +8,8 @@ torch op (and every rng_tracker kernel) inside the body draws from that stream.
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -168,7 +168,7 @@ class _Fork:
     def __exit__(self, *exc_info: object) -> None:
         if exc_info[0] is not None:  # the body's error, not a traced draw's, goes out
             self._traced = None
-        self._close(inspect.currentframe())
+        self._close(1)
 
     def __call__(self, function: Callable[..., _T]) -> Callable[..., _T]:
         @functools.wraps(function)
@@ -178,8 +178,8 @@ class _Fork:
             if torch.compiler.is_compiling():
                 if torch.compiler.is_dynamo_compiling():
                     self._refuse_strict_export()
-                return _call_in_fork_eagerly(self, function, args, kwargs, None)
-            return _call_in_fork(self, function, args, kwargs, inspect.currentframe())
+                return _call_in_fork_eagerly(self, function, args, kwargs, False)
+            return _call_in_fork(self, function, args, kwargs)
 
         return forked
 
@@ -203,7 +203,7 @@ class _Fork:
             with disable_current_dispatch_modes():  # the real states, not the trace's tensors
                 self._traced = (graph, last_node(graph), tracker.get_states())
         tracker._enter(self._name)  # refuses an unknown name before anything changes
-        if tracker._rng.device.type != "cpu":
+        if not tracker._rng.is_cpu:
             self._cpu_before = torch.default_generator.get_state()
         if in_unreplayed_torch_checkpoint():
             try:
@@ -212,9 +212,9 @@ class _Fork:
                 self._close(None)
                 raise
 
-    def _close(self, frame: Any) -> None:
-        """Leave the fork; ``frame`` is ``__exit__``'s or the decorated wrapper's, whose caller
-        a CPU-generator warning names."""
+    def _close(self, frames_to_user: int | None) -> None:
+        """Leave the fork; a CPU-generator warning names the user's frame, ``frames_to_user``
+        frames above this one's caller (1: the caller of ``__exit__``; None: not known)."""
         self._tracker._exit(self._name)
         traced, self._traced = self._traced, None
         if traced is not None and records_a_draw(*traced[:2]):
@@ -232,20 +232,21 @@ class _Fork:
             changed = not torch.equal(self._cpu_before, torch.default_generator.get_state())
             self._cpu_before = None
             if changed:
-                self._tracker._warn_cpu_changed(frame, self._name)
+                user = None if frames_to_user is None else sys._getframe(frames_to_user + 1)
+                self._tracker._warn_cpu_changed(user, self._name)
 
 
 def _call_in_fork(
-    spec: _Fork, function: Callable[..., _T], args: tuple, kwargs: dict, frame: Any
+    spec: _Fork, function: Callable[..., _T], args: tuple, kwargs: dict, exact_frames: bool = True
 ) -> _T:
-    """``function(*args, **kwargs)`` in a fork of its own, of ``spec``'s tracker and name;
-    ``frame`` is the decorated wrapper's, whose caller a CPU-generator warning names."""
+    """``function(*args, **kwargs)`` in a fork of its own, of ``spec``'s tracker and name; its
+    warnings name the caller of the decorated wrapper (``exact_frames``: no wrapper between)."""
     fork = _Fork(spec._tracker, spec._name)
     fork._open(frames_to_user=2)  # past this function and the decorated wrapper
     try:
         return function(*args, **kwargs)
     finally:
-        fork._close(frame)
+        fork._close(2 if exact_frames else None)
 
 
 _call_in_fork_eagerly = run_eagerly_under_compile(_call_in_fork)
@@ -442,9 +443,8 @@ class RNGStatesTracker:
             rng.install(self._outer)
             self._outer = None
 
-    def _warn_cpu_changed(self, exit_frame: Any, name: str) -> None:
-        """Warn once per ``with`` site, at the caller of the fork's ``__exit__``."""
-        frame = exit_frame.f_back if exit_frame is not None else None
+    def _warn_cpu_changed(self, frame: Any, name: str) -> None:
+        """Warn once per ``with`` site, at ``frame``, the user's (None: not known)."""
         if frame is None:  # an interpreter without frame introspection
             warnings.warn(
                 f"the CPU generator advanced inside fork({name!r})",
