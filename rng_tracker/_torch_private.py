@@ -327,6 +327,20 @@ def dynamo_traced_checkpoint_body() -> torch.fx.GraphModule | None:
     return None
 
 
+@run_while_tracing
+def dynamo_allows_no_graph_break() -> bool:
+    """While Dynamo traces: whether this trace allows no graph break (``torch.compile(...,
+    fullgraph=True)``, strict export, ``torch._dynamo.error_on_graph_break(True)``); read from
+    its InstructionTranslator. False outside a trace and where torch's internals differ."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        translator = InstructionTranslator.current_tx()
+        return bool(translator.one_graph or getattr(translator, "error_on_graph_break", False))
+    except (ImportError, AttributeError, TypeError):
+        return False
+
+
 def run_eagerly_under_compile(function: _F) -> _F:
     """``function``, run eagerly where torch.compile traces a call of it (one graph break), as
     ``torch.compiler.disable`` does; that wrapper is made at the first traced call, since making

@@ -23,6 +23,7 @@ from rng_tracker._device_rng import DeviceRNG, RNGState, device_rng, plain_state
 from rng_tracker._streams import MODEL_PARALLEL_RNG
 from rng_tracker._torch_private import (
     disable_current_dispatch_modes,
+    dynamo_allows_no_graph_break,
     last_node,
     recording_graph,
     records_a_draw,
@@ -158,7 +159,7 @@ class _Fork:
 
     def __enter__(self) -> None:
         if torch.compiler.is_dynamo_compiling():
-            self._refuse_strict_export()
+            _refuse_where_no_graph_break(self._name)
             # Dynamo cannot trace the swap, nor resume in a with's entry: a plain graph break
             # here, not one deep in _open (a torch warning), and it runs the frame eagerly
             _open_eagerly(self)
@@ -177,22 +178,11 @@ class _Fork:
             # a fork's with: traced, a torch dropout in it would draw Inductor's mask, not eager's
             if torch.compiler.is_compiling():
                 if torch.compiler.is_dynamo_compiling():
-                    self._refuse_strict_export()
+                    _refuse_where_no_graph_break(self._name)
                 return _call_in_fork_eagerly(self, function, args, kwargs, False)
             return _call_in_fork(self, function, args, kwargs)
 
         return forked
-
-    def _refuse_strict_export(self) -> None:
-        """Called where Dynamo traces the fork: under strict export, which allows no graph
-        break, refuse it with the way out (Dynamo's own error names neither)."""
-        if torch.compiler.is_exporting():
-            raise ForkTracedError(
-                f"torch.export(strict=True) cannot trace fork({self._name!r}): Dynamo cannot "
-                "trace the swap of generator states and export allows no graph break. Export "
-                "with strict=False (a fork that draws nothing traces there), or draw with a keyed "
-                "seed (kernels.dropout(..., seed=) as an input of the exported function)"
-            )
 
     def _open(self, frames_to_user: int = 1) -> None:
         """Enter the fork; its warning names the user's frame, ``frames_to_user`` frames above
@@ -234,6 +224,29 @@ class _Fork:
             if changed:
                 user = None if frames_to_user is None else sys._getframe(frames_to_user + 1)
                 self._tracker._warn_cpu_changed(user, self._name)
+
+
+def _refuse_where_no_graph_break(name: object) -> None:
+    """Called where Dynamo traces a fork: a trace that allows no graph break (strict export,
+    fullgraph=True) cannot hold one, and Dynamo's own error would name neither the fork nor the
+    way out, so refuse it here."""
+    way_out = (
+        "or draw with a keyed seed (kernels.dropout(..., seed=) as an input of the traced "
+        "function, or a keyed site), which needs no fork"
+    )
+    if torch.compiler.is_exporting():
+        raise ForkTracedError(
+            f"torch.export(strict=True) cannot trace fork({name!r}): Dynamo cannot trace the "
+            "swap of generator states and export allows no graph break. Export with "
+            f"strict=False (a fork that draws nothing traces there), {way_out}"
+        )
+    if dynamo_allows_no_graph_break():
+        raise ForkTracedError(
+            f"torch.compile(fullgraph=True) cannot trace fork({name!r}): Dynamo cannot trace "
+            "the swap of generator states and fullgraph allows no graph break. Compile without "
+            "fullgraph (the fork runs eagerly, with the rest of its frame: a fork in a function "
+            f"of its own, or @tracker.fork(name), keeps the code around it compiled), {way_out}"
+        )
 
 
 def _call_in_fork(
@@ -406,7 +419,8 @@ class RNGStatesTracker:
         unknown stream raises :class:`UnknownStreamError` (a name that is not a non-empty str,
         :class:`StreamNameError`) and changes nothing.
         """
-        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+        if torch.compiler.is_dynamo_compiling():
+            _refuse_where_no_graph_break(name)
             # a graph break at this call, so the code before the with compiles (Dynamo runs the
             # rest of the frame eagerly: it cannot resume in a with it cannot enter)
             return _new_fork_eagerly(self, name)

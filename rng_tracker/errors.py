@@ -327,7 +327,8 @@ class ArgumentConflictError(RNGTrackerError, TypeError):
 class ForkTracedError(RNGTrackerError, RuntimeError):
     """A fork drew under a graph trace (torch.export, make_fx), which records the ops inside it
     but not the swap of generator states: the traced program would draw from the default
-    generator instead of the stream. Under strict export any fork is refused on entry."""
+    generator instead of the stream. Where no graph break is allowed (strict export,
+    ``torch.compile(fullgraph=True)``) any fork is refused on entry."""
 
 
 class ForkNotReplayedWarning(UserWarning):

@@ -456,3 +456,55 @@ def test_a_fork_in_a_compiled_frame_compiles_the_code_before_it_and_a_forked_cal
                 assert torch.equal(a, b), block.__name__
         assert not torch.equal(compiled[0][0], compiled[1][0]), block.__name__
         assert compiled_graphs == graphs, block.__name__
+
+
+def test_a_fork_where_no_graph_break_is_allowed_is_refused_with_the_way_out():
+    """fullgraph=True (torchtitan compiles its blocks so) and error_on_graph_break allow no graph
+    break, and a fork is one: Dynamo's error named a torch.compiler.disable()d function of
+    rng_tracker. A fork written in the frame and a decorated call are refused with
+    ForkTracedError, naming fullgraph and the keyed seed. A fork object made outside the frame
+    Dynamo refuses itself, before any code of the fork runs (its error names the ``_Fork``
+    context manager). The streams are left as they were and no fork stays open. Without
+    fullgraph the same frames run (the test above)."""
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 77)
+    before = tracker.get_states()["model-parallel-rng"]
+    made_outside = tracker.fork("model-parallel-rng")
+    decorated = tracker.fork("model-parallel-rng")(lambda h: F.dropout(h, 0.5))
+
+    def written_inline(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork("model-parallel-rng"):
+            return F.dropout(x * 2, 0.5)
+
+    def entered_inline(x: torch.Tensor) -> torch.Tensor:
+        with made_outside:
+            return F.dropout(x * 2, 0.5)
+
+    def called(x: torch.Tensor) -> torch.Tensor:
+        return decorated(x * 2) + 1
+
+    def no_graph_break_allowed(block: Any) -> Any:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with torch._dynamo.error_on_graph_break(True):
+                return block(x)
+
+        return run
+
+    for block, refused_by in (
+        (written_inline, "ForkTracedError"),
+        (called, "ForkTracedError"),
+        (entered_inline, "`_Fork` context manager"),
+    ):
+        for compiled in (
+            torch.compile(block, fullgraph=True),
+            torch.compile(no_graph_break_allowed(block)),
+        ):
+            torch._dynamo.reset()
+            with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+                compiled(torch.ones(4, 8))
+            # Dynamo wraps our refusal in its own error; the message is ours
+            assert refused_by in str(caught.value), block.__name__
+            if refused_by == "ForkTracedError":
+                assert "fullgraph" in str(caught.value) and "keyed seed" in str(caught.value)
+            assert tracker.open_forks() == ()
+            assert torch.equal(tracker.get_states()["model-parallel-rng"], before)

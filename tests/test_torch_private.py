@@ -227,3 +227,30 @@ def test_run_eagerly_under_compile_is_one_graph_break_and_the_caller_compiles_on
         frames.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
     assert ran_compiling == [False, False, False]  # never traced: run by the compiled code
     assert frames[0][0] == 2 and frames[1] == frames[0]
+
+
+def test_dynamo_allows_no_graph_break_reads_the_trace_it_runs_in():
+    """Read while Dynamo traces: True under fullgraph=True and error_on_graph_break(True), False
+    under a plain torch.compile and outside any trace (what a fork reads to refuse a trace it
+    cannot break)."""
+    from rng_tracker._torch_private import dynamo_allows_no_graph_break
+
+    seen = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dynamo_allows_no_graph_break())
+        return x + 1
+
+    def strict_step(x: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.error_on_graph_break(True):
+            return step(x)
+
+    for compiled in (
+        torch.compile(step, backend="eager", fullgraph=True),
+        torch.compile(step, backend="eager"),
+        torch.compile(strict_step, backend="eager"),
+    ):
+        torch._dynamo.reset()
+        compiled(torch.ones(2))
+    assert seen == [True, False, True]
+    assert dynamo_allows_no_graph_break() is False
