@@ -459,24 +459,18 @@ class RNGStatesTracker:
 
     def _warn_cpu_changed(self, frame: Any, name: str) -> None:
         """Warn once per ``with`` site, at ``frame``, the user's (None: not known)."""
-        if frame is None:  # an interpreter without frame introspection
-            warnings.warn(
-                f"the CPU generator advanced inside fork({name!r})",
-                CPURNGChangedWarning,
-                stacklevel=4,
-            )
+        message = (
+            f"the CPU generator advanced inside fork({name!r}) of {self.device}; the CPU "
+            "generator is not forked, so these CPU draws are not part of the stream"
+        )
+        if frame is None:  # a decorated call run eagerly under torch.compile: no site to name
+            warnings.warn(message, CPURNGChangedWarning, stacklevel=4)
             return
         site = (frame.f_code.co_filename, frame.f_lineno)
         if site in self._warned_sites:
             return
         self._warned_sites.add(site)
-        warnings.warn_explicit(
-            f"the CPU generator advanced inside fork({name!r}) of {self.device}; the CPU "
-            "generator is not forked, so these CPU draws are not part of the stream",
-            CPURNGChangedWarning,
-            filename=site[0],
-            lineno=site[1],
-        )
+        warnings.warn_explicit(message, CPURNGChangedWarning, filename=site[0], lineno=site[1])
 
     # -- CUDA graphs ---------------------------------------------------------------
     def register_graph(self, graph: Any) -> None:
