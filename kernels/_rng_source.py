@@ -161,7 +161,10 @@ def draw_seed(
     return drawn_seed(source, generator is None, logical_numel, device)
 
 
-@torch.compiler.disable
+@torch.compiler.disable(
+    reason="a dropout that draws from a torch.Generator reads and advances host state; "
+    "with seed= (a keyed seed tensor) the call compiles whole"
+)
 def drawn_seed(
     generator: torch.Generator, is_default: bool, logical_numel: int, device: torch.device
 ) -> torch.Tensor:

@@ -156,7 +156,7 @@ def _shard_steps(placements: Sequence[object], shard_order: object) -> list[tupl
     return steps
 
 
-@torch.compiler.disable
+@torch.compiler.disable(reason="Dynamo (torch 2.13) cannot read _StridedShard.split_factor")
 def _split_factor(placement: _StridedShard) -> int:
     # Dynamo (torch 2.13) fails reading this attribute ("cls_source must not be None"), in
     # torch's own code too: read outside the graph (a break only where a _StridedShard is)

@@ -401,7 +401,10 @@ def _draws_or_refused(target: object) -> bool:
         return False
 
 
-@torch.compiler.disable
+@torch.compiler.disable(
+    reason="invariant_random's dropout draws from a generator and checks for torch's checkpoint, "
+    "neither traceable: one graph break per call; keyed sites (rng_mode='keyed') compile whole"
+)
 def _draw_untraced(
     mode: _InvariantRandomMode, route: Callable[..., Any], func: Any, args: tuple, kwargs: dict
 ) -> Any:

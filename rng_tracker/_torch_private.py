@@ -341,9 +341,10 @@ def dynamo_allows_no_graph_break() -> bool:
         return False
 
 
-def run_eagerly_under_compile(function: _F) -> _F:
+def run_eagerly_under_compile(function: _F, reason: str) -> _F:
     """``function``, run eagerly where torch.compile traces a call of it (one graph break), as
-    ``torch.compiler.disable`` does; that wrapper is made at the first traced call, since making
+    ``torch.compiler.disable(function, reason=reason)`` does (``reason``, why it cannot be traced,
+    is in Dynamo's graph-break log and errors); that wrapper is made at the first traced call, since making
     it imports Dynamo (seconds, and numpy, which the base install lacks). It is made while Dynamo
     traces, not traced: a traced look at whether it exists would be a guard that the first call
     fails, and the caller would compile again at its second call."""
@@ -352,7 +353,7 @@ def run_eagerly_under_compile(function: _F) -> _F:
     @run_while_tracing
     def make_while_tracing() -> bool:
         if not made:
-            made.append(torch.compiler.disable(function))
+            made.append(torch.compiler.disable(function, reason=reason))
         return True
 
     @functools.wraps(function)

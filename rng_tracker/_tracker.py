@@ -262,9 +262,12 @@ def _call_in_fork(
         fork._close(2 if exact_frames else None)
 
 
-_call_in_fork_eagerly = run_eagerly_under_compile(_call_in_fork)
-_new_fork_eagerly = run_eagerly_under_compile(_Fork)
-_open_eagerly = run_eagerly_under_compile(_Fork._open)
+_FORK_BREAK = (
+    "a fork swaps generator states on the host, which a graph cannot hold: it runs eagerly"
+)
+_call_in_fork_eagerly = run_eagerly_under_compile(_call_in_fork, _FORK_BREAK)
+_new_fork_eagerly = run_eagerly_under_compile(_Fork, _FORK_BREAK)
+_open_eagerly = run_eagerly_under_compile(_Fork._open, _FORK_BREAK)
 
 
 # What a snapshot keeps of a tracker besides its streams' states, for a checkpoint's replay to

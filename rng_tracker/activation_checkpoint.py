@@ -41,6 +41,7 @@ from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
     dispatch_mode_depth,
+    dynamo_allows_no_graph_break,
     run_eagerly_under_compile,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
@@ -474,7 +475,27 @@ def _apply_reentrant(*inputs: Any) -> Any:
 # Run eagerly under torch.compile: traced, its backward (the recompute) would be compiled without
 # the function modes of the forward, so a recompute under invariant_random would draw torch's
 # masks (the non-reentrant form is never traced either).
-_reentrant_apply = run_eagerly_under_compile(_apply_reentrant)
+_reentrant_apply = run_eagerly_under_compile(
+    _apply_reentrant,
+    reason="rng_tracker's reentrant checkpoint runs eagerly: traced, its recompute would be "
+    "compiled without the forward's function modes",
+)
+
+
+def _refuse_where_no_graph_break() -> None:
+    """Called where Dynamo traces a checkpoint: one that allows no graph break (fullgraph=True,
+    strict export) cannot hold it, and Dynamo's own error ("HOP: Unsafe side effect", or a
+    disabled function) names neither the checkpoint nor the way out."""
+    if dynamo_allows_no_graph_break():
+        raise CheckpointUsageError(
+            "rng_tracker.checkpoint cannot be traced where no graph break is allowed "
+            "(torch.compile(fullgraph=True), strict export): it snapshots and replays the "
+            "generators and tracker streams, host state a graph cannot hold, so it runs "
+            "eagerly, a graph break. Compile without fullgraph (the code around the checkpoint "
+            "still compiles), compile the checkpointed block itself (checkpoint(compiled_block, "
+            "x)), or checkpoint with torch.utils.checkpoint over keyed sites, which compiles "
+            "whole (docs/compile.md)"
+        )
 
 
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
@@ -533,6 +554,8 @@ def checkpoint(
         parallel_state: the deprecated name of ``layout``.
     """
     layout = renamed_keyword("checkpoint", "parallel_state", "layout", parallel_state, layout)
+    if torch.compiler.is_dynamo_compiling():
+        _refuse_where_no_graph_break()
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     if not (  # one expression for the usual call: every flag a bool
@@ -698,6 +721,8 @@ def reentrant_checkpoint(
     all-gathers it over ``split_group`` and gives ``args[0]`` its whole data back before
     recomputing.
     """
+    if torch.compiler.is_dynamo_compiling():
+        _refuse_where_no_graph_break()
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     _check_group(split_group, "split_group")

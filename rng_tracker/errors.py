@@ -117,7 +117,8 @@ class CheckpointTypeError(RNGTrackerError, TypeError):
 
 
 class CheckpointUsageError(RNGTrackerError, RuntimeError):
-    """A checkpoint used in a way its mode cannot support (e.g. reentrant with autograd.grad)."""
+    """A checkpoint used in a way its mode cannot support (e.g. reentrant with autograd.grad, or
+    any form traced where no graph break is allowed: ``torch.compile(fullgraph=True)``)."""
 
 
 class CheckpointRNGMismatchError(RNGTrackerError, RuntimeError):

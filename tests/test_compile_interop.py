@@ -508,3 +508,56 @@ def test_a_fork_where_no_graph_break_is_allowed_is_refused_with_the_way_out():
                 assert "fullgraph" in str(caught.value) and "keyed seed" in str(caught.value)
             assert tracker.open_forks() == ()
             assert torch.equal(tracker.get_states()["model-parallel-rng"], before)
+
+
+def test_a_checkpoint_where_no_graph_break_is_allowed_is_refused_with_the_way_out():
+    """rng_tracker.checkpoint runs eagerly under torch.compile (a graph break), so fullgraph=True
+    (torchtitan compiles its checkpoint-wrapped blocks so) failed with Dynamo's "HOP: Unsafe side
+    effect" (non-reentrant) or a disabled function of rng_tracker (reentrant, Megatron's form).
+    Each is refused with CheckpointUsageError, naming fullgraph and the ways out, before it
+    draws or snapshots anything: every stream is left as it was."""
+    from rng_tracker.activation_checkpoint import reentrant_checkpoint
+
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("model-parallel-rng", 77)
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.relu(x @ w), 0.1)
+
+    forms = {
+        "non-reentrant": lambda x: checkpoint(body, x, use_reentrant=False) * 2,
+        "reentrant": lambda x: checkpoint(body, x, use_reentrant=True) * 2,
+        "megatron's reentrant": lambda x: reentrant_checkpoint(body, x) * 2,
+    }
+    for name, step in forms.items():
+        torch._dynamo.reset()
+        streams, default = tracker.get_states(), torch.get_rng_state()
+        with pytest.raises(torch._dynamo.exc.Unsupported) as caught:
+            torch.compile(step, fullgraph=True)(torch.ones(2, 8, requires_grad=True))
+        assert "CheckpointUsageError" in str(caught.value), name
+        assert "fullgraph" in str(caught.value) and "keyed sites" in str(caught.value), name
+        assert torch.equal(torch.get_rng_state(), default), name
+        after = tracker.get_states()
+        assert all(torch.equal(after[key], streams[key]) for key in streams), name
+
+
+def test_a_drawn_dropout_where_no_graph_break_is_allowed_names_the_keyed_seed():
+    """A dropout that draws from a generator is one untraced step under torch.compile; under
+    fullgraph=True Dynamo's error named only a disabled function of rng_tracker. The step now
+    carries its reason, which Dynamo's error and graph-break log show: the keyed seed
+    (``seed=``) for kernels.dropout, keyed sites for invariant_random's routed dropout."""
+    from rng_tracker.parallel.invariant import invariant_random
+
+    x = torch.ones(4, 8)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"with seed= .* compiles whole"):
+        torch.compile(lambda t: dropout(t, 0.5) * 2, fullgraph=True)(x)
+    torch._dynamo.reset()
+    with invariant_random(), pytest.raises(torch._dynamo.exc.Unsupported, match="keyed sites"):
+        torch.compile(lambda t: F.dropout(t, 0.5) * 2, fullgraph=True)(x)
+    # with seed= the same call compiles whole, fullgraph included
+    seed = torch.tensor([7, 0, 0, 0])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: dropout(t, 0.5, seed=seed) * 2, fullgraph=True)
+    assert torch.equal(compiled(x), dropout(x, 0.5, seed=seed) * 2)

@@ -212,7 +212,7 @@ def test_run_eagerly_under_compile_is_one_graph_break_and_the_caller_compiles_on
         ran_compiling.append(torch.compiler.is_compiling())
         return x + 1
 
-    wrapped = run_eagerly_under_compile(host_step)
+    wrapped = run_eagerly_under_compile(host_step, reason="reads host state")
     assert torch.equal(wrapped(torch.zeros(2)), torch.ones(2)) and ran_compiling == [False]
 
     def caller(x: torch.Tensor) -> torch.Tensor:
