@@ -11,9 +11,24 @@ from typing import Any, NamedTuple
 import torch
 
 from rng_tracker._batch_position import BatchContext, batch_context, swap_batch_context
-from rng_tracker._torch_private import function_mode_stack
+from rng_tracker._torch_private import dynamo_allows_no_graph_break, function_mode_stack
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
 from rng_tracker.errors import CheckpointTypeError, CheckpointUsageError
+
+
+def refuse_untraceable_checkpoint(what: str) -> None:
+    """Called where Dynamo traces a checkpoint (``what`` names it): a trace that allows no graph
+    break (fullgraph=True, strict export) cannot hold one, and Dynamo's own error ("HOP: Unsafe
+    side effect", a Generator method, a disabled function) names neither it nor the way out."""
+    if dynamo_allows_no_graph_break():
+        raise CheckpointUsageError(
+            f"{what} cannot be traced where no graph break is allowed (torch.compile("
+            "fullgraph=True), strict export): it snapshots and replays the generators and tracker "
+            "streams, host state a graph cannot hold, so it runs eagerly, a graph break. Compile "
+            "without fullgraph (the code around it still compiles), compile the function it "
+            "runs instead, or checkpoint with torch.utils.checkpoint over keyed sites, which "
+            "compiles whole (docs/compile.md)"
+        )
 
 
 def resolve_trackers(

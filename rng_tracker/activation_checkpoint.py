@@ -41,7 +41,6 @@ from rng_tracker._torch_private import (
     checkpoint_valid,
     disable_current_dispatch_modes,
     dispatch_mode_depth,
-    dynamo_allows_no_graph_break,
     run_eagerly_under_compile,
 )
 from rng_tracker._tracker import RNGStatesTracker, all_trackers
@@ -482,22 +481,6 @@ _reentrant_apply = run_eagerly_under_compile(
 )
 
 
-def _refuse_where_no_graph_break() -> None:
-    """Called where Dynamo traces a checkpoint: one that allows no graph break (fullgraph=True,
-    strict export) cannot hold it, and Dynamo's own error ("HOP: Unsafe side effect", or a
-    disabled function) names neither the checkpoint nor the way out."""
-    if dynamo_allows_no_graph_break():
-        raise CheckpointUsageError(
-            "rng_tracker.checkpoint cannot be traced where no graph break is allowed "
-            "(torch.compile(fullgraph=True), strict export): it snapshots and replays the "
-            "generators and tracker streams, host state a graph cannot hold, so it runs "
-            "eagerly, a graph break. Compile without fullgraph (the code around the checkpoint "
-            "still compiles), compile the checkpointed block itself (checkpoint(compiled_block, "
-            "x)), or checkpoint with torch.utils.checkpoint over keyed sites, which compiles "
-            "whole (docs/compile.md)"
-        )
-
-
 def _warn_if_no_input_requires_grad(args: Sequence[Any]) -> None:
     if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         warnings.warn(
@@ -555,7 +538,7 @@ def checkpoint(
     """
     layout = renamed_keyword("checkpoint", "parallel_state", "layout", parallel_state, layout)
     if torch.compiler.is_dynamo_compiling():
-        _refuse_where_no_graph_break()
+        recompute.refuse_untraceable_checkpoint("rng_tracker.checkpoint")
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     if not (  # one expression for the usual call: every flag a bool
@@ -722,7 +705,7 @@ def reentrant_checkpoint(
     recomputing.
     """
     if torch.compiler.is_dynamo_compiling():
-        _refuse_where_no_graph_break()
+        recompute.refuse_untraceable_checkpoint("rng_tracker.checkpoint")
     if not callable(function):
         raise CheckpointTypeError(f"function must be callable, got {type(function).__name__}")
     _check_group(split_group, "split_group")

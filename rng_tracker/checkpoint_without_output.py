@@ -32,6 +32,7 @@ from rng_tracker._recompute import (
     Reentry,
     backward_recomputed,
     forward_context,
+    refuse_untraceable_checkpoint,
     resolve_trackers,
 )
 from rng_tracker._rng_snapshot import RNGSnapshot, accelerators, replaying
@@ -173,6 +174,8 @@ class CheckpointWithoutOutput:
 
     def checkpoint(self, run_function: Callable[..., Any], *args: Any) -> Any:
         """Run ``run_function(*args)`` without saving its output for its own backward."""
+        if torch.compiler.is_dynamo_compiling():
+            refuse_untraceable_checkpoint("CheckpointWithoutOutput")
         if not callable(run_function):
             raise CheckpointTypeError(
                 f"run_function must be callable, got {type(run_function).__name__}"

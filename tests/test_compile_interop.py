@@ -513,9 +513,10 @@ def test_a_fork_where_no_graph_break_is_allowed_is_refused_with_the_way_out():
 def test_a_checkpoint_where_no_graph_break_is_allowed_is_refused_with_the_way_out():
     """rng_tracker.checkpoint runs eagerly under torch.compile (a graph break), so fullgraph=True
     (torchtitan compiles its checkpoint-wrapped blocks so) failed with Dynamo's "HOP: Unsafe side
-    effect" (non-reentrant) or a disabled function of rng_tracker (reentrant, Megatron's form).
-    Each is refused with CheckpointUsageError, naming fullgraph and the ways out, before it
+    effect" (non-reentrant), a disabled function of rng_tracker (reentrant, Megatron's form) or
+    "torch.Generator method" (CheckpointWithoutOutput). Each is refused with CheckpointUsageError, naming fullgraph and the ways out, before it
     draws or snapshots anything: every stream is left as it was."""
+    from rng_tracker import CheckpointWithoutOutput
     from rng_tracker.activation_checkpoint import reentrant_checkpoint
 
     tracker = RNGStatesTracker("cpu")
@@ -525,10 +526,17 @@ def test_a_checkpoint_where_no_graph_break_is_allowed_is_refused_with_the_way_ou
     def body(x: torch.Tensor) -> torch.Tensor:
         return F.dropout(torch.relu(x @ w), 0.1)
 
+    def without_output(x: torch.Tensor) -> torch.Tensor:
+        checkpointed = CheckpointWithoutOutput()
+        out = checkpointed.checkpoint(body, x) * 2
+        checkpointed.discard_output_and_register_recompute(out)
+        return out
+
     forms = {
         "non-reentrant": lambda x: checkpoint(body, x, use_reentrant=False) * 2,
         "reentrant": lambda x: checkpoint(body, x, use_reentrant=True) * 2,
         "megatron's reentrant": lambda x: reentrant_checkpoint(body, x) * 2,
+        "CheckpointWithoutOutput": without_output,
     }
     for name, step in forms.items():
         torch._dynamo.reset()
