@@ -1,6 +1,7 @@
 """What both checkpoint modules share around a recompute: which trackers it replays, what it runs
-in again (the torch function modes and the batch position of its forward), and the backward
-through its outputs (``activation_checkpoint`` and ``checkpoint_without_output``)."""
+in again (the torch function modes and the batch position of its forward), the backward through
+its outputs, and the refusal of a trace that allows no graph break (``activation_checkpoint``
+and ``checkpoint_without_output``)."""
 
 from __future__ import annotations
 
