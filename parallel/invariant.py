@@ -39,6 +39,7 @@ from rng_tracker._batch_position import (
 from rng_tracker._checkpointing import in_unreplayed_torch_checkpoint, is_checkpointing
 from rng_tracker._torch_private import (
     correct_fan,
+    dynamo_allows_no_graph_break,
     dynamo_traced_checkpoint_body,
     is_innermost_function_mode,
     set_trunc_normal_impl,
@@ -365,12 +366,18 @@ def _warn_unrouted_checkpoint() -> bool:
     body = dynamo_traced_checkpoint_body()
     if body is not None and not _may_draw(body):
         return True
+    way_out = (
+        # rng_tracker.checkpoint runs eagerly, a graph break fullgraph refuses
+        "Draw with keyed sites (rng_tracker.parallel.sites.site_dropout(..., rng_mode='keyed')), "
+        "layout-invariant too, which compile whole inside torch's checkpoint"
+        if dynamo_allows_no_graph_break()
+        else "Checkpoint with rng_tracker.checkpoint (checkpoint_wrapper(module, checkpoint_fn="
+        "rng_tracker.checkpoint)), which keeps the mode"
+    )
     warnings.warn(
         "torch.compile traced torch.utils.checkpoint under invariant_random(): Dynamo traces the "
         "checkpoint's body without the mode (torch 2.13), so a dropout or init inside it draws "
-        "torch's values, not the layout-invariant ones, and is not refused as in eager. "
-        "Checkpoint with rng_tracker.checkpoint (checkpoint_wrapper(module, checkpoint_fn="
-        "rng_tracker.checkpoint)), which keeps the mode",
+        f"torch's values, not the layout-invariant ones, and is not refused as in eager. {way_out}",
         UnroutedCheckpointWarning,
         stacklevel=1,  # no line of the caller's is on the stack while Dynamo traces
     )

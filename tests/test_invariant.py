@@ -1515,8 +1515,9 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     """Dynamo traces torch.utils.checkpoint as one higher-order op, which reaches the mode as a
     single call: its body is traced with the mode popped, so its dropout is torch's own (not the
     layout-invariant mask) and eager's refusal does not happen. That is said once, at the trace,
-    with ``UnroutedCheckpointWarning``; rng_tracker.checkpoint, compiled the same way, routes
-    the body and warns nothing. A body whose traced graph calls nothing the mode routes or
+    with ``UnroutedCheckpointWarning``, naming rng_tracker.checkpoint, or under fullgraph=True
+    (where that checkpoint is refused) keyed sites; rng_tracker.checkpoint, compiled the same
+    way, routes the body and warns nothing. A body whose traced graph calls nothing the mode routes or
     refuses (a torchtitan block without dropout) is unaffected and warns nothing; a dropout
     module in the body, or a dropout in a checkpoint nested in it, warns."""
     import torch.utils.checkpoint as torch_checkpoint
@@ -1531,10 +1532,13 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
         checkpoint_fn: Callable[..., torch.Tensor],
         mode: bool,
         body: Callable[[torch.Tensor], torch.Tensor] = block,
+        fullgraph: bool = False,
     ) -> tuple[torch.Tensor, list]:
         torch._dynamo.reset()
         step = torch.compile(
-            lambda x: checkpoint_fn(body, x, use_reentrant=False), backend="aot_eager"
+            lambda x: checkpoint_fn(body, x, use_reentrant=False),
+            backend="aot_eager",
+            fullgraph=fullgraph,
         )
         torch.manual_seed(0)
         with warnings.catch_warnings(record=True) as caught:
@@ -1551,6 +1555,11 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     out, warned = run(torch_checkpoint.checkpoint, mode=True)
     assert torch.equal(out, torchs) and not torch.equal(out, invariant)
     assert len(warned) == 1 and "rng_tracker.checkpoint" in str(warned[0].message)
+    # under fullgraph (torchtitan's compile) rng_tracker.checkpoint is refused: keyed sites
+    out, warned = run(torch_checkpoint.checkpoint, mode=True, fullgraph=True)
+    assert torch.equal(out, torchs) and len(warned) == 1
+    assert "keyed sites" in str(warned[0].message)
+    assert "checkpoint_fn=rng_tracker.checkpoint" not in str(warned[0].message)
     out, warned = run(rng_tracker.checkpoint, mode=True)
     assert torch.equal(out, invariant) and not warned
     assert not run(torch_checkpoint.checkpoint, mode=False)[1]
