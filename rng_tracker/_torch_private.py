@@ -342,12 +342,13 @@ def dynamo_allows_no_graph_break() -> bool:
 
 
 def run_eagerly_under_compile(function: _F, reason: str) -> _F:
-    """``function``, run eagerly where torch.compile traces a call of it (one graph break), as
-    ``torch.compiler.disable(function, reason=reason)`` does (``reason``, why it cannot be traced,
-    is in Dynamo's graph-break log and errors); that wrapper is made at the first traced call, since making
-    it imports Dynamo (seconds, and numpy, which the base install lacks). It is made while Dynamo
-    traces, not traced: a traced look at whether it exists would be a guard that the first call
-    fails, and the caller would compile again at its second call."""
+    """``function`` (a function or a class), run eagerly where torch.compile traces a call of it
+    (one graph break), as ``torch.compiler.disable(function, reason=reason)`` does: ``reason``,
+    why it cannot be traced, is in Dynamo's graph-break log and its errors. That wrapper is made
+    at the first traced call, since making it imports Dynamo (seconds, and numpy, which the base
+    install lacks). It is made while Dynamo traces, not traced: a traced look at whether it
+    exists would be a guard that the first call fails, and the caller would compile again at its
+    second call."""
     made: list[Callable[..., Any]] = []
 
     @run_while_tracing
@@ -356,7 +357,7 @@ def run_eagerly_under_compile(function: _F, reason: str) -> _F:
             made.append(torch.compiler.disable(function, reason=reason))
         return True
 
-    @functools.wraps(function)
+    @functools.wraps(function, updated=())  # a class's __dict__ is not the wrapper's
     def call(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
             return function(*args, **kwargs)

@@ -179,7 +179,7 @@ class _Fork:
             if torch.compiler.is_compiling():
                 if torch.compiler.is_dynamo_compiling():
                     _refuse_where_no_graph_break(self._name)
-                return _call_in_fork_eagerly(self, function, args, kwargs, False)
+                return _call_in_fork_eagerly(self, function, args, kwargs, exact_frames=False)
             return _call_in_fork(self, function, args, kwargs)
 
         return forked
