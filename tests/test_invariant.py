@@ -1517,9 +1517,9 @@ def test_torchs_checkpoint_compiled_under_the_mode_warns_since_its_masks_are_tor
     layout-invariant mask) and eager's refusal does not happen. That is said once, at the trace,
     with ``UnroutedCheckpointWarning``, naming rng_tracker.checkpoint, or under fullgraph=True
     (where that checkpoint is refused) keyed sites; rng_tracker.checkpoint, compiled the same
-    way, routes the body and warns nothing. A body whose traced graph calls nothing the mode routes or
-    refuses (a torchtitan block without dropout) is unaffected and warns nothing; a dropout
-    module in the body, or a dropout in a checkpoint nested in it, warns."""
+    way, routes the body and warns nothing. A body whose traced graph calls nothing the mode
+    routes or refuses (a torchtitan block without dropout) is unaffected and warns nothing; a
+    dropout module in the body, or a dropout in a checkpoint nested in it, warns."""
     import torch.utils.checkpoint as torch_checkpoint
 
     import rng_tracker
