@@ -159,9 +159,10 @@ class _Fork:
 
     def __enter__(self) -> None:
         if torch.compiler.is_dynamo_compiling():
-            _refuse_where_no_graph_break(self._name)
-            # Dynamo cannot trace the swap, nor resume in a with's entry: a plain graph break
-            # here, not one deep in _open (a torch warning), and it runs the frame eagerly
+            # Traced only in the frame Dynamo resumes after fork()'s graph break (a trace that
+            # allows no break refused at fork(); Dynamo refuses a fork object made elsewhere):
+            # it cannot trace the swap, nor resume in a with's entry, so a plain graph break
+            # here, not one deep in _open (a torch warning), and the frame runs eagerly
             _open_eagerly(self)
         else:
             self._open()
