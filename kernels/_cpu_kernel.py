@@ -166,11 +166,14 @@ def _arguments(
     return type(template).from_buffer_copy(template)
 
 
-def fused_dropout_compiled(call: DropoutCall, words: tuple[int, int, int, int]) -> torch.Tensor:
+def fused_dropout_compiled(
+    call: DropoutCall, words: tuple[int, int, int, int], in_place: bool = False
+) -> torch.Tensor:
     """``fused_dropout_reference``'s result from the compiled kernel, for the seed ``words``
-    (key, base, c2, c3 as int64 values). The dispatcher sends only calls it runs (CPU tensors,
-    an index map of at most :data:`MAX_DIMS` merged dims, a bias only with a residual); others,
-    and a kernel that cannot be built, raise :class:`KernelUnavailableError`."""
+    (key, base, c2, c3 as int64 values); ``in_place``: written over x (contiguous), which is
+    returned. The dispatcher sends only calls it runs (CPU tensors, an index map of at most
+    :data:`MAX_DIMS` merged dims, a bias only with a residual); others, and a kernel that cannot
+    be built, raise :class:`KernelUnavailableError`."""
     library = _state["library"]
     if library is None:
         library = _library()
@@ -186,7 +189,7 @@ def fused_dropout_compiled(call: DropoutCall, words: tuple[int, int, int, int]) 
         bias = bias.contiguous()
     if residual is not None:
         residual = residual.contiguous()
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = x if in_place else torch.empty_like(x, memory_format=torch.contiguous_format)
     numel = index_map.numel
     threads = 1
     if numel >= 2 * _MIN_NUMEL_PER_THREAD:

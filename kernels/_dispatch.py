@@ -171,10 +171,17 @@ def run(
     generator: object,
     seed: torch.Tensor | None,
     words: Words | None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """The output of ``call`` on the route's kernel. ``seed`` (with its ``words`` where they were
     read) is a keyed call's; without it the words are drawn from ``generator`` (or x's device's).
-    The output has x's memory format where x is dense (``_memory_format``), else row-major."""
+    The output has x's memory format where x is dense (``_memory_format``), else row-major.
+
+    ``in_place``: the output is written over x, which is returned. A kernel called straight
+    (eager, nothing intercepts) on a contiguous x writes x itself, so no output tensor is made;
+    elsewhere (an op, the reference, a strided x, forward AD) it is made and copied in."""
+    if in_place and (not call.x.is_contiguous() or forward_ad_active()):
+        return call.x.copy_(run(call, impl, generator, seed, words))
     if not call.x.is_contiguous():
         order = memory_order(call.x)
         if order is not None:
@@ -189,6 +196,8 @@ def run(
         if dual is not None:
             return dual
     kernel = route(call.x, impl, call.index_map)
+    if in_place and kernel not in _OP_OF_STRAIGHT:
+        return call.x.copy_(run(call, impl, generator, seed, words))
     x, logical_numel = call.x, call.index_map.logical_numel
     if kernel == "cpu_direct":
         if seed is None:
@@ -210,7 +219,7 @@ def run(
             seed = draw_seed(x, call.p, logical_numel, generator, device)
     else:  # keyed: nothing is drawn or read on the host, so a CUDA graph may capture the call
         seed, words = seed.to(x.device, non_blocking=True), None
-    return _execute(kernel, call, seed, words)
+    return _execute(kernel, call, seed, words, in_place)
 
 
 def _run_dual(
@@ -243,11 +252,15 @@ def _run_dual(
 
 
 def _execute(
-    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+    kernel: Route,
+    call: DropoutCall,
+    seed: torch.Tensor | None,
+    words: Words | None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Run ``kernel``: an op takes the seed tensor (made from drawn words where a straight call's
     autograd keeps them); a straight route takes the words where they are known (drawn, or read
-    for the CPU), else the seed tensor."""
+    for the CPU), else the seed tensor, and may write x ``in_place``."""
     if kernel == "reference" or (kernel in _STRAIGHT and seed is not None):
         return call_op(kernel, call, seed)
     x, bias, residual = call.x, call.bias, call.residual
@@ -262,8 +275,13 @@ def _execute(
         # p and the index map as plain arguments: apply walks a NamedTuple's fields (slower).
         # A straight route means no functorch transform is active (_nothing_intercepts), the
         # check Function.apply makes in Python before this call.
-        return _direct_dropout_apply(x, bias, residual, seed, call.p, call.index_map, words, kernel)
-    return _direct(kernel, call, seed, words)
+        return _direct_dropout_apply(
+            x, bias, residual, seed, call.p, call.index_map, words, kernel, in_place
+        )
+    out = _direct(kernel, call, seed, words, in_place)
+    if in_place:  # the kernel wrote x's memory: what autograd saved of x is now stale
+        torch.autograd.graph.increment_version(x)
+    return out
 
 
 def _op_seed(kernel: Route, words: Words, x: torch.Tensor) -> torch.Tensor:
@@ -272,26 +290,35 @@ def _op_seed(kernel: Route, words: Words, x: torch.Tensor) -> torch.Tensor:
 
 
 def _direct(
-    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+    kernel: Route,
+    call: DropoutCall,
+    seed: torch.Tensor | None,
+    words: Words | None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """A kernel called straight, named as the op it stands in for in a profiler's trace (only
-    while a profiler runs: the name costs microseconds); an op with drawn words, through the op."""
+    while a profiler runs: the name costs microseconds); an op with drawn words, through the op
+    (never in place: only straight routes are)."""
     if kernel in _STRAIGHT:
         return call_op(kernel, call, _op_seed(kernel, words, call.x))
     if profiler_enabled():  # the op's name as _ops registers it
         with torch.profiler.record_function(
             f"rng_tracker::fused_dropout_{_OP_OF_STRAIGHT[kernel]}"
         ):
-            return _direct_kernel(kernel, call, seed, words)
-    return _direct_kernel(kernel, call, seed, words)
+            return _direct_kernel(kernel, call, seed, words, in_place)
+    return _direct_kernel(kernel, call, seed, words, in_place)
 
 
 def _direct_kernel(
-    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None
+    kernel: Route,
+    call: DropoutCall,
+    seed: torch.Tensor | None,
+    words: Words | None,
+    in_place: bool,
 ) -> torch.Tensor:
     if kernel == "cpu_direct":
-        return _cpu_kernel.fused_dropout_compiled(call, words)
-    return fused_dropout_triton(call, seed if words is None else words)
+        return _cpu_kernel.fused_dropout_compiled(call, words, in_place)
+    return fused_dropout_triton(call, seed if words is None else words, in_place=in_place)
 
 
 class _DirectDropout(torch.autograd.Function):
@@ -299,10 +326,15 @@ class _DirectDropout(torch.autograd.Function):
     op's (mask regenerated), with a drawn call's words kept as ints instead of a saved seed."""
 
     @staticmethod
-    def forward(ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words, kernel):
+    def forward(
+        ctx: Any, x, bias, residual, seed, p: float, index_map: Any, words, kernel, in_place: bool
+    ):
         save_for_dropout_backward(ctx, bias, seed)
         ctx.p, ctx.index_map, ctx.words, ctx.kernel = p, index_map, words, kernel  # no tensor
-        return _direct(kernel, dropout_call(x, bias, residual, p, index_map), seed, words)
+        out = _direct(kernel, dropout_call(x, bias, residual, p, index_map), seed, words, in_place)
+        if in_place:  # backward needs only the mask, never x's values
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -314,7 +346,7 @@ class _DirectDropout(torch.autograd.Function):
                 return _execute(kernel, call, None, ctx.words)
             return _execute(kernel, call, seed, None)
 
-        return *dropout_backward(ctx, grad, regenerate), None, None, None, None, None
+        return *dropout_backward(ctx, grad, regenerate), None, None, None, None, None, None
 
 
 _direct_dropout_apply = unchecked_apply(_DirectDropout)

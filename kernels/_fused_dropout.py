@@ -110,10 +110,11 @@ def dropout(
     """Dropout whose mask is a pure function of (key, counter base, global index).
 
     Called as ``torch.nn.functional.dropout(x, p, training, inplace)``: ``inplace=True``
-    writes the result into x and returns x (the kernel writes a new tensor that is copied in:
-    the result is the same, the memory at the peak is not less). A tensor torch will not
-    write in place (a leaf that requires grad, an expand, ...) raises ``KernelInPlaceError``
-    before anything is drawn.
+    writes the result into x and returns x. In eager code on a contiguous x the compiled CPU
+    kernel and the Triton kernel write x itself, making no output tensor; elsewhere (the
+    reference, under torch.compile or a dispatch mode, a strided x) the output is made and
+    copied in: the same bits. A tensor torch will not write in place (a leaf that requires
+    grad, an expand, ...) raises ``KernelInPlaceError`` before anything is drawn.
 
     ``shard`` places x in the logical tensor (``Chunk``, ``Region`` or a general
     ``IndexMap``), so the shards of all ranks draw exactly the unsharded tensor's mask, and
@@ -141,8 +142,7 @@ def dropout(
         return x
     if inplace:
         check_writable_in_place(x)
-    out = run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words)
-    return x.copy_(out) if inplace else out
+    return run(dropout_call(x, None, None, p, index_map), impl, generator, seed, words, inplace)
 
 
 def bias_dropout_add(

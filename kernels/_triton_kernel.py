@@ -172,11 +172,16 @@ if HAS_TRITON:
 
 
 def fused_dropout_triton(
-    call: DropoutCall, seed: torch.Tensor | tuple[int, int, int, int], *, launch=None
+    call: DropoutCall,
+    seed: torch.Tensor | tuple[int, int, int, int],
+    *,
+    launch=None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Launch the kernel with the seed words in a tensor on x's device, or as four int64 values
     (no tensor to make and copy: a straight eager call); ``launch`` wraps the kernel
-    (``torch.library.wrap_triton`` inside a triton_op)."""
+    (``torch.library.wrap_triton`` inside a triton_op). ``in_place``: the output is written over
+    x (contiguous), which is returned; each element is read before it is written."""
     x, bias, residual, p, index_map = call
     last_stride, terms = index_map.divisions()
     if len(terms) > MAX_DIVISIONS:
@@ -187,7 +192,7 @@ def fused_dropout_triton(
     # inner1, gap1, inner2, gap2, inner3, gap3: the unused divisions divide by 1 and add 0
     divisions = [v for term in terms + ((1, 0),) * (MAX_DIVISIONS - len(terms)) for v in term]
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = x if in_place else torch.empty_like(x)
     if x.numel() == 0:
         return out
     kernel = _fused_dropout_kernel if launch is None else launch(_fused_dropout_kernel)

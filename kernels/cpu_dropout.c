@@ -167,6 +167,7 @@ typedef struct {
     int isa;    /* RT_ISA_PORTABLE, RT_ISA_AVX2 or RT_ISA_AVX512 */
     int fresh;  /* the output is a new mapping: its pages are mapped ahead of the loop */
     int stream; /* write the output with non-temporal stores (where the path has them) */
+    int in_place; /* out is x: each block is made in `staged`, then copied over x */
 } job;
 
 typedef struct {
@@ -332,6 +333,12 @@ static inline __attribute__((always_inline)) void consecutive(uint32_t *restrict
 
 typedef void (*stream_fn)(char *restrict target, const char *restrict staged, int64_t bytes);
 
+/* target[0 .. bytes) = staged[0 .. bytes), through the cache: an in-place call's block, whose
+   lines the apply pass has just read */
+static void copy_block(char *restrict target, const char *restrict staged, int64_t bytes) {
+    memcpy(target, staged, (size_t)bytes);
+}
+
 static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int dtype,
                                                             int has_bias, int has_residual,
                                                             philox_block_fn philox, int philox_step,
@@ -342,7 +349,7 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
     char *const out_begin = (char *)j->out + c->begin * size;
     page_span fresh = {NULL, NULL};
     if (j->fresh) fresh = page_span_of(out_begin, out_begin + (c->end - c->begin) * size);
-    const stream_fn stream = j->stream ? stream_out : NULL;
+    const stream_fn stream = j->in_place ? copy_block : j->stream ? stream_out : NULL;
     _Alignas(64) char staged[4 * BLOCK];
     uint32_t lo[BLOCK + LANES], hi[BLOCK + LANES]; /* a block's counters, padded to LANES */
     uint32_t words[4 * BLOCK + 4 * LANES], word[BLOCK];
@@ -418,7 +425,8 @@ static inline __attribute__((always_inline)) void run_chunk(const chunk *c, int 
         char *target = (char *)j->out + start * size;
         map_ahead(&fresh, target + n * size);
         /* streaming: the block is written to `staged` (in L1), then copied out with
-           non-temporal stores, so a large output is not read into the cache first */
+           non-temporal stores, so a large output is not read into the cache first; in place,
+           copied over x once the block is read (apply's pointers must not alias) */
         char *out = stream ? staged : target;
         if (!has_bias) {
             apply_block(n, keep_word, j->threshold, j->scale, x, NULL, residual, out, dtype, 0,
@@ -503,7 +511,7 @@ enum { /* the slots of rt_fused_dropout's args */
 
 /*
  * x, bias (hidden elements, or NULL; only with a residual), residual (or NULL), out:
- * contiguous, numel elements of `dtype`. args: the ARG_* values (key and base as int64 bit
+ * contiguous, numel elements of `dtype`; out is x itself (in place) or overlaps none of them. args: the ARG_* values (key and base as int64 bit
  * patterns, scale as its fp32 bits), then the index map from ARG_MAP: offset and ndims
  * (extent, stride) pairs. Splits the work over up to `threads` threads (the caller's thread
  * included). ARG_ISA: RT_ISA_AUTO (the fastest this CPU runs) or an RT_ISA_* code to force.
@@ -524,14 +532,15 @@ int64_t rt_fused_dropout(const void *x, const void *bias, const void *residual, 
     const int64_t bytes = numel * (dtype == RT_F32 ? 4 : 2);
     /* decided once, before the threads: a fresh output is written through the cache, which
        holds its pages zeroed (map_ahead); reused memory of STREAM_BYTES and more is streamed */
-    const int fresh = fresh_output(out, (char *)out + bytes);
+    const int in_place = out == x;
+    const int fresh = !in_place && fresh_output(out, (char *)out + bytes);
     job j = {x, bias, residual, out, (int)dtype, numel, hidden, args + ARG_MAP, (int)ndims,
              args[ARG_ALIGNED] != 0, (uint32_t)key, (uint32_t)(key >> 32),
              (uint32_t)args[ARG_C2], (uint32_t)args[ARG_C3],
              threshold > 0xffffffffu ? 0xffffffffu : (uint32_t)threshold,
              threshold > 0xffffffffu, (uint64_t)args[ARG_BASE],
              bits_to_f32((uint32_t)args[ARG_SCALE_BITS]), (uint16_t)args[ARG_BF16_NAN], (int)isa,
-             fresh, !fresh && bytes >= STREAM_BYTES};
+             fresh, !fresh && !in_place && bytes >= STREAM_BYTES, in_place};
     int64_t blocks = (numel + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = blocks;
     if (threads < 1) threads = 1;

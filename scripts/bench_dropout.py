@@ -17,7 +17,9 @@ ours and the baseline interleaved, so load drifts hit both alike):
 3. fixed cost: 256 elements against F.dropout, forward and forward+backward, one thread;
 4. against eager torch (F.dropout, the eager three-op bias-dropout-add), 2**16..2**24;
 5. start-up in fresh processes: a cold build (empty kernel cache), the first call with a
-   warm cache, and a call on a new size.
+   warm cache, and a call on a new size;
+6. in place: ``dropout(x, p, True, True)`` against F.dropout(inplace=True) and our out-of-place
+   call, 2**20 and 2**24, with the bytes of tensors each allocates per call (profiler).
 Both print the bytes saved for backward per call (saved-tensor hooks).
 
 Effective bytes are the bytes an op must move: dropout fwd/bwd 2N elements (read, write);
@@ -449,7 +451,43 @@ class _Doubled(torch.autograd.Function):
         return grad * 2.0
 
 
-_SECTIONS = ("limit", "core", "fixed", "eager", "startup")
+def _allocated_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the tensors torch allocates on the CPU during one call of ``fn`` (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+
+
+def _inplace_rows(log2s: list[int], p: float, repeats: int) -> None:
+    """``dropout(x, p, True, inplace=True)`` against torch's in-place dropout and our own
+    out-of-place call: time, and the bytes of tensors allocated per call (the peak's excess)."""
+    print(
+        f"\n6. in place: ms, median of {repeats} interleaved; {torch.get_num_threads()} threads; "
+        "torch = F.dropout(x, p, True, inplace=True); MB = tensors allocated per call\n"
+        f"{'dtype':<9}{'N':>5}{'ours ms':>9}{'torch ms':>9}{'out-of-place ms':>16}"
+        f"{'torch/ours':>11}{'ours MB':>9}{'torch MB':>9}{'out-of-place MB':>16}"
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        for log2 in log2s:
+            x = torch.randn(2**log2 // 1024, 1024, dtype=dtype)
+            calls = [
+                lambda x=x: dropout(x, p, True, True, impl="cpu"),
+                lambda x=x: F.dropout(x, p, True, inplace=True),
+                lambda x=x: dropout(x, p, impl="cpu"),
+            ]
+            ours, base, copy = _interleaved_medians(calls, repeats)
+            ours_mb, base_mb, copy_mb = (_allocated_bytes(call) / 2**20 for call in calls)
+            label = str(dtype).replace("torch.", "")
+            print(
+                f"{label:<9}{'2^' + str(log2):>5}{ours * 1e3:9.2f}{base * 1e3:9.2f}"
+                f"{copy * 1e3:16.2f}{base / ours:11.2f}{ours_mb:9.1f}{base_mb:9.1f}{copy_mb:16.1f}",
+                flush=True,
+            )
+
+
+_SECTIONS = ("limit", "core", "fixed", "eager", "startup", "inplace")
 
 
 def _huge_pages() -> str:
@@ -491,6 +529,8 @@ def _cpu_main(args: argparse.Namespace) -> None:
         _eager_rows(lo, hi, args)
     if "startup" in sections and not args.no_startup:
         _startup_report()
+    if "inplace" in sections:
+        _inplace_rows([20, 24], args.p, args.repeats)
 
 
 def _cpu_model() -> str:

@@ -82,6 +82,22 @@ def test_triton_on_gpu_equals_reference_bitwise(dtype, columns):
         assert ours == reference if isinstance(ours, int) else torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_in_place_on_gpu_allocates_nothing_and_gives_the_out_of_place_bits(dtype):
+    """The Triton kernel writes x itself: the CUDA allocator's peak stays at what is held."""
+    x = torch.randn(1024, 4096, device="cuda").to(dtype)
+    want = dropout(x, 0.3, generator=torch.Generator("cuda").manual_seed(3), impl="triton")
+    target = x.clone()
+    generator = torch.Generator("cuda").manual_seed(3)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    assert dropout(target, 0.3, True, True, generator=generator, impl="triton") is target
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - held < x.nbytes // 16
+    assert torch.equal(target.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_on_gpu_converts_every_16_bit_value_like_the_reference(dtype):
     """All 65536 bit patterns (zeros, subnormals, inf) as x, bias and residual; NaNs stay NaN

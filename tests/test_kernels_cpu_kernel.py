@@ -285,6 +285,41 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
         torch.set_num_threads(threads)
 
 
+def test_in_place_writes_x_itself_with_the_out_of_place_bits_on_every_path(monkeypatch):
+    """``out`` may be x itself: each block is made in a staged buffer and then copied over x, so
+    no element is read after it is written (apply's pointers must not alias). Every path, dtype
+    and placement, on one thread and on two, from a block to 16 MiB (where an output in mapped
+    memory would be streamed out), gives the out-of-place call's bits in x."""
+    paths = _cpu_kernel.isa_paths()
+    library = _cpu_kernel._library()
+    seed = _SEEDS["carry"]
+    cases = [
+        (dtype, shape, placement)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+        for shape, placement in _PLACEMENTS.values()
+    ]
+    cases.append((torch.float32, (2**22 + 3,), None))  # 16 MiB: past the streaming threshold
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for dtype, shape, placement in cases:
+                x = torch.randn(shape, generator=_gen(7)).to(dtype)
+                want = _fused(x, None, None, placement, torch.tensor(seed), impl="torch")
+                index_map = index_map_of(x.shape, placement)
+                for path in paths:
+                    monkeypatch.setitem(_cpu_kernel._state, "isa", _c_build.ISA_CODES[path])
+                    args = _cpu_kernel._arguments(index_map, dtype, 0, 0.3, count)
+                    args[_cpu_kernel._ARG_KEY : _cpu_kernel._ARG_KEY + 4] = seed
+                    written = x.clone()
+                    pointer = written.data_ptr()
+                    assert library.rt_fused_dropout(pointer, None, None, pointer, args) == 0
+                    _assert_bitwise(written, want)
+    finally:
+        torch.set_num_threads(threads)
+        monkeypatch.setitem(_cpu_kernel._state, "isa", 0)
+
+
 def test_an_instruction_set_this_cpu_lacks_is_refused(monkeypatch):
     """A forced path the CPU cannot run is refused by the kernel, which writes nothing; the
     error names the path, the variable that forces it and the paths this CPU runs."""

@@ -1014,6 +1014,56 @@ def test_dropout_takes_torch_dropouts_call_shape_training_third_and_inplace_four
         assert positional == names and parameters["training"].default is True
 
 
+def _bytes_allocated(function: Callable[[], object]) -> int:
+    """The bytes of the tensors torch allocates on the CPU while ``function`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        function()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+
+
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_inplace_dropout_writes_x_itself_where_the_kernel_is_called_straight(impl):
+    """In-place dropout made the out-of-place output and copied it into x, so its peak held x
+    twice. Where the kernel is called straight (eager, contiguous x) it now writes x itself: no
+    tensor is allocated, with and without autograd recording, and the bits and the gradient are
+    the out-of-place call's. Under a dispatch mode the op runs and its output is copied in."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shape = (64, 1024) if impl == "cpu" else (8, 64)  # the Triton interpreter is slow
+    x = torch.randn(shape)
+    want = dropout(x, 0.3, generator=gen(), impl=impl)
+    out_of_place = x.clone().requires_grad_()
+    dropout(out_of_place * 1.0, 0.3, generator=gen(), impl=impl).backward(torch.ones(shape))
+    for grad in (False, True):
+        leaf = x.clone().requires_grad_(grad)
+        target = leaf * 1.0 if grad else leaf
+        written = []
+        made = _bytes_allocated(
+            lambda t=target, into=written: into.append(
+                dropout(t, 0.3, True, True, generator=gen(), impl=impl)
+            )
+        )
+        assert made == 0 and written[0] is target
+        assert torch.equal(target.detach().view(torch.int32), want.view(torch.int32))
+        if grad:
+            target.backward(torch.ones(shape))
+            assert torch.equal(leaf.grad.view(torch.int32), out_of_place.grad.view(torch.int32))
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    target = x.clone()
+    with Passing():
+        made = _bytes_allocated(
+            lambda: dropout(target, 0.3, True, True, generator=gen(), impl=impl)
+        )
+    assert made >= x.nbytes
+    assert torch.equal(target.view(torch.int32), want.view(torch.int32))
+
+
 def test_dropout_defaults_are_torch_dropouts():
     """``F.dropout(x)`` drops with p = 0.5; the kernel and its DTensor form refused a call without
     p. Every argument they share with torch's now has torch's default, and ``dropout(x)`` is
