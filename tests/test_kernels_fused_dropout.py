@@ -1064,6 +1064,30 @@ def test_inplace_dropout_writes_x_itself_where_the_kernel_is_called_straight(imp
     assert torch.equal(target.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize(
+    "view",
+    [lambda h: h[1:], lambda h: h[:, 1:], lambda h: h.view(-1)],
+    ids=["rows", "cols", "flat"],
+)
+def test_inplace_dropout_on_a_view_has_the_gradient_of_the_result_copied_into_the_view(view):
+    """A view of a tensor autograd records: the kernel writes the view (contiguous rows, a
+    flat view) or its output is copied in (columns); either way the base's gradient is that of
+    the out-of-place result copied into the view."""
+    grads = []
+    for inplace in (True, False):
+        leaf = torch.randn(6, 10, generator=gen(3)).requires_grad_()
+        hidden = leaf * 3.0
+        if inplace:
+            dropout(view(hidden), 0.4, True, True, generator=gen())
+            result = hidden
+        else:
+            result = hidden.clone()
+            view(result).copy_(dropout(view(hidden), 0.4, generator=gen()))
+        result.pow(2).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0].view(torch.int32), grads[1].view(torch.int32))
+
+
 def test_dropout_defaults_are_torch_dropouts():
     """``F.dropout(x)`` drops with p = 0.5; the kernel and its DTensor form refused a call without
     p. Every argument they share with torch's now has torch's default, and ``dropout(x)`` is
