@@ -318,17 +318,18 @@ def _row_major_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def _from_cache(maps: Any, *key: Any) -> IndexMap:
-    """``maps(*key)`` (an ``lru_cache``d builder: a layout repeats every step, so its map is built
-    and checked once), built anew where no cache can serve: while Dynamo traces (it warns when
-    tracing through a cache) and for a symbolic size (unhashable: make_fx, export)."""
+def build_cached(builder: Any, *key: Any) -> Any:
+    """``builder(*key)`` (an ``lru_cache``d builder: a layout repeats every step, so what is built
+    of it is built and checked once), built anew where no cache can serve: while Dynamo traces
+    (it warns when tracing through a cache) and for a symbolic size (unhashable: make_fx,
+    export)."""
     if torch.compiler.is_compiling():
-        return maps.__wrapped__(*key)
+        return builder.__wrapped__(*key)
     try:
         hash(key)
     except TypeError:
-        return maps.__wrapped__(*key)
-    return maps(*key)
+        return builder.__wrapped__(*key)
+    return builder(*key)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -351,7 +352,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     shape = torch.Size(shape)
     if shard is None:
         # (torch.Size.numel() would specialise a symbolic size)
-        return _from_cache(_whole, math.prod(shape))
+        return build_cached(_whole, math.prod(shape))
     if isinstance(shard, IndexMap):
         if shard.numel != shape.numel():
             raise KernelInputError(
@@ -373,7 +374,7 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
                     f"the box does not fit in dim {d}: offset {start} + local size {size} > "
                     f"global extent {extent} (x {tuple(shape)}, {shard})"
                 )
-        return _from_cache(_box, shape, shard.global_shape, shard.offset)
+        return build_cached(_box, shape, shard.global_shape, shard.offset)
     if not isinstance(shard, Chunk):
         raise KernelInputTypeError(
             f"shard must be a Chunk, Region, IndexMap or None, got {type(shard).__name__}"
@@ -397,4 +398,4 @@ def index_map_of(shape: torch.Size, shard: ShardArg | None) -> IndexMap:
     global_shape[dim] = extent
     offset = [0] * len(shape)
     offset[dim] = start
-    return _from_cache(_box, shape, tuple(global_shape), tuple(offset))
+    return build_cached(_box, shape, tuple(global_shape), tuple(offset))

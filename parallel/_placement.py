@@ -17,6 +17,7 @@ Partial placement holds an init's values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from rng_tracker._batch_position import BatchPosition
 from rng_tracker._torch_private import strided_shard_type
 from rng_tracker.errors import DTensorInputTypeError, DTensorPlacementError
 from rng_tracker.kernels._fused_dropout import elements_share_memory
-from rng_tracker.kernels._index_map import Region, chunk_bounds
+from rng_tracker.kernels._index_map import Region, build_cached, chunk_bounds
 
 _StridedShard = strided_shard_type()
 _SHARD_LIKE = (Shard, _StridedShard)  # not subclasses of each other
@@ -110,7 +111,10 @@ class LocalIndex:
 
     def box(self) -> Region | None:
         """The local tensor as one box of the logical tensor, or None where it is several (no
-        slice object is made: a trace keeps the sizes symbolic)."""
+        slice object is made: a trace keeps the sizes symbolic). Found once per layout."""
+        return build_cached(_box_of, self)
+
+    def _box(self) -> Region | None:
         per_dim = [self.runs(d) for d in range(len(self.global_shape))]
         if any(len(runs) != 1 for runs in per_dim):
             return None
@@ -163,6 +167,11 @@ def _split_factor(placement: _StridedShard) -> int:
     return int(placement.split_factor)
 
 
+@functools.lru_cache(maxsize=256)
+def _box_of(index: LocalIndex) -> Region | None:
+    return index._box()
+
+
 def local_index(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -171,11 +180,30 @@ def local_index(
     *,
     shard_order: object = None,
 ) -> LocalIndex:
-    """The index lists of the rank at ``coordinate`` of a mesh of ``mesh_shape``.
+    """The index lists of the rank at ``coordinate`` of a mesh of ``mesh_shape``, found once
+    per layout (a DTensor's random op asks every step).
 
     Raises DTensorPlacementError for a placement that is not Shard, _StridedShard,
     Replicate or Partial (the library cannot place it exactly).
     """
+    return build_cached(
+        _local_index,
+        tuple(global_shape),
+        tuple(mesh_shape),
+        tuple(coordinate),
+        tuple(placements),
+        shard_order,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _local_index(
+    global_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    placements: tuple[object, ...],
+    shard_order: object,
+) -> LocalIndex:
     ndim = len(global_shape)
     if len(placements) != len(mesh_shape) or len(coordinate) != len(mesh_shape):
         raise DTensorPlacementError(

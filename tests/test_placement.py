@@ -80,3 +80,30 @@ def test_local_index_refuses_unknown_placements() -> None:
         local_index((4, 4), (2, 2), (0, 0), [Shard(0)])
     with pytest.raises(DTensorPlacementError, match="shards dim 2"):
         local_index((4, 4), (2,), (0,), [Shard(2)])
+
+
+def test_a_layout_is_placed_once_and_a_symbolic_size_is_placed_anew() -> None:
+    """A DTensor's random op places its layout every step: the index lists and the box are now
+    built once per layout (the same objects come back, equal to a fresh build), and a size
+    that cannot be a cache key (a SymInt under make_fx) is placed anew."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rng_tracker.parallel import _placement
+
+    args = ((8, 12, 4), (2, 2), (1, 0), (Shard(1), _StridedShard(0, split_factor=2)))
+    first = local_index(*args)
+    assert local_index(*args) is first and first.box() is first.box()
+    fresh = _placement._local_index.__wrapped__(*args, None)
+    assert fresh == first and fresh._box() == first.box()
+    assert local_index([8, 12, 4], [2, 2], [1, 0], list(args[3])) is first  # lists: the same key
+
+    placed = []
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        placed.append(local_index((x.shape[0], 4), (2,), (1,), (Shard(0),)))
+        return x
+
+    make_fx(traced, tracing_mode="symbolic")(torch.ones(6, 4))
+    symbolic = placed[0]
+    assert not isinstance(symbolic.global_shape[0], int)  # placed with the SymInt, no error
+    assert symbolic.spans[1] == ((0, 4),)
