@@ -1058,3 +1058,42 @@ def test_a_cpu_device_index_other_than_0_is_refused():
     after = cpu.get_states()
     assert after.keys() == streams.keys()
     assert all(torch.equal(after[n], streams[n]) for n in streams)
+
+
+def test_the_cpu_generator_warning_names_the_users_line_of_a_with_and_of_a_decorated_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork of an accelerator's tracker warns where the CPU generator moved inside it, at the
+    user's line (the with, or the call of a decorated function), once per line. The CUDA tests
+    run it on a GPU; here a CPU tracker's fork is made to compare the CPU generator against a
+    state it never had, so the warning's site is checked on every machine."""
+    import inspect
+    import warnings
+
+    from rng_tracker.errors import CPURNGChangedWarning
+
+    open_fork = tracker_module._Fork._open
+
+    def open_as_on_an_accelerator(self, frames_to_user: int = 1) -> None:
+        open_fork(self, frames_to_user)
+        self._cpu_before = torch.zeros_like(torch.default_generator.get_state())
+
+    monkeypatch.setattr(tracker_module._Fork, "_open", open_as_on_an_accelerator)
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 5)
+
+    @tracker.fork("a")
+    def decorated() -> None:
+        pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_line = inspect.currentframe().f_lineno + 2
+        for _ in range(2):
+            with tracker.fork("a"):
+                pass
+        call_line = inspect.currentframe().f_lineno + 1
+        decorated()
+        decorated()
+    sites = [(w.filename, w.lineno) for w in caught if issubclass(w.category, CPURNGChangedWarning)]
+    assert sites == [(__file__, with_line), (__file__, call_line), (__file__, call_line + 1)]
