@@ -98,14 +98,15 @@ class LocalIndex:
         offset, dims = 0, []
         for d, stride in enumerate(strides):
             runs = self.runs(d)
-            if len({length for _, length, _ in runs}) != 1:
+            # compared, not put in a set: a symbolic size (a trace) cannot be hashed
+            if any(length != runs[0][1] for _, length, _ in runs):
                 return None
-            steps = {b[2] - a[2] for a, b in itertools.pairwise(runs)}
-            if len(steps) > 1:
+            steps = [b[2] - a[2] for a, b in itertools.pairwise(runs)]
+            if any(step != steps[0] for step in steps):
                 return None
             offset += runs[0][2] * stride
             if steps:
-                dims.append((len(runs), steps.pop() * stride))
+                dims.append((len(runs), steps[0] * stride))
             dims.append((runs[0][1], stride))
         return offset, tuple(dims)
 

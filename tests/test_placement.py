@@ -107,3 +107,21 @@ def test_a_layout_is_placed_once_and_a_symbolic_size_is_placed_anew() -> None:
     symbolic = placed[0]
     assert not isinstance(symbolic.global_shape[0], int)  # placed with the SymInt, no error
     assert symbolic.spans[1] == ((0, 4),)
+
+
+def test_an_even_strided_shard_of_a_symbolic_size_has_its_affine_map() -> None:
+    """The affine map of an even _StridedShard (FSDP2 + TP) put run lengths and steps in sets,
+    and a symbolic size cannot be hashed: under make_fx's symbolic trace it raised TypeError.
+    It now compares them, and the map's values are the concrete layout's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    placements = (_StridedShard(0, split_factor=2),)
+    maps = []
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        offset, dims = local_index((x.shape[0], 4), (2,), (1,), placements).affine()
+        maps.append((int(offset), tuple((int(e), int(s)) for e, s in dims)))
+        return x
+
+    make_fx(traced, tracing_mode="symbolic")(torch.ones(8, 4))
+    assert maps == [local_index((8, 4), (2,), (1,), placements).affine()]
