@@ -92,8 +92,11 @@ class LocalIndex:
 
         Exists when every dim's indices are runs of one length at one step (even strided
         shards): each such dim is two dims, (runs, step) and (run length, 1), in units of
-        the dim's stride in the logical tensor.
+        the dim's stride in the logical tensor. Found once per layout.
         """
+        return build_cached(_affine_of, self)
+
+    def _affine(self) -> tuple[int, tuple[tuple[int, int], ...]] | None:
         strides = [math.prod(self.global_shape[d + 1 :]) for d in range(len(self.global_shape))]
         offset, dims = 0, []
         for d, stride in enumerate(strides):
@@ -171,6 +174,11 @@ def _split_factor(placement: _StridedShard) -> int:
 @functools.lru_cache(maxsize=256)
 def _box_of(index: LocalIndex) -> Region | None:
     return index._box()
+
+
+@functools.lru_cache(maxsize=256)
+def _affine_of(index: LocalIndex) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    return index._affine()
 
 
 def local_index(

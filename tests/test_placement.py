@@ -83,18 +83,23 @@ def test_local_index_refuses_unknown_placements() -> None:
 
 
 def test_a_layout_is_placed_once_and_a_symbolic_size_is_placed_anew() -> None:
-    """A DTensor's random op places its layout every step: the index lists and the box are now
-    built once per layout (the same objects come back, equal to a fresh build), and a size
-    that cannot be a cache key (a SymInt under make_fx) is placed anew."""
+    """A DTensor's random op places its layout every step: the index lists, the box and the
+    affine map are now built once per layout (the same objects come back, equal to a fresh
+    build), and a size that cannot be a cache key (a SymInt under make_fx) is placed anew."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from rng_tracker.parallel import _placement
 
     args = ((8, 12, 4), (2, 2), (1, 0), (Shard(1), _StridedShard(0, split_factor=2)))
     first = local_index(*args)
-    assert local_index(*args) is first and first.box() is first.box()
+    assert local_index(*args) is first and first.box() is None  # a strided shard: no one box
+    assert first.affine() is not None and first.affine() is first.affine()
     fresh = _placement._local_index.__wrapped__(*args, None)
-    assert fresh == first and fresh._box() == first.box()
+    assert fresh == first and fresh._affine() == first.affine()
+    boxed_args = ((8, 12, 4), (2, 2), (1, 0), (Shard(1), Shard(0)))
+    boxed = local_index(*boxed_args)
+    assert boxed.box() is not None and boxed.box() is boxed.box()
+    assert boxed.box() == _placement._local_index.__wrapped__(*boxed_args, None)._box()
     assert local_index([8, 12, 4], [2, 2], [1, 0], list(args[3])) is first  # lists: the same key
 
     placed = []
