@@ -342,6 +342,15 @@ try:
 except HarnessUsageError as error:
     print("late", "|", error)
 print("colorsys" in sys.modules)
+import multiprocessing.forkserver, signal, time  # noqa: E401
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+os.kill(server, signal.SIGKILL)
+for _ in range(200):  # dead (a zombie until multiprocessing reaps it), not reaped here
+    with open(f"/proc/{server}/stat") as stat:
+        if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+    time.sleep(0.01)
+print(run_distributed(preload_probe.imported, world_size=2, timeout=120))
 """
 
 
@@ -351,7 +360,8 @@ def test_preloaded_modules_are_imported_in_every_rank_before_it_starts(tmp_path)
     nothing, names that are no module, and a module added after the first run (whose forkserver
     already runs); it imports nothing in the calling process. A preloaded module that raised
     (not ImportError) stopped the forkserver and every run failed with an opaque EOFError; now
-    only a rank that imports it fails, with the module's own error."""
+    only a rank that imports it fails, with the module's own error. A forkserver that died is
+    started again with the preload list."""
     (tmp_path / "preload_probe.py").write_text(_PRELOAD_PROBE)
     (tmp_path / "preload_broken.py").write_text('raise RuntimeError("broken at import")\n')
     done = subprocess.run(
@@ -373,3 +383,5 @@ def test_preloaded_modules_are_imported_in_every_rank_before_it_starts(tmp_path)
     assert lines[6] == "None"  # the preload list was in the forkserver's environment only
     assert lines[7].startswith("late | preload_modules('wave') came after")
     assert lines[8] == "False"  # the caller itself imported nothing
+    # a forkserver that died was restarted bare by multiprocessing: now with the preload list
+    assert lines[9] == "[(True, False), (True, False)]"

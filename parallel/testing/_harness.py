@@ -55,21 +55,25 @@ _PRELOAD = ["torch", "torch.distributed"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
+    """The start method's context, its forkserver running with the preload list (started again
+    with it where it died: multiprocessing would restart it bare, and ranks would import all)."""
     global _CONTEXT
     if _CONTEXT is None:
         if "forkserver" in multiprocessing.get_all_start_methods():
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload([_preload.__name__])
-            _start_forkserver()
         else:
             ctx = multiprocessing.get_context("spawn")
         _CONTEXT = ctx
+    if _CONTEXT.get_start_method() == "forkserver":
+        _start_forkserver()
     return _CONTEXT
 
 
 def _start_forkserver() -> None:
     """Start the forkserver with the names it is to preload in its environment (only in its:
-    this process's environment is as it was). A forkserver already running keeps its imports."""
+    this process's environment is as it was). A forkserver already running keeps its imports
+    (checking that it runs is one non-blocking wait)."""
     previous = os.environ.get(_preload.PRELOAD_ENV)
     os.environ[_preload.PRELOAD_ENV] = ",".join(_PRELOAD)
     try:
