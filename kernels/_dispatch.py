@@ -252,11 +252,7 @@ def _run_dual(
 
 
 def _execute(
-    kernel: Route,
-    call: DropoutCall,
-    seed: torch.Tensor | None,
-    words: Words | None,
-    in_place: bool = False,
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None, in_place: bool
 ) -> torch.Tensor:
     """Run ``kernel``: an op takes the seed tensor (made from drawn words where a straight call's
     autograd keeps them); a straight route takes the words where they are known (drawn, or read
@@ -290,11 +286,7 @@ def _op_seed(kernel: Route, words: Words, x: torch.Tensor) -> torch.Tensor:
 
 
 def _direct(
-    kernel: Route,
-    call: DropoutCall,
-    seed: torch.Tensor | None,
-    words: Words | None,
-    in_place: bool = False,
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None, in_place: bool
 ) -> torch.Tensor:
     """A kernel called straight, named as the op it stands in for in a profiler's trace (only
     while a profiler runs: the name costs microseconds); an op with drawn words, through the op
@@ -310,11 +302,7 @@ def _direct(
 
 
 def _direct_kernel(
-    kernel: Route,
-    call: DropoutCall,
-    seed: torch.Tensor | None,
-    words: Words | None,
-    in_place: bool,
+    kernel: Route, call: DropoutCall, seed: torch.Tensor | None, words: Words | None, in_place: bool
 ) -> torch.Tensor:
     if kernel == "cpu_direct":
         return _cpu_kernel.fused_dropout_compiled(call, words, in_place)
@@ -343,8 +331,8 @@ class _DirectDropout(torch.autograd.Function):
             call = dropout_call(g, None, None, ctx.p, ctx.index_map)
             kernel = _reached(_OP_OF_STRAIGHT.get(ctx.kernel, ctx.kernel), g)
             if ctx.words is not None:  # a drawn call: its words, kept as ints (no tensor saved)
-                return _execute(kernel, call, None, ctx.words)
-            return _execute(kernel, call, seed, None)
+                return _execute(kernel, call, None, ctx.words, False)
+            return _execute(kernel, call, seed, None, False)
 
         return *dropout_backward(ctx, grad, regenerate), None, None, None, None, None, None
 
