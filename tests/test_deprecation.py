@@ -147,10 +147,11 @@ def test_a_module_path_that_became_private_still_imports_and_names_no_private_pa
 
     assert "rng_tracker.tracker" in _FINDER.moved
     for old, new in sorted(_FINDER.moved.items()):
-        monkeypatch.delitem(sys.modules, old, raising=False)
-        # The import binds the module onto its package: put back what the package held, since
-        # `rng_tracker.device_rng` is also a deprecated function's name (that name's test,
-        # run after this one, found the module and no warning).
+        # The import enters the old path in sys.modules and binds the module onto its package:
+        # both are put back as they were, since `rng_tracker.device_rng` is also a deprecated
+        # function's name (that name's test, run after this one, found the module and no
+        # warning) and a later import of the old path must still warn (the docs' path check).
+        imported = sys.modules.pop(old, sys.modules)  # sys.modules itself: it was not there
         parent, _, child = old.rpartition(".")
         package = vars(importlib.import_module(parent))
         held = package.get(child, package)  # the package's dict itself: nothing was there
@@ -158,6 +159,10 @@ def test_a_module_path_that_became_private_still_imports_and_names_no_private_pa
             with pytest.warns(DeprecationWarning) as caught:
                 module = importlib.import_module(old)
         finally:
+            if imported is sys.modules:
+                sys.modules.pop(old, None)
+            else:
+                sys.modules[old] = imported
             if held is package:
                 package.pop(child, None)
             else:
