@@ -138,9 +138,7 @@ def test_a_name_that_became_internal_warns_without_a_private_path(
         assert f"use {public}" in message, message
 
 
-def test_a_module_path_that_became_private_still_imports_and_names_no_private_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_module_path_that_became_private_still_imports_and_names_no_private_path() -> None:
     """Every registered old module path (rng_tracker.tracker, rng_tracker.kernels.fused_dropout,
     ...) imports as its private replacement, with a warning that names no private path."""
     from rng_tracker._deprecation import _FINDER

@@ -286,10 +286,11 @@ def test_large_inputs_prefetched_and_outputs_streamed_keep_the_bits(
 
 
 def test_in_place_writes_x_itself_with_the_out_of_place_bits_on_every_path(monkeypatch):
-    """``out`` may be x itself: each block is made in a staged buffer and then copied over x, so
-    no element is read after it is written (apply's pointers must not alias). Every path, dtype
-    and placement, on one thread and on two, from a block to 16 MiB (where an output in mapped
-    memory would be streamed out), gives the out-of-place call's bits in x."""
+    """``out`` may be x itself (the in-place call): every path, dtype and placement, on one
+    thread and on two, from a block to 16 MiB (where an output in mapped memory would be
+    streamed out), leaves the reference's bits in x. That the kernel stages each block, so its
+    restrict pointers never alias, is not visible in the bits (the kernel before it, which wrote
+    x directly, also passes): this pins the contract, not the mechanism."""
     paths = _cpu_kernel.isa_paths()
     library = _cpu_kernel._library()
     seed = _SEEDS["carry"]
